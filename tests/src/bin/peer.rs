@@ -1,0 +1,44 @@
+//! The peer process of Sluice's multi-process tests. Each mode does one thing the test in the
+//! parent process needs a separate process for (so it can be killed, or hold its own memory).
+//!
+//! Usage: `sluice-test-peer transport <tcp|shm> ADDR <stream|stall>`
+
+use sluice_transport::shm::ShmTransport;
+use sluice_transport::tcp::TcpTransport;
+use sluice_transport::{Connection, FrameWriter, Transport};
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    match args.as_slice() {
+        ["transport", "tcp", addr, mode] => {
+            transport_mode(TcpTransport::default(), addr, mode).await
+        }
+        ["transport", "shm", addr, mode] => {
+            transport_mode(ShmTransport::default(), addr, mode).await
+        }
+        _ => {
+            eprintln!("usage: sluice-test-peer transport <tcp|shm> ADDR <stream|stall>");
+            std::process::exit(2);
+        }
+    }
+}
+
+async fn transport_mode<T: Transport>(t: T, addr: &str, mode: &str) {
+    let conn = t.connect(addr).await.expect("peer connect");
+    let (mut r, mut w) = conn.split();
+    match mode {
+        // Write 1 MiB frames until killed (or the connection fails).
+        "stream" => {
+            let frame = vec![5u8; 1 << 20];
+            while w.write(&[&frame]).await.is_ok() {}
+        }
+        // Never read: the parent's writes back up. Wait to be killed.
+        "stall" => {
+            let _keep = (&mut r, &mut w);
+            std::future::pending::<()>().await;
+        }
+        _ => panic!("unknown mode {mode}"),
+    }
+}

@@ -1,0 +1,3 @@
+//! Conformance suites: one per trait, generic over the backend.
+
+pub mod transport;

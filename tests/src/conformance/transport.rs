@@ -1,0 +1,371 @@
+//! The transport conformance suite, written once and run against every backend
+//! (`tests/tests/transport_conformance.rs` instantiates it).
+
+use std::time::Duration;
+
+use sluice_transport::{Connection, FrameReader, FrameWriter, Listener, Transport, TransportError};
+
+use crate::{pattern, watchdog, PeerProcess};
+
+/// What a backend supplies to the suite.
+pub trait Backend: Send + Sync + 'static {
+    type T: Transport;
+    /// The name the peer binary understands (`tcp`, `shm`).
+    const NAME: &'static str;
+    fn transport() -> Self::T;
+}
+
+type Conn<B> = <<B as Backend>::T as Transport>::Connection;
+
+/// A connected pair of connections in this process.
+pub async fn pair<B: Backend>() -> (Conn<B>, Conn<B>) {
+    let t = B::transport();
+    let mut listener = t.listen("").await.expect("listen");
+    let addr = listener.address();
+    let (a, b) = tokio::join!(t.connect(&addr), listener.accept());
+    (a.expect("connect"), b.expect("accept"))
+}
+
+/// Context basics: viable here, a non-empty descriptor that it accepts and a foreign one it
+/// refuses (for same-host backends).
+pub async fn context_basics<B: Backend>() {
+    let t = B::transport();
+    t.viability().expect("viable on the test machine");
+    let d = t.domain_descriptor();
+    assert!(!d.is_empty());
+    assert!(t.can_communicate_with(&d));
+}
+
+/// Many writes in both directions at once arrive complete and in order.
+pub async fn ordering_of_interleaved_writes<B: Backend>() {
+    watchdog("interleaved writes", async {
+        let (a, b) = pair::<B>().await;
+        let (mut ar, mut aw) = a.split();
+        let (mut br, mut bw) = b.split();
+        const N: u64 = 2000;
+        let sizes = |i: u64| [0usize, 1, 7, 64, 1000, 4096, 70_000][(i % 7) as usize];
+        let writer = |mut w: <Conn<B> as Connection>::Writer, salt: u64| async move {
+            for i in 0..N {
+                let body = pattern(i ^ salt, sizes(i));
+                let seq = i.to_le_bytes();
+                w.write(&[&seq, &body]).await.expect("write");
+            }
+            w
+        };
+        let reader = |mut r: <Conn<B> as Connection>::Reader, salt: u64| async move {
+            let mut buf = vec![0u8; 80_000];
+            for i in 0..N {
+                let n = r.read(&mut buf).await.expect("read");
+                assert_eq!(
+                    u64::from_le_bytes(buf[..8].try_into().unwrap()),
+                    i,
+                    "frames out of order"
+                );
+                assert_eq!(
+                    &buf[8..n],
+                    &pattern(i ^ salt, sizes(i))[..],
+                    "frame {i} corrupted"
+                );
+            }
+            r
+        };
+        let wa = tokio::spawn(writer(aw, 1));
+        let wb = tokio::spawn(writer(bw, 2));
+        let rb = tokio::spawn(reader(br, 1));
+        let ra = tokio::spawn(reader(ar, 2));
+        aw = wa.await.unwrap();
+        bw = wb.await.unwrap();
+        br = rb.await.unwrap();
+        ar = ra.await.unwrap();
+        drop((ar, aw, br, bw));
+    })
+    .await
+}
+
+/// Zero-length and one-byte frames are frames like any other.
+pub async fn zero_and_one_byte_writes<B: Backend>() {
+    watchdog("tiny writes", async {
+        let (a, b) = pair::<B>().await;
+        let (_ar, mut aw) = a.split();
+        let (mut br, _bw) = b.split();
+        aw.write(&[]).await.unwrap();
+        aw.write(&[b"x"]).await.unwrap();
+        aw.write(&[b"", b""]).await.unwrap();
+        let mut buf = [0u8; 4];
+        assert_eq!(br.read(&mut buf).await.unwrap(), 0);
+        assert_eq!(br.read(&mut buf).await.unwrap(), 1);
+        assert_eq!(buf[0], b'x');
+        assert!(br.read_vec(0).await.unwrap().is_empty());
+        // A zero-length frame fits a zero-length buffer.
+        aw.write(&[]).await.unwrap();
+        assert_eq!(br.read(&mut []).await.unwrap(), 0);
+    })
+    .await
+}
+
+/// A 256 MiB frame arrives intact (it streams through rings smaller than itself).
+pub async fn writes_of_256_mib<B: Backend>() {
+    watchdog("256 MiB write", async {
+        let (a, b) = pair::<B>().await;
+        let (_ar, mut aw) = a.split();
+        let (mut br, _bw) = b.split();
+        const LEN: usize = 256 << 20;
+        let data = pattern(42, LEN);
+        let expected = checksum(&data);
+        let send = tokio::spawn(async move {
+            aw.write(&[&data]).await.expect("write 256 MiB");
+            aw
+        });
+        let mut buf = vec![0u8; LEN];
+        assert_eq!(br.read(&mut buf).await.expect("read 256 MiB"), LEN);
+        assert_eq!(checksum(&buf), expected, "256 MiB frame corrupted");
+        send.await.unwrap();
+    })
+    .await
+}
+
+fn checksum(data: &[u8]) -> u64 {
+    data.chunks(8).fold(0u64, |acc, c| {
+        let mut w = [0u8; 8];
+        w[..c.len()].copy_from_slice(c);
+        acc.rotate_left(5) ^ u64::from_le_bytes(w)
+    })
+}
+
+/// 64+ connections open at once, each carrying its own traffic.
+pub async fn many_connections<B: Backend>() {
+    watchdog("many connections", async {
+        let t = B::transport();
+        let mut listener = t.listen("").await.expect("listen");
+        let addr = listener.address();
+        const COUNT: usize = 70;
+        let mut clients = Vec::new();
+        let mut servers = Vec::new();
+        for _ in 0..COUNT {
+            let (c, s) = tokio::join!(t.connect(&addr), listener.accept());
+            clients.push(c.expect("connect"));
+            servers.push(s.expect("accept"));
+        }
+        let mut tasks = Vec::new();
+        for (i, (c, s)) in clients.into_iter().zip(servers).enumerate() {
+            tasks.push(tokio::spawn(async move {
+                let (mut cr, mut cw) = c.split();
+                let (mut sr, mut sw) = s.split();
+                let mut buf = [0u8; 64];
+                for round in 0..10u8 {
+                    let msg = [i as u8, round];
+                    cw.write(&[&msg]).await.unwrap();
+                    let n = sr.read(&mut buf).await.unwrap();
+                    assert_eq!(&buf[..n], &msg);
+                    sw.write(&[&buf[..n]]).await.unwrap();
+                    let n = cr.read(&mut buf).await.unwrap();
+                    assert_eq!(&buf[..n], &msg);
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+    })
+    .await
+}
+
+/// Closing a connection fails its pending read and its pending (blocked) write promptly, and
+/// the peer learns the connection is gone.
+pub async fn close_with_operations_pending<B: Backend>() {
+    watchdog("close with pending operations", async {
+        // A read waiting for data that will never come.
+        let (a, b) = pair::<B>().await;
+        let (mut ar, aw) = a.split();
+        let pending = tokio::spawn(async move {
+            let mut buf = [0u8; 16];
+            ar.read(&mut buf).await
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        aw.close();
+        let err = pending
+            .await
+            .unwrap()
+            .expect_err("read must fail after close");
+        assert!(matches!(err, TransportError::Closed { .. }), "got {err:?}");
+        // Later operations fail with the same sticky error.
+        let mut aw = aw;
+        let err = aw.write(&[b"late"]).await.expect_err("write after close");
+        assert!(matches!(err, TransportError::Closed { .. }), "got {err:?}");
+        let (mut br, _bw) = b.split();
+        let err = br.read_vec(1024).await.expect_err("peer sees the close");
+        assert!(err.is_peer_lost(), "got {err:?}");
+
+        // A write blocked because the peer does not read.
+        let (a, b) = pair::<B>().await;
+        let (ar, mut aw) = a.split();
+        let big = vec![7u8; 64 << 20];
+        let pending = tokio::spawn(async move { aw.write(&[&big]).await });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        ar.close();
+        let err = pending
+            .await
+            .unwrap()
+            .expect_err("blocked write must fail after close");
+        assert!(matches!(err, TransportError::Closed { .. }), "got {err:?}");
+        drop(b);
+    })
+    .await
+}
+
+/// A frame longer than the caller's buffer (or limit) is refused without allocating it.
+pub async fn oversized_frames_are_refused<B: Backend>() {
+    watchdog("oversized frames", async {
+        let (a, b) = pair::<B>().await;
+        let (_ar, mut aw) = a.split();
+        let (mut br, _bw) = b.split();
+        aw.write(&[&[1u8; 100]]).await.unwrap();
+        let err = br.read_vec(10).await.expect_err("limit");
+        assert!(
+            matches!(
+                err,
+                TransportError::FrameTooLarge {
+                    len: 100,
+                    limit: 10,
+                    ..
+                }
+            ),
+            "got {err:?}"
+        );
+        let (a, b) = pair::<B>().await;
+        let (_ar, mut aw) = a.split();
+        let (mut br, _bw) = b.split();
+        aw.write(&[&[1u8; 100]]).await.unwrap();
+        let err = br.read(&mut [0u8; 99]).await.expect_err("buffer too small");
+        assert!(
+            matches!(
+                err,
+                TransportError::FrameTooLarge {
+                    len: 100,
+                    limit: 99,
+                    ..
+                }
+            ),
+            "got {err:?}"
+        );
+    })
+    .await
+}
+
+/// Cancelling a read mid-frame makes the connection report itself poisoned, not misaligned.
+pub async fn cancelled_operation_poisons<B: Backend>() {
+    watchdog("cancelled operation", async {
+        let (a, b) = pair::<B>().await;
+        let (mut ar, _aw) = a.split();
+        let (_br, bw) = b.split();
+        let mut buf = [0u8; 8];
+        assert!(
+            tokio::time::timeout(Duration::from_millis(20), ar.read(&mut buf))
+                .await
+                .is_err()
+        );
+        let err = ar.read(&mut buf).await.expect_err("poisoned");
+        assert!(
+            matches!(err, TransportError::Poisoned { op: "read", .. }),
+            "got {err:?}"
+        );
+        drop(bw);
+    })
+    .await
+}
+
+/// The peer process is killed with SIGKILL while streaming to us: our pending read fails with a
+/// peer-lost error. Then the reverse: killed while we stream to it, our blocked write fails.
+pub async fn peer_killed_mid_transfer<B: Backend>(peer_exe: &str) {
+    watchdog("peer killed mid-transfer", async {
+        let t = B::transport();
+        // The peer streams to us.
+        let mut listener = t.listen("").await.expect("listen");
+        let mut peer = PeerProcess::spawn(
+            peer_exe,
+            &["transport", B::NAME, &listener.address(), "stream"],
+        );
+        let conn = listener.accept().await.expect("accept peer");
+        let (mut r, _w) = conn.split();
+        let mut buf = vec![0u8; 2 << 20];
+        for _ in 0..3 {
+            r.read(&mut buf).await.expect("peer frames");
+        }
+        peer.kill();
+        let err = loop {
+            // Frames already in flight may still arrive; then the loss must surface.
+            match r.read(&mut buf).await {
+                Ok(_) => continue,
+                Err(e) => break e,
+            }
+        };
+        assert!(err.is_peer_lost(), "expected peer lost, got {err:?}");
+
+        // We stream to a peer that stops reading, then dies.
+        let mut peer = PeerProcess::spawn(
+            peer_exe,
+            &["transport", B::NAME, &listener.address(), "stall"],
+        );
+        let conn = listener.accept().await.expect("accept peer");
+        let (_r, mut w) = conn.split();
+        let big = vec![3u8; 256 << 20];
+        let pending = tokio::spawn(async move { w.write(&[&big]).await });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            !pending.is_finished(),
+            "a 256 MiB write to a stalled reader cannot have completed"
+        );
+        peer.kill();
+        let err = pending.await.unwrap().expect_err("write to a dead peer");
+        assert!(err.is_peer_lost(), "expected peer lost, got {err:?}");
+    })
+    .await
+}
+
+/// Instantiates the suite for one backend: `transport_conformance!(module, Backend, peer_exe)`.
+#[macro_export]
+macro_rules! transport_conformance {
+    ($module:ident, $backend:ty, $peer:expr) => {
+        mod $module {
+            use super::*;
+            use $crate::conformance::transport as suite;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn context_basics() {
+                suite::context_basics::<$backend>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn ordering_of_interleaved_writes() {
+                suite::ordering_of_interleaved_writes::<$backend>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn zero_and_one_byte_writes() {
+                suite::zero_and_one_byte_writes::<$backend>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn writes_of_256_mib() {
+                suite::writes_of_256_mib::<$backend>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn many_connections() {
+                suite::many_connections::<$backend>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn close_with_operations_pending() {
+                suite::close_with_operations_pending::<$backend>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn oversized_frames_are_refused() {
+                suite::oversized_frames_are_refused::<$backend>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn cancelled_operation_poisons() {
+                suite::cancelled_operation_poisons::<$backend>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn peer_killed_mid_transfer() {
+                suite::peer_killed_mid_transfer::<$backend>($peer).await
+            }
+        }
+    };
+}

@@ -1,0 +1,110 @@
+//! Run-time choice of a transport without boxing every operation: enums over the backends that
+//! implement the same traits by delegation. A new backend (ibverbs) adds one variant to each.
+
+use crate::error::Result;
+use crate::shm::{ShmConnection, ShmReader, ShmWriter};
+use crate::tcp::{TcpConnection, TcpReader, TcpWriter};
+use crate::{Connection, FrameReader, FrameWriter};
+
+macro_rules! delegate {
+    ($self:ident, $inner:ident => $e:expr) => {
+        match $self {
+            Self::Tcp($inner) => $e,
+            Self::Shm($inner) => $e,
+        }
+    };
+}
+
+/// A connection of any backend.
+pub enum AnyConnection {
+    Tcp(TcpConnection),
+    Shm(ShmConnection),
+}
+
+/// The receiving half of a connection of any backend.
+pub enum AnyReader {
+    Tcp(TcpReader),
+    Shm(ShmReader),
+}
+
+/// The sending half of a connection of any backend.
+pub enum AnyWriter {
+    Tcp(TcpWriter),
+    Shm(ShmWriter),
+}
+
+impl AnyConnection {
+    /// The backend's name.
+    pub fn transport(&self) -> &'static str {
+        match self {
+            AnyConnection::Tcp(_) => "tcp",
+            AnyConnection::Shm(_) => "shm",
+        }
+    }
+}
+
+impl From<TcpConnection> for AnyConnection {
+    fn from(c: TcpConnection) -> Self {
+        AnyConnection::Tcp(c)
+    }
+}
+
+impl From<ShmConnection> for AnyConnection {
+    fn from(c: ShmConnection) -> Self {
+        AnyConnection::Shm(c)
+    }
+}
+
+impl Connection for AnyConnection {
+    type Reader = AnyReader;
+    type Writer = AnyWriter;
+
+    fn peer(&self) -> &str {
+        delegate!(self, c => c.peer())
+    }
+
+    fn split(self) -> (AnyReader, AnyWriter) {
+        match self {
+            AnyConnection::Tcp(c) => {
+                let (r, w) = c.split();
+                (AnyReader::Tcp(r), AnyWriter::Tcp(w))
+            }
+            AnyConnection::Shm(c) => {
+                let (r, w) = c.split();
+                (AnyReader::Shm(r), AnyWriter::Shm(w))
+            }
+        }
+    }
+}
+
+impl FrameReader for AnyReader {
+    async fn read(&mut self, buf: &mut [u8]) -> Result<usize> {
+        delegate!(self, r => r.read(buf).await)
+    }
+
+    async fn read_vec(&mut self, limit: usize) -> Result<Vec<u8>> {
+        delegate!(self, r => r.read_vec(limit).await)
+    }
+
+    fn close(&self) {
+        delegate!(self, r => r.close())
+    }
+
+    fn peer(&self) -> &str {
+        delegate!(self, r => r.peer())
+    }
+}
+
+impl FrameWriter for AnyWriter {
+    async fn write(&mut self, parts: &[&[u8]]) -> Result<()> {
+        delegate!(self, w => w.write(parts).await)
+    }
+
+    fn close(&self) {
+        delegate!(self, w => w.close())
+    }
+
+    fn peer(&self) -> &str {
+        delegate!(self, w => w.peer())
+    }
+}

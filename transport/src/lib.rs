@@ -1,0 +1,123 @@
+//! Ordered, reliable, framed connections between two processes.
+//!
+//! A transport moves *frames* (byte strings with a length) between exactly two processes, in
+//! order, without loss. It is the signalling layer under a pipe: bulk tensor data may travel on
+//! a channel instead (see `sluice-channel`).
+//!
+//! The trait family:
+//! - [`Transport`]: a backend's context. Answers "can I run here" ([`Transport::viability`]),
+//!   gives its *domain descriptor*, decides "can I talk to that peer"
+//!   ([`Transport::can_communicate_with`]), and opens listeners and connections.
+//! - [`Listener`]: an address and `accept`.
+//! - [`Connection`]: split into a [`FrameReader`] and a [`FrameWriter`] so reads and writes run
+//!   concurrently. Reads land in caller-supplied memory; a write completes only once its buffer
+//!   may be reused (the kernel, or the peer's ring, holds the bytes). Either half can
+//!   [`close`](FrameWriter::close) the whole connection; pending operations then fail with
+//!   [`TransportError::Closed`].
+//!
+//! Backends: [`tcp`] (tokio + socket2, `TCP_NODELAY`, IPv4 and IPv6) and [`shm`] (rings in
+//! memfd segments, spin-then-park). [`any`] holds the enums the pipe uses to pick one at run
+//! time without boxing every operation.
+//!
+//! What this crate does not do: reconnect, multiplex, or interpret frames. Cancelling a read or
+//! write part-way through a frame (dropping its future) leaves the stream misaligned, so the
+//! connection reports [`TransportError::Poisoned`] from then on.
+//!
+//! Degrading: a backend that cannot run here says so through [`Transport::viability`] and is not
+//! offered; nothing in this crate panics on a missing kernel feature.
+
+pub mod any;
+mod closing;
+mod error;
+mod frame;
+pub mod host;
+pub mod shm;
+mod stream;
+pub mod tcp;
+
+use std::future::Future;
+
+pub use error::{Result, TransportError};
+pub use frame::HEADER_LEN;
+
+/// A transport backend: its negotiation hooks and its factory methods.
+pub trait Transport: Send + Sync + 'static {
+    type Listener: Listener<Connection = Self::Connection>;
+    type Connection: Connection;
+
+    /// Short lowercase name used in negotiation and configuration (`"tcp"`, `"shm"`).
+    fn name(&self) -> &'static str;
+
+    /// `Ok` when the backend can run on this host; otherwise why not.
+    fn viability(&self) -> Result<()>;
+
+    /// Describes the domain this process can reach with this transport. Two peers may use the
+    /// transport only if [`can_communicate_with`](Self::can_communicate_with) accepts the other's
+    /// descriptor.
+    fn domain_descriptor(&self) -> String;
+
+    /// Whether a peer whose domain descriptor is `remote` is reachable. Must be symmetric.
+    fn can_communicate_with(&self, remote: &str) -> bool {
+        remote == self.domain_descriptor()
+    }
+
+    /// Starts listening on `addr` (the backend's address syntax; empty means the default).
+    fn listen(&self, addr: &str) -> impl Future<Output = Result<Self::Listener>> + Send;
+
+    /// Connects to a listener's address.
+    fn connect(&self, addr: &str) -> impl Future<Output = Result<Self::Connection>> + Send;
+}
+
+/// Accepts connections.
+pub trait Listener: Send + 'static {
+    type Connection: Connection;
+
+    /// The address peers connect to.
+    fn address(&self) -> String;
+
+    /// Waits for the next connection. An error about one incoming connection (say, a failed
+    /// handshake) does not close the listener: call `accept` again.
+    fn accept(&mut self) -> impl Future<Output = Result<Self::Connection>> + Send;
+}
+
+/// An established connection, not yet split.
+pub trait Connection: Send + 'static {
+    type Reader: FrameReader;
+    type Writer: FrameWriter;
+
+    /// A human-readable name of the peer (address, or process id for shared memory).
+    fn peer(&self) -> &str;
+
+    /// Splits into halves that can be driven concurrently from different tasks.
+    fn split(self) -> (Self::Reader, Self::Writer);
+}
+
+/// The receiving half of a connection.
+pub trait FrameReader: Send + 'static {
+    /// Reads the next frame into `buf` and returns its length. A frame longer than `buf` fails
+    /// with [`TransportError::FrameTooLarge`] and closes the connection.
+    fn read(&mut self, buf: &mut [u8]) -> impl Future<Output = Result<usize>> + Send;
+
+    /// Reads the next frame into a new vector, refusing (before allocating) any frame longer
+    /// than `limit`.
+    fn read_vec(&mut self, limit: usize) -> impl Future<Output = Result<Vec<u8>>> + Send;
+
+    /// Closes the whole connection; pending operations on both halves fail promptly.
+    fn close(&self);
+
+    /// The peer's name, for errors and logs.
+    fn peer(&self) -> &str;
+}
+
+/// The sending half of a connection.
+pub trait FrameWriter: Send + 'static {
+    /// Writes one frame made of the concatenation of `parts`. Completes once every byte has
+    /// left `parts` (the buffers may be reused).
+    fn write(&mut self, parts: &[&[u8]]) -> impl Future<Output = Result<()>> + Send;
+
+    /// Closes the whole connection; pending operations on both halves fail promptly.
+    fn close(&self);
+
+    /// The peer's name, for errors and logs.
+    fn peer(&self) -> &str;
+}

@@ -1,0 +1,758 @@
+//! Shared-memory transport: two rings in memfd segments, one per direction, set up over a Unix
+//! socket in the abstract namespace with `SCM_RIGHTS`.
+//!
+//! Each side creates its *inbox* ring plus two eventfds (data-ready, space-ready) and sends the
+//! three descriptors to the peer, which maps the inbox as its outbox. After setup the socket
+//! carries nothing; its hang-up tells a parked side that the peer process is gone.
+//!
+//! Waiting: a side that finds its ring empty (or full) spins for [`ShmOptions::spin`], then sets
+//! its *parked* flag and sleeps on its eventfd (through tokio), so a busy connection gets
+//! spinning latency and an idle one costs no CPU. The other side signals the eventfd only when
+//! the flag is set (a store/fence/load on each side, so no wake-up is lost).
+//!
+//! Domain: the descriptor holds the boot id and the network, IPC and user namespaces, so peers
+//! on different hosts or in different containers never choose shared memory. (The abstract
+//! socket is scoped by the network namespace; the user namespace governs credentials.)
+//!
+//! Addresses are abstract socket names; `listen("")` picks a fresh one.
+
+mod ring;
+mod sys;
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::linux::net::SocketAddrExt;
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+use tokio::net::UnixStream;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use crate::closing::{OpGuard, Stopped};
+use crate::error::{Result, TransportError};
+use crate::frame::{decode_header, encode_header, total_len, HEADER_LEN};
+use crate::{Connection, FrameReader, FrameWriter, Listener, Transport};
+use ring::{Consumer, Producer, Ring};
+
+const NAME: &str = "shm";
+const HANDSHAKE_MAGIC: &[u8; 8] = b"SLCSHM01";
+
+/// Options of the shared-memory transport.
+#[derive(Debug, Clone)]
+pub struct ShmOptions {
+    /// Bytes in each direction's ring (a power of two, 4 KiB to 1 GiB). Frames larger than the
+    /// ring stream through it.
+    pub ring_capacity: usize,
+    /// How long a side spins on an empty or full ring before parking on its eventfd. Zero parks
+    /// at once (lowest CPU, highest latency); longer keeps wake-ups (tens of µs) off busy
+    /// connections.
+    pub spin: Duration,
+    /// How long an accepted socket may take to complete the descriptor exchange.
+    pub handshake_timeout: Duration,
+}
+
+impl Default for ShmOptions {
+    fn default() -> Self {
+        ShmOptions {
+            ring_capacity: 2 << 20,
+            spin: Duration::from_micros(50),
+            handshake_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// The shared-memory transport context.
+#[derive(Debug, Clone)]
+pub struct ShmTransport {
+    options: ShmOptions,
+    descriptor: std::result::Result<String, String>,
+}
+
+impl ShmTransport {
+    pub fn new(options: ShmOptions) -> Self {
+        let descriptor = Self::probe(&options);
+        ShmTransport {
+            options,
+            descriptor,
+        }
+    }
+
+    fn probe(options: &ShmOptions) -> std::result::Result<String, String> {
+        if !options.ring_capacity.is_power_of_two()
+            || !(ring::MIN_CAPACITY..=ring::MAX_CAPACITY).contains(&options.ring_capacity)
+        {
+            return Err(format!(
+                "ring capacity {} is not a power of two between 4 KiB and 1 GiB",
+                options.ring_capacity
+            ));
+        }
+        let identity = crate::host::identity(&["net", "ipc", "user"])
+            .ok_or_else(|| "cannot read the boot id or namespaces from /proc".to_owned())?;
+        Ring::create(ring::MIN_CAPACITY)
+            .map_err(|e| format!("cannot create a shared memory segment: {e}"))?;
+        sys::eventfd().map_err(|e| format!("cannot create an eventfd: {e}"))?;
+        Ok(format!("shm;{identity}"))
+    }
+
+    pub fn options(&self) -> &ShmOptions {
+        &self.options
+    }
+}
+
+impl Default for ShmTransport {
+    fn default() -> Self {
+        ShmTransport::new(ShmOptions::default())
+    }
+}
+
+fn abstract_addr(name: &str) -> Result<std::os::unix::net::SocketAddr> {
+    std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).map_err(|e| {
+        TransportError::BadAddress {
+            transport: NAME,
+            addr: name.to_owned(),
+            reason: e.to_string(),
+        }
+    })
+}
+
+impl Transport for ShmTransport {
+    type Listener = ShmListener;
+    type Connection = ShmConnection;
+
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn viability(&self) -> Result<()> {
+        self.descriptor
+            .as_ref()
+            .map(|_| ())
+            .map_err(|reason| TransportError::NotViable {
+                transport: NAME,
+                reason: reason.clone(),
+            })
+    }
+
+    fn domain_descriptor(&self) -> String {
+        self.descriptor.clone().unwrap_or_default()
+    }
+
+    fn can_communicate_with(&self, remote: &str) -> bool {
+        matches!(&self.descriptor, Ok(d) if d == remote)
+    }
+
+    async fn listen(&self, addr: &str) -> Result<ShmListener> {
+        self.viability()?;
+        let name = if addr.is_empty() {
+            format!(
+                "sluice-shm-{}-{:016x}",
+                std::process::id(),
+                rand::random::<u64>()
+            )
+        } else {
+            addr.to_owned()
+        };
+        let std_listener = std::os::unix::net::UnixListener::bind_addr(&abstract_addr(&name)?)
+            .and_then(|l| l.set_nonblocking(true).map(|_| l))
+            .map_err(|e| TransportError::io(&name, "listen", e))?;
+        let listener = tokio::net::UnixListener::from_std(std_listener)
+            .map_err(|e| TransportError::io(&name, "listen", e))?;
+        let (tx, rx) = mpsc::channel(64);
+        let options = self.options.clone();
+        let task = tokio::spawn(accept_loop(listener, options, tx));
+        Ok(ShmListener {
+            name,
+            incoming: rx,
+            task,
+        })
+    }
+
+    async fn connect(&self, addr: &str) -> Result<ShmConnection> {
+        self.viability()?;
+        let std_stream = std::os::unix::net::UnixStream::connect_addr(&abstract_addr(addr)?)
+            .and_then(|s| s.set_nonblocking(true).map(|_| s))
+            .map_err(|e| TransportError::io(addr, "connect", e))?;
+        let stream =
+            UnixStream::from_std(std_stream).map_err(|e| TransportError::io(addr, "connect", e))?;
+        let peer = format!("shm:{addr}");
+        tokio::time::timeout(
+            self.options.handshake_timeout,
+            handshake(stream, &self.options, true, peer.clone()),
+        )
+        .await
+        .map_err(|_| TransportError::Handshake {
+            peer,
+            reason: "timed out".into(),
+        })?
+    }
+}
+
+async fn accept_loop(
+    listener: tokio::net::UnixListener,
+    options: ShmOptions,
+    tx: mpsc::Sender<Result<ShmConnection>>,
+) {
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = tx
+                    .send(Err(TransportError::io("shm listener", "accept", e)))
+                    .await;
+                // Back off on persistent errors (e.g. out of descriptors) instead of spinning.
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let tx = tx.clone();
+        let options = options.clone();
+        // Each handshake runs on its own, so a peer that never sends cannot stall the others.
+        tokio::spawn(async move {
+            let peer = match sys::peer_pid(&stream) {
+                Some(pid) => format!("shm:pid={pid}"),
+                None => "shm:unknown".to_owned(),
+            };
+            let result = tokio::time::timeout(
+                options.handshake_timeout,
+                handshake(stream, &options, false, peer.clone()),
+            )
+            .await
+            .unwrap_or_else(|_| {
+                Err(TransportError::Handshake {
+                    peer,
+                    reason: "timed out".into(),
+                })
+            });
+            let _ = tx.send(result).await;
+        });
+    }
+}
+
+/// Listens on an abstract Unix socket and completes shared-memory handshakes in the background.
+pub struct ShmListener {
+    name: String,
+    incoming: mpsc::Receiver<Result<ShmConnection>>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for ShmListener {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Listener for ShmListener {
+    type Connection = ShmConnection;
+
+    fn address(&self) -> String {
+        self.name.clone()
+    }
+
+    async fn accept(&mut self) -> Result<ShmConnection> {
+        match self.incoming.recv().await {
+            Some(r) => r,
+            None => Err(TransportError::Closed {
+                peer: self.name.clone(),
+            }),
+        }
+    }
+}
+
+async fn send_fds(stream: &UnixStream, data: &[u8], fds: &[&OwnedFd]) -> std::io::Result<()> {
+    let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+    loop {
+        stream.writable().await?;
+        match stream.try_io(Interest::WRITABLE, || {
+            sys::send_with_fds(stream.as_fd(), data, &borrowed)
+        }) {
+            Ok(n) if n == data.len() => return Ok(()),
+            Ok(_) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::WriteZero,
+                    "short handshake write",
+                ))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+async fn recv_fds(
+    stream: &UnixStream,
+    buf: &mut [u8],
+    max_fds: usize,
+) -> std::io::Result<(usize, Vec<OwnedFd>)> {
+    loop {
+        stream.readable().await?;
+        match stream.try_io(Interest::READABLE, || {
+            sys::recv_with_fds(stream.as_fd(), buf, max_fds)
+        }) {
+            Ok(r) => return Ok(r),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+async fn handshake(
+    stream: UnixStream,
+    options: &ShmOptions,
+    client: bool,
+    peer: String,
+) -> Result<ShmConnection> {
+    let fail = |reason: String| TransportError::Handshake {
+        peer: peer.clone(),
+        reason,
+    };
+    let io = |op: &'static str| {
+        let peer = peer.clone();
+        move |e: std::io::Error| TransportError::io(&peer, op, e)
+    };
+    let (inbox, inbox_fd) = Ring::create(options.ring_capacity).map_err(io("create ring"))?;
+    let data_efd = sys::eventfd().map_err(io("eventfd"))?;
+    let space_efd = sys::eventfd().map_err(io("eventfd"))?;
+    let mine = [&inbox_fd, &data_efd, &space_efd];
+
+    if client {
+        send_fds(&stream, HANDSHAKE_MAGIC, &mine)
+            .await
+            .map_err(io("send descriptors"))?;
+    }
+    let mut magic = [0u8; 8];
+    let (n, mut theirs) = recv_fds(&stream, &mut magic, 3)
+        .await
+        .map_err(|e| fail(format!("receiving descriptors: {e}")))?;
+    if n == 0 {
+        return Err(fail("peer hung up during the handshake".into()));
+    }
+    if n != magic.len() || &magic != HANDSHAKE_MAGIC {
+        return Err(fail(format!(
+            "unexpected handshake bytes {:?}",
+            &magic[..n]
+        )));
+    }
+    if theirs.len() != 3 {
+        return Err(fail(format!(
+            "expected 3 descriptors, got {}",
+            theirs.len()
+        )));
+    }
+    if !client {
+        send_fds(&stream, HANDSHAKE_MAGIC, &mine)
+            .await
+            .map_err(io("send descriptors"))?;
+    }
+    let peer_space_efd = theirs.pop().expect("three descriptors");
+    let peer_data_efd = theirs.pop().expect("three descriptors");
+    let outbox_fd = theirs.pop().expect("three descriptors");
+    let outbox = Ring::open(&outbox_fd).map_err(|e| fail(format!("peer's ring: {e}")))?;
+    let peer_name = match sys::peer_pid(&stream) {
+        Some(pid) if client => format!("shm:pid={pid}"),
+        _ => peer.clone(),
+    };
+    let socket = stream.into_std().map_err(io("socket"))?;
+    let reg = sys::register_readable;
+    let socket = reg(OwnedFd::from(socket)).map_err(io("register socket"))?;
+    let shared = Arc::new(Shared {
+        peer: peer_name,
+        spin: options.spin,
+        inbox_data: reg(data_efd).map_err(io("register eventfd"))?,
+        inbox_space: space_efd,
+        outbox_data: peer_data_efd,
+        outbox_space: reg(peer_space_efd).map_err(io("register eventfd"))?,
+        socket,
+        stopped: Stopped::default(),
+        peer_gone: AtomicBool::new(false),
+        inbox: inbox.clone(),
+        outbox: outbox.clone(),
+    });
+    Ok(ShmConnection {
+        shared,
+        consumer: Consumer::new(inbox),
+        producer: Producer::new(outbox),
+    })
+}
+
+/// State shared by the two halves of a shared-memory connection.
+struct Shared {
+    peer: String,
+    spin: Duration,
+    /// Signalled by the peer when it published into our inbox while we were parked.
+    inbox_data: AsyncFd<OwnedFd>,
+    /// We signal it when we freed inbox space while the peer's writer was parked.
+    inbox_space: OwnedFd,
+    /// We signal it when we published into the outbox while the peer's reader was parked.
+    outbox_data: OwnedFd,
+    /// Signalled by the peer when it freed outbox space while we were parked.
+    outbox_space: AsyncFd<OwnedFd>,
+    /// The setup socket; its hang-up means the peer process is gone.
+    socket: AsyncFd<OwnedFd>,
+    stopped: Stopped,
+    peer_gone: AtomicBool,
+    inbox: Ring,
+    outbox: Ring,
+}
+
+#[derive(Clone, Copy)]
+enum Side {
+    Reader,
+    Writer,
+}
+
+impl Shared {
+    fn fail(&self, error: TransportError) -> TransportError {
+        if self.stopped.stop(error) {
+            self.shut();
+        }
+        self.stopped
+            .error()
+            .expect("stopped connections have an error")
+    }
+
+    /// Tells the peer we are gone and wakes every waiter, ours and theirs.
+    fn shut(&self) {
+        self.inbox.consumer_closed().store(1, Ordering::Release);
+        self.outbox.producer_closed().store(1, Ordering::Release);
+        for fd in [
+            &self.outbox_data,
+            &self.inbox_space,
+            self.inbox_data.get_ref(),
+            self.outbox_space.get_ref(),
+        ] {
+            sys::eventfd_signal(fd.as_fd());
+        }
+        sys::shutdown(self.socket.get_ref().as_fd());
+    }
+
+    fn close(&self) {
+        self.fail(TransportError::Closed {
+            peer: self.peer.clone(),
+        });
+    }
+
+    fn abort(&self, op: &'static str) {
+        self.fail(TransportError::Poisoned {
+            peer: self.peer.clone(),
+            op,
+        });
+    }
+
+    fn corrupt(&self) -> TransportError {
+        TransportError::PeerLost {
+            peer: self.peer.clone(),
+            detail: "shared ring is corrupt".into(),
+        }
+    }
+
+    /// The peer has stopped producing into (Reader) or consuming from (Writer) our rings.
+    fn peer_stopped(&self, side: Side) -> bool {
+        let flag = match side {
+            Side::Reader => self.inbox.producer_closed(),
+            Side::Writer => self.outbox.consumer_closed(),
+        };
+        flag.load(Ordering::Acquire) != 0 || self.peer_gone.load(Ordering::Acquire)
+    }
+
+    fn peer_lost(&self, side: Side) -> TransportError {
+        let detail = if self.peer_gone.load(Ordering::Acquire) {
+            "peer process hung up"
+        } else {
+            match side {
+                Side::Reader => "peer closed the connection",
+                Side::Writer => "peer stopped reading (closed the connection)",
+            }
+        };
+        TransportError::PeerLost {
+            peer: self.peer.clone(),
+            detail: detail.into(),
+        }
+    }
+
+    /// Waits until `ready` holds: spins for the configured budget, then parks on the eventfd.
+    /// Fails when the connection stopped locally or the peer is gone (after a last look at
+    /// `ready`, so bytes the peer published before leaving are still delivered).
+    async fn wait(
+        &self,
+        side: Side,
+        mut ready: impl FnMut() -> std::result::Result<bool, ring::Corrupt>,
+    ) -> Result<()> {
+        let mut check = |this: &Self| -> Result<bool> {
+            this.stopped.check()?;
+            let stopped = this.peer_stopped(side);
+            if ready().map_err(|_| this.corrupt())? {
+                return Ok(true);
+            }
+            if stopped {
+                return Err(this.peer_lost(side));
+            }
+            Ok(false)
+        };
+        if !self.spin.is_zero() {
+            let start = Instant::now();
+            let mut spins = 0u32;
+            loop {
+                if check(self)? {
+                    return Ok(());
+                }
+                spins = spins.wrapping_add(1);
+                if spins % 64 == 0 && start.elapsed() >= self.spin {
+                    break;
+                }
+                std::hint::spin_loop();
+            }
+        }
+        let (parked, efd): (&AtomicU32, &AsyncFd<OwnedFd>) = match side {
+            Side::Reader => (self.inbox.consumer_parked(), &self.inbox_data),
+            Side::Writer => (self.outbox.producer_parked(), &self.outbox_space),
+        };
+        loop {
+            parked.store(1, Ordering::Relaxed);
+            fence(Ordering::SeqCst);
+            let outcome = check(self);
+            if !matches!(outcome, Ok(false)) {
+                parked.store(0, Ordering::Relaxed);
+                return outcome.map(|_| ());
+            }
+            tokio::select! {
+                biased;
+                guard = efd.readable() => {
+                    if let Ok(mut guard) = guard {
+                        let _ = sys::eventfd_drain(guard.get_inner().as_fd());
+                        guard.clear_ready();
+                    }
+                }
+                guard = self.socket.readable() => {
+                    if let Ok(mut guard) = guard {
+                        match sys::peek_hangup(guard.get_inner().as_fd()) {
+                            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => guard.clear_ready(),
+                            // EOF, an error, or bytes that should never come after setup.
+                            _ => self.peer_gone.store(true, Ordering::Release),
+                        }
+                    }
+                }
+            }
+            parked.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// After publishing: wake the peer's reader if it parked.
+    fn notify_reader(&self) {
+        fence(Ordering::SeqCst);
+        if self.outbox.consumer_parked().load(Ordering::Relaxed) != 0 {
+            sys::eventfd_signal(self.outbox_data.as_fd());
+        }
+    }
+
+    /// After releasing space: wake the peer's writer if it parked.
+    fn notify_writer(&self) {
+        fence(Ordering::SeqCst);
+        if self.inbox.producer_parked().load(Ordering::Relaxed) != 0 {
+            sys::eventfd_signal(self.inbox_space.as_fd());
+        }
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// An established shared-memory connection.
+pub struct ShmConnection {
+    shared: Arc<Shared>,
+    consumer: Consumer,
+    producer: Producer,
+}
+
+impl ShmConnection {
+    /// Bytes in each direction's ring.
+    pub fn ring_capacity(&self) -> usize {
+        self.consumer
+            .ring()
+            .capacity()
+            .min(self.producer.ring().capacity())
+    }
+}
+
+impl Connection for ShmConnection {
+    type Reader = ShmReader;
+    type Writer = ShmWriter;
+
+    fn peer(&self) -> &str {
+        &self.shared.peer
+    }
+
+    fn split(self) -> (ShmReader, ShmWriter) {
+        (
+            ShmReader {
+                shared: self.shared.clone(),
+                consumer: self.consumer,
+            },
+            ShmWriter {
+                shared: self.shared,
+                producer: self.producer,
+            },
+        )
+    }
+}
+
+/// Receiving half of a shared-memory connection.
+pub struct ShmReader {
+    shared: Arc<Shared>,
+    consumer: Consumer,
+}
+
+impl ShmReader {
+    /// Fills `dst` from the inbox, waiting for the peer as needed. Space is handed back to the
+    /// peer before every wait (so a frame larger than the ring streams) and at the end.
+    async fn fill(&mut self, dst: &mut [u8]) -> Result<()> {
+        let mut done = 0;
+        while done < dst.len() {
+            let avail = self
+                .consumer
+                .available(1)
+                .map_err(|_| self.shared.corrupt())?;
+            if avail == 0 {
+                if self.consumer.has_unreleased() {
+                    self.consumer.release();
+                    self.shared.notify_writer();
+                }
+                let consumer = &mut self.consumer;
+                self.shared
+                    .wait(Side::Reader, || consumer.available(1).map(|n| n > 0))
+                    .await?;
+                continue;
+            }
+            done += self.consumer.pop(&mut dst[done..]);
+        }
+        Ok(())
+    }
+
+    fn finish_frame(&mut self) {
+        self.consumer.release();
+        self.shared.notify_writer();
+    }
+
+    async fn header(&mut self) -> Result<u64> {
+        let mut header = [0u8; HEADER_LEN];
+        self.fill(&mut header).await?;
+        Ok(decode_header(header))
+    }
+
+    async fn frame_into(&mut self, dst: &mut [u8]) -> Result<usize> {
+        let len = self.header().await?;
+        if len > dst.len() as u64 {
+            return Err(TransportError::FrameTooLarge {
+                peer: self.shared.peer.clone(),
+                len,
+                limit: dst.len(),
+            });
+        }
+        self.fill(&mut dst[..len as usize]).await?;
+        self.finish_frame();
+        Ok(len as usize)
+    }
+
+    async fn frame_vec(&mut self, limit: usize) -> Result<Vec<u8>> {
+        let len = self.header().await?;
+        if len > limit as u64 {
+            return Err(TransportError::FrameTooLarge {
+                peer: self.shared.peer.clone(),
+                len,
+                limit,
+            });
+        }
+        let mut out = vec![0u8; len as usize];
+        self.fill(&mut out).await?;
+        self.finish_frame();
+        Ok(out)
+    }
+}
+
+impl FrameReader for ShmReader {
+    async fn read(&mut self, buf: &mut [u8]) -> Result<usize> {
+        self.shared.stopped.check()?;
+        let shared = self.shared.clone();
+        let guard = OpGuard::new(move || shared.abort("read"));
+        let result = self.frame_into(buf).await;
+        guard.finish();
+        result.map_err(|e| self.shared.fail(e))
+    }
+
+    async fn read_vec(&mut self, limit: usize) -> Result<Vec<u8>> {
+        self.shared.stopped.check()?;
+        let shared = self.shared.clone();
+        let guard = OpGuard::new(move || shared.abort("read"));
+        let result = self.frame_vec(limit).await;
+        guard.finish();
+        result.map_err(|e| self.shared.fail(e))
+    }
+
+    fn close(&self) {
+        self.shared.close()
+    }
+
+    fn peer(&self) -> &str {
+        &self.shared.peer
+    }
+}
+
+/// Sending half of a shared-memory connection.
+pub struct ShmWriter {
+    shared: Arc<Shared>,
+    producer: Producer,
+}
+
+impl ShmWriter {
+    async fn frame(&mut self, parts: &[&[u8]]) -> Result<()> {
+        if self.shared.peer_stopped(Side::Writer) {
+            return Err(self.shared.peer_lost(Side::Writer));
+        }
+        let header = encode_header(total_len(parts));
+        for part in std::iter::once(&header[..]).chain(parts.iter().copied()) {
+            let mut off = 0;
+            while off < part.len() {
+                self.producer
+                    .free(part.len() - off)
+                    .map_err(|_| self.shared.corrupt())?;
+                off += self.producer.push(&part[off..]);
+                if off < part.len() {
+                    // The ring is full: let the reader see what is there, then wait for room.
+                    self.producer.publish();
+                    self.shared.notify_reader();
+                    let producer = &mut self.producer;
+                    self.shared
+                        .wait(Side::Writer, || producer.free(1).map(|n| n > 0))
+                        .await?;
+                }
+            }
+        }
+        self.producer.publish();
+        self.shared.notify_reader();
+        Ok(())
+    }
+}
+
+impl FrameWriter for ShmWriter {
+    async fn write(&mut self, parts: &[&[u8]]) -> Result<()> {
+        self.shared.stopped.check()?;
+        let shared = self.shared.clone();
+        let guard = OpGuard::new(move || shared.abort("write"));
+        let result = self.frame(parts).await;
+        guard.finish();
+        result.map_err(|e| self.shared.fail(e))
+    }
+
+    fn close(&self) {
+        self.shared.close()
+    }
+
+    fn peer(&self) -> &str {
+        &self.shared.peer
+    }
+}
