@@ -34,12 +34,7 @@ fn shm_refuses_peers_in_other_namespaces_or_hosts() {
     use sluice_transport::Transport;
     let t = ShmTransport::default();
     let mine = t.domain_descriptor();
-    assert!(
-        mine.contains("boot=")
-            && mine.contains(";net=")
-            && mine.contains(";ipc=")
-            && mine.contains(";user=")
-    );
+    assert!(mine.contains("boot=") && mine.contains(";net=") && mine.contains(";ipc=") && mine.contains(";user="));
     let other_host = mine.replace("boot=", "boot=x");
     let other_netns = mine.replace(";net=", ";net=1");
     assert!(!t.can_communicate_with(&other_host));

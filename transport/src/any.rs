@@ -4,7 +4,7 @@
 use crate::error::Result;
 use crate::shm::{ShmConnection, ShmReader, ShmWriter};
 use crate::tcp::{TcpConnection, TcpReader, TcpWriter};
-use crate::{Connection, FrameReader, FrameWriter};
+use crate::{Closer, Connection, FrameReader, FrameWriter};
 
 macro_rules! delegate {
     ($self:ident, $inner:ident => $e:expr) => {
@@ -90,6 +90,10 @@ impl FrameReader for AnyReader {
         delegate!(self, r => r.close())
     }
 
+    fn closer(&self) -> Closer {
+        delegate!(self, r => r.closer())
+    }
+
     fn peer(&self) -> &str {
         delegate!(self, r => r.peer())
     }
@@ -102,6 +106,10 @@ impl FrameWriter for AnyWriter {
 
     fn close(&self) {
         delegate!(self, w => w.close())
+    }
+
+    fn closer(&self) -> Closer {
+        delegate!(self, w => w.closer())
     }
 
     fn peer(&self) -> &str {

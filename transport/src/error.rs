@@ -23,11 +23,7 @@ pub enum TransportError {
     /// A frame announced more bytes than the caller's buffer or limit allows. The connection is
     /// closed: the frame's body was not consumed.
     #[error("frame of {len} bytes from {peer} exceeds the limit of {limit} bytes")]
-    FrameTooLarge {
-        peer: String,
-        len: u64,
-        limit: usize,
-    },
+    FrameTooLarge { peer: String, len: u64, limit: usize },
     /// An operation was cancelled (its future dropped) part-way through a frame, so the byte
     /// stream is no longer aligned on frame boundaries.
     #[error("connection to {peer} is unusable: an earlier {op} was cancelled mid-frame")]
@@ -52,10 +48,7 @@ pub enum TransportError {
     },
     /// The transport cannot run on this host (missing kernel feature, permission, ...).
     #[error("transport {transport} is not viable here: {reason}")]
-    NotViable {
-        transport: &'static str,
-        reason: String,
-    },
+    NotViable { transport: &'static str, reason: String },
 }
 
 impl TransportError {
@@ -92,12 +85,10 @@ impl TransportError {
 pub(crate) fn classify_io(peer: &str, op: &'static str, err: io::Error) -> TransportError {
     use io::ErrorKind::*;
     match err.kind() {
-        UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe | NotConnected => {
-            TransportError::PeerLost {
-                peer: peer.to_owned(),
-                detail: format!("{op}: {err}"),
-            }
-        }
+        UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe | NotConnected => TransportError::PeerLost {
+            peer: peer.to_owned(),
+            detail: format!("{op}: {err}"),
+        },
         _ => TransportError::io(peer, op, err),
     }
 }

@@ -105,8 +105,31 @@ pub trait FrameReader: Send + 'static {
     /// Closes the whole connection; pending operations on both halves fail promptly.
     fn close(&self);
 
+    /// A handle that closes the connection from anywhere, even while this half is busy.
+    fn closer(&self) -> Closer;
+
     /// The peer's name, for errors and logs.
     fn peer(&self) -> &str;
+}
+
+/// Closes a connection when asked; cheap to clone.
+#[derive(Clone)]
+pub struct Closer(std::sync::Arc<dyn Fn() + Send + Sync>);
+
+impl Closer {
+    pub fn new(close: impl Fn() + Send + Sync + 'static) -> Self {
+        Closer(std::sync::Arc::new(close))
+    }
+
+    pub fn close(&self) {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for Closer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Closer")
+    }
 }
 
 /// The sending half of a connection.
@@ -117,6 +140,9 @@ pub trait FrameWriter: Send + 'static {
 
     /// Closes the whole connection; pending operations on both halves fail promptly.
     fn close(&self);
+
+    /// A handle that closes the connection from anywhere, even while this half is busy.
+    fn closer(&self) -> Closer;
 
     /// The peer's name, for errors and logs.
     fn peer(&self) -> &str;

@@ -38,9 +38,7 @@ impl StreamShared {
         if self.stopped.stop(error) {
             (self.shutdown)();
         }
-        self.stopped
-            .error()
-            .expect("stopped connections have an error")
+        self.stopped.error().expect("stopped connections have an error")
     }
 
     pub(crate) fn close(&self) {
@@ -203,12 +201,7 @@ impl<W: AsyncWrite + Unpin + Send + 'static> StreamWriter<W> {
         let header = encode_header(total_len(parts));
         let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(parts.len() + 1);
         slices.push(IoSlice::new(&header));
-        slices.extend(
-            parts
-                .iter()
-                .filter(|p| !p.is_empty())
-                .map(|p| IoSlice::new(p)),
-        );
+        slices.extend(parts.iter().filter(|p| !p.is_empty()).map(|p| IoSlice::new(p)));
         let mut remaining: &mut [IoSlice<'_>] = &mut slices;
         while !remaining.is_empty() {
             match self.inner.write_vectored(remaining).await {
@@ -222,10 +215,7 @@ impl<W: AsyncWrite + Unpin + Send + 'static> StreamWriter<W> {
                 Err(e) => return Err(self.shared.io_error("write", e)),
             }
         }
-        self.inner
-            .flush()
-            .await
-            .map_err(|e| self.shared.io_error("flush", e))
+        self.inner.flush().await.map_err(|e| self.shared.io_error("flush", e))
     }
 
     pub(crate) async fn write(&mut self, parts: &[&[u8]]) -> Result<()> {

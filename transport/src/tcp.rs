@@ -11,7 +11,7 @@ use tokio::net::TcpStream;
 
 use crate::error::{Result, TransportError};
 use crate::stream::{StreamReader, StreamShared, StreamWriter};
-use crate::{Connection, FrameReader, FrameWriter, Listener, Transport};
+use crate::{Closer, Connection, FrameReader, FrameWriter, Listener, Transport};
 
 const NAME: &str = "tcp";
 
@@ -90,17 +90,13 @@ impl Transport for TcpTransport {
 
     async fn listen(&self, addr: &str) -> Result<TcpListener> {
         let addr = self.bind_address(addr)?;
-        let std_listener =
-            bind_listener(addr).map_err(|e| TransportError::io(&addr.to_string(), "listen", e))?;
+        let std_listener = bind_listener(addr).map_err(|e| TransportError::io(&addr.to_string(), "listen", e))?;
         let listener = tokio::net::TcpListener::from_std(std_listener)
             .map_err(|e| TransportError::io(&addr.to_string(), "listen", e))?;
         let local = listener
             .local_addr()
             .map_err(|e| TransportError::io(&addr.to_string(), "listen", e))?;
-        Ok(TcpListener {
-            inner: listener,
-            local,
-        })
+        Ok(TcpListener { inner: listener, local })
     }
 
     async fn connect(&self, addr: &str) -> Result<TcpConnection> {
@@ -217,6 +213,11 @@ impl FrameReader for TcpReader {
         self.0.shared().close()
     }
 
+    fn closer(&self) -> Closer {
+        let shared = self.0.shared().clone();
+        Closer::new(move || shared.close())
+    }
+
     fn peer(&self) -> &str {
         &self.0.shared().peer
     }
@@ -229,6 +230,11 @@ impl FrameWriter for TcpWriter {
 
     fn close(&self) {
         self.0.shared().close()
+    }
+
+    fn closer(&self) -> Closer {
+        let shared = self.0.shared().clone();
+        Closer::new(move || shared.close())
     }
 
     fn peer(&self) -> &str {

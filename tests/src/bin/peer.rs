@@ -1,7 +1,9 @@
 //! The peer process of Sluice's multi-process tests. Each mode does one thing the test in the
 //! parent process needs a separate process for (so it can be killed, or hold its own memory).
 //!
-//! Usage: `sluice-test-peer transport <tcp|shm> ADDR <stream|stall>`
+//! Usage:
+//! - `sluice-test-peer transport <tcp|shm> ADDR <stream|stall>`
+//! - `sluice-test-peer pipe-echo ADDR <basic|cma|multilane>`: echo every message back.
 
 use sluice_transport::shm::ShmTransport;
 use sluice_transport::tcp::TcpTransport;
@@ -12,14 +14,11 @@ async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     match args.as_slice() {
-        ["transport", "tcp", addr, mode] => {
-            transport_mode(TcpTransport::default(), addr, mode).await
-        }
-        ["transport", "shm", addr, mode] => {
-            transport_mode(ShmTransport::default(), addr, mode).await
-        }
+        ["transport", "tcp", addr, mode] => transport_mode(TcpTransport::default(), addr, mode).await,
+        ["transport", "shm", addr, mode] => transport_mode(ShmTransport::default(), addr, mode).await,
+        ["pipe-echo", addr, channel] => pipe_echo(addr, channel).await,
         _ => {
-            eprintln!("usage: sluice-test-peer transport <tcp|shm> ADDR <stream|stall>");
+            eprintln!("usage: sluice-test-peer transport <tcp|shm> ADDR <stream|stall> | pipe-echo ADDR CHANNEL");
             std::process::exit(2);
         }
     }
@@ -40,5 +39,34 @@ async fn transport_mode<T: Transport>(t: T, addr: &str, mode: &str) {
             std::future::pending::<()>().await;
         }
         _ => panic!("unknown mode {mode}"),
+    }
+}
+
+async fn pipe_echo(addr: &str, channel: &str) {
+    use sluice_channel::{Allocation, ChannelKind, Context, ContextOptions, Message, Tensor};
+    let kind = ChannelKind::from_name(channel).expect("channel name");
+    let ctx = Context::new(ContextOptions {
+        channels: vec![kind],
+        ..ContextOptions::default()
+    })
+    .expect("context");
+    let pipe = ctx.connect(addr).await.expect("peer connect");
+    loop {
+        let Ok(d) = pipe.read_descriptor().await else { return };
+        let Ok(got) = pipe.read(Allocation::for_descriptor(&d)).await else {
+            return;
+        };
+        let back = Message {
+            metadata: d.metadata.clone(),
+            payloads: got.payloads.into_iter().map(|p| p.freeze()).collect(),
+            tensors: got
+                .tensors
+                .into_iter()
+                .map(|t| Tensor::cpu(t.into_cpu().expect("cpu").freeze()))
+                .collect(),
+        };
+        if pipe.write(&back).await.is_err() {
+            return;
+        }
     }
 }

@@ -61,11 +61,7 @@ pub async fn ordering_of_interleaved_writes<B: Backend>() {
                     i,
                     "frames out of order"
                 );
-                assert_eq!(
-                    &buf[8..n],
-                    &pattern(i ^ salt, sizes(i))[..],
-                    "frame {i} corrupted"
-                );
+                assert_eq!(&buf[8..n], &pattern(i ^ salt, sizes(i))[..], "frame {i} corrupted");
             }
             r
         };
@@ -183,10 +179,7 @@ pub async fn close_with_operations_pending<B: Backend>() {
         });
         tokio::time::sleep(Duration::from_millis(50)).await;
         aw.close();
-        let err = pending
-            .await
-            .unwrap()
-            .expect_err("read must fail after close");
+        let err = pending.await.unwrap().expect_err("read must fail after close");
         assert!(matches!(err, TransportError::Closed { .. }), "got {err:?}");
         // Later operations fail with the same sticky error.
         let mut aw = aw;
@@ -203,10 +196,7 @@ pub async fn close_with_operations_pending<B: Backend>() {
         let pending = tokio::spawn(async move { aw.write(&[&big]).await });
         tokio::time::sleep(Duration::from_millis(100)).await;
         ar.close();
-        let err = pending
-            .await
-            .unwrap()
-            .expect_err("blocked write must fail after close");
+        let err = pending.await.unwrap().expect_err("blocked write must fail after close");
         assert!(matches!(err, TransportError::Closed { .. }), "got {err:?}");
         drop(b);
     })
@@ -259,11 +249,9 @@ pub async fn cancelled_operation_poisons<B: Backend>() {
         let (mut ar, _aw) = a.split();
         let (_br, bw) = b.split();
         let mut buf = [0u8; 8];
-        assert!(
-            tokio::time::timeout(Duration::from_millis(20), ar.read(&mut buf))
-                .await
-                .is_err()
-        );
+        assert!(tokio::time::timeout(Duration::from_millis(20), ar.read(&mut buf))
+            .await
+            .is_err());
         let err = ar.read(&mut buf).await.expect_err("poisoned");
         assert!(
             matches!(err, TransportError::Poisoned { op: "read", .. }),
@@ -281,10 +269,7 @@ pub async fn peer_killed_mid_transfer<B: Backend>(peer_exe: &str) {
         let t = B::transport();
         // The peer streams to us.
         let mut listener = t.listen("").await.expect("listen");
-        let mut peer = PeerProcess::spawn(
-            peer_exe,
-            &["transport", B::NAME, &listener.address(), "stream"],
-        );
+        let mut peer = PeerProcess::spawn(peer_exe, &["transport", B::NAME, &listener.address(), "stream"]);
         let conn = listener.accept().await.expect("accept peer");
         let (mut r, _w) = conn.split();
         let mut buf = vec![0u8; 2 << 20];
@@ -302,10 +287,7 @@ pub async fn peer_killed_mid_transfer<B: Backend>(peer_exe: &str) {
         assert!(err.is_peer_lost(), "expected peer lost, got {err:?}");
 
         // We stream to a peer that stops reading, then dies.
-        let mut peer = PeerProcess::spawn(
-            peer_exe,
-            &["transport", B::NAME, &listener.address(), "stall"],
-        );
+        let mut peer = PeerProcess::spawn(peer_exe, &["transport", B::NAME, &listener.address(), "stall"]);
         let conn = listener.accept().await.expect("accept peer");
         let (_r, mut w) = conn.split();
         let big = vec![3u8; 256 << 20];

@@ -34,7 +34,7 @@ use tokio::task::JoinHandle;
 use crate::closing::{OpGuard, Stopped};
 use crate::error::{Result, TransportError};
 use crate::frame::{decode_header, encode_header, total_len, HEADER_LEN};
-use crate::{Connection, FrameReader, FrameWriter, Listener, Transport};
+use crate::{Closer, Connection, FrameReader, FrameWriter, Listener, Transport};
 use ring::{Consumer, Producer, Ring};
 
 const NAME: &str = "shm";
@@ -74,10 +74,7 @@ pub struct ShmTransport {
 impl ShmTransport {
     pub fn new(options: ShmOptions) -> Self {
         let descriptor = Self::probe(&options);
-        ShmTransport {
-            options,
-            descriptor,
-        }
+        ShmTransport { options, descriptor }
     }
 
     fn probe(options: &ShmOptions) -> std::result::Result<String, String> {
@@ -91,8 +88,7 @@ impl ShmTransport {
         }
         let identity = crate::host::identity(&["net", "ipc", "user"])
             .ok_or_else(|| "cannot read the boot id or namespaces from /proc".to_owned())?;
-        Ring::create(ring::MIN_CAPACITY)
-            .map_err(|e| format!("cannot create a shared memory segment: {e}"))?;
+        Ring::create(ring::MIN_CAPACITY).map_err(|e| format!("cannot create a shared memory segment: {e}"))?;
         sys::eventfd().map_err(|e| format!("cannot create an eventfd: {e}"))?;
         Ok(format!("shm;{identity}"))
     }
@@ -109,12 +105,10 @@ impl Default for ShmTransport {
 }
 
 fn abstract_addr(name: &str) -> Result<std::os::unix::net::SocketAddr> {
-    std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).map_err(|e| {
-        TransportError::BadAddress {
-            transport: NAME,
-            addr: name.to_owned(),
-            reason: e.to_string(),
-        }
+    std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).map_err(|e| TransportError::BadAddress {
+        transport: NAME,
+        addr: name.to_owned(),
+        reason: e.to_string(),
     })
 }
 
@@ -147,19 +141,15 @@ impl Transport for ShmTransport {
     async fn listen(&self, addr: &str) -> Result<ShmListener> {
         self.viability()?;
         let name = if addr.is_empty() {
-            format!(
-                "sluice-shm-{}-{:016x}",
-                std::process::id(),
-                rand::random::<u64>()
-            )
+            format!("sluice-shm-{}-{:016x}", std::process::id(), rand::random::<u64>())
         } else {
             addr.to_owned()
         };
         let std_listener = std::os::unix::net::UnixListener::bind_addr(&abstract_addr(&name)?)
             .and_then(|l| l.set_nonblocking(true).map(|_| l))
             .map_err(|e| TransportError::io(&name, "listen", e))?;
-        let listener = tokio::net::UnixListener::from_std(std_listener)
-            .map_err(|e| TransportError::io(&name, "listen", e))?;
+        let listener =
+            tokio::net::UnixListener::from_std(std_listener).map_err(|e| TransportError::io(&name, "listen", e))?;
         let (tx, rx) = mpsc::channel(64);
         let options = self.options.clone();
         let task = tokio::spawn(accept_loop(listener, options, tx));
@@ -175,8 +165,7 @@ impl Transport for ShmTransport {
         let std_stream = std::os::unix::net::UnixStream::connect_addr(&abstract_addr(addr)?)
             .and_then(|s| s.set_nonblocking(true).map(|_| s))
             .map_err(|e| TransportError::io(addr, "connect", e))?;
-        let stream =
-            UnixStream::from_std(std_stream).map_err(|e| TransportError::io(addr, "connect", e))?;
+        let stream = UnixStream::from_std(std_stream).map_err(|e| TransportError::io(addr, "connect", e))?;
         let peer = format!("shm:{addr}");
         tokio::time::timeout(
             self.options.handshake_timeout,
@@ -190,18 +179,12 @@ impl Transport for ShmTransport {
     }
 }
 
-async fn accept_loop(
-    listener: tokio::net::UnixListener,
-    options: ShmOptions,
-    tx: mpsc::Sender<Result<ShmConnection>>,
-) {
+async fn accept_loop(listener: tokio::net::UnixListener, options: ShmOptions, tx: mpsc::Sender<Result<ShmConnection>>) {
     loop {
         let (stream, _) = match listener.accept().await {
             Ok(s) => s,
             Err(e) => {
-                let _ = tx
-                    .send(Err(TransportError::io("shm listener", "accept", e)))
-                    .await;
+                let _ = tx.send(Err(TransportError::io("shm listener", "accept", e))).await;
                 // Back off on persistent errors (e.g. out of descriptors) instead of spinning.
                 tokio::time::sleep(Duration::from_millis(10)).await;
                 continue;
@@ -281,16 +264,10 @@ async fn send_fds(stream: &UnixStream, data: &[u8], fds: &[&OwnedFd]) -> std::io
     }
 }
 
-async fn recv_fds(
-    stream: &UnixStream,
-    buf: &mut [u8],
-    max_fds: usize,
-) -> std::io::Result<(usize, Vec<OwnedFd>)> {
+async fn recv_fds(stream: &UnixStream, buf: &mut [u8], max_fds: usize) -> std::io::Result<(usize, Vec<OwnedFd>)> {
     loop {
         stream.readable().await?;
-        match stream.try_io(Interest::READABLE, || {
-            sys::recv_with_fds(stream.as_fd(), buf, max_fds)
-        }) {
+        match stream.try_io(Interest::READABLE, || sys::recv_with_fds(stream.as_fd(), buf, max_fds)) {
             Ok(r) => return Ok(r),
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
             Err(e) => return Err(e),
@@ -298,12 +275,7 @@ async fn recv_fds(
     }
 }
 
-async fn handshake(
-    stream: UnixStream,
-    options: &ShmOptions,
-    client: bool,
-    peer: String,
-) -> Result<ShmConnection> {
+async fn handshake(stream: UnixStream, options: &ShmOptions, client: bool, peer: String) -> Result<ShmConnection> {
     let fail = |reason: String| TransportError::Handshake {
         peer: peer.clone(),
         reason,
@@ -330,16 +302,10 @@ async fn handshake(
         return Err(fail("peer hung up during the handshake".into()));
     }
     if n != magic.len() || &magic != HANDSHAKE_MAGIC {
-        return Err(fail(format!(
-            "unexpected handshake bytes {:?}",
-            &magic[..n]
-        )));
+        return Err(fail(format!("unexpected handshake bytes {:?}", &magic[..n])));
     }
     if theirs.len() != 3 {
-        return Err(fail(format!(
-            "expected 3 descriptors, got {}",
-            theirs.len()
-        )));
+        return Err(fail(format!("expected 3 descriptors, got {}", theirs.len())));
     }
     if !client {
         send_fds(&stream, HANDSHAKE_MAGIC, &mine)
@@ -408,9 +374,7 @@ impl Shared {
         if self.stopped.stop(error) {
             self.shut();
         }
-        self.stopped
-            .error()
-            .expect("stopped connections have an error")
+        self.stopped.error().expect("stopped connections have an error")
     }
 
     /// Tells the peer we are gone and wakes every waiter, ours and theirs.
@@ -572,10 +536,7 @@ pub struct ShmConnection {
 impl ShmConnection {
     /// Bytes in each direction's ring.
     pub fn ring_capacity(&self) -> usize {
-        self.consumer
-            .ring()
-            .capacity()
-            .min(self.producer.ring().capacity())
+        self.consumer.ring().capacity().min(self.producer.ring().capacity())
     }
 }
 
@@ -613,10 +574,7 @@ impl ShmReader {
     async fn fill(&mut self, dst: &mut [u8]) -> Result<()> {
         let mut done = 0;
         while done < dst.len() {
-            let avail = self
-                .consumer
-                .available(1)
-                .map_err(|_| self.shared.corrupt())?;
+            let avail = self.consumer.available(1).map_err(|_| self.shared.corrupt())?;
             if avail == 0 {
                 if self.consumer.has_unreleased() {
                     self.consumer.release();
@@ -697,6 +655,11 @@ impl FrameReader for ShmReader {
         self.shared.close()
     }
 
+    fn closer(&self) -> Closer {
+        let shared = self.shared.clone();
+        Closer::new(move || shared.close())
+    }
+
     fn peer(&self) -> &str {
         &self.shared.peer
     }
@@ -750,6 +713,11 @@ impl FrameWriter for ShmWriter {
 
     fn close(&self) {
         self.shared.close()
+    }
+
+    fn closer(&self) -> Closer {
+        let shared = self.shared.clone();
+        Closer::new(move || shared.close())
     }
 
     fn peer(&self) -> &str {

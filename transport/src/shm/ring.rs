@@ -56,7 +56,10 @@ impl Ring {
     /// Creates a ring of `capacity` bytes (a power of two) in a new memory file.
     pub(crate) fn create(capacity: usize) -> io::Result<(Ring, OwnedFd)> {
         if !capacity.is_power_of_two() || !(MIN_CAPACITY..=MAX_CAPACITY).contains(&capacity) {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("ring capacity {capacity} is not a power of two in [{MIN_CAPACITY}, {MAX_CAPACITY}]")));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("ring capacity {capacity} is not a power of two in [{MIN_CAPACITY}, {MAX_CAPACITY}]"),
+            ));
         }
         let fd = memfd("sluice-shm-ring", HEADER_BYTES + capacity)?;
         let map = Mapping::new(&fd, HEADER_BYTES + capacity)?;
@@ -79,9 +82,7 @@ impl Ring {
         }
         let capacity = len as usize - HEADER_BYTES;
         if !capacity.is_power_of_two() || capacity < MIN_CAPACITY {
-            return Err(bad(format!(
-                "ring capacity {capacity} is not a power of two"
-            )));
+            return Err(bad(format!("ring capacity {capacity} is not a power of two")));
         }
         let map = Mapping::new(fd, len as usize)?;
         let ring = Ring {
@@ -89,9 +90,7 @@ impl Ring {
             capacity,
         };
         let h = ring.header();
-        if h.magic.load(Ordering::Acquire) != MAGIC
-            || h.capacity.load(Ordering::Relaxed) != capacity as u64
-        {
+        if h.magic.load(Ordering::Acquire) != MAGIC || h.capacity.load(Ordering::Relaxed) != capacity as u64 {
             return Err(bad("ring header has the wrong magic or capacity".into()));
         }
         Ok(ring)

@@ -16,8 +16,7 @@ fn errno(e: nix::errno::Errno) -> io::Error {
 /// Creates an anonymous memory file of `len` bytes (freed when its last descriptor closes).
 pub(crate) fn memfd(name: &str, len: usize) -> io::Result<OwnedFd> {
     let name = CString::new(name).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    let fd = nix::sys::memfd::memfd_create(&name, nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC)
-        .map_err(errno)?;
+    let fd = nix::sys::memfd::memfd_create(&name, nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC).map_err(errno)?;
     nix::unistd::ftruncate(&fd, len as i64).map_err(errno)?;
     Ok(fd)
 }
@@ -25,8 +24,7 @@ pub(crate) fn memfd(name: &str, len: usize) -> io::Result<OwnedFd> {
 /// Size in bytes of the file behind `fd`.
 pub(crate) fn file_len(fd: &OwnedFd) -> io::Result<u64> {
     let st = nix::sys::stat::fstat(fd.as_raw_fd()).map_err(errno)?;
-    u64::try_from(st.st_size)
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "negative file size"))
+    u64::try_from(st.st_size).map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "negative file size"))
 }
 
 /// A shared, read-write mapping of a whole memory file. Unmapped on drop.
@@ -61,10 +59,7 @@ impl Mapping {
             )
         }
         .map_err(errno)?;
-        Ok(Mapping {
-            ptr: ptr.cast(),
-            len,
-        })
+        Ok(Mapping { ptr: ptr.cast(), len })
     }
 
     pub(crate) fn as_ptr(&self) -> *mut u8 {
@@ -100,17 +95,11 @@ pub(crate) fn eventfd_signal(fd: BorrowedFd<'_>) {
 /// Resets an eventfd's counter. Returns `WouldBlock` when it was already zero.
 pub(crate) fn eventfd_drain(fd: BorrowedFd<'_>) -> io::Result<()> {
     let mut buf = [0u8; 8];
-    nix::unistd::read(fd.as_raw_fd(), &mut buf)
-        .map(|_| ())
-        .map_err(errno)
+    nix::unistd::read(fd.as_raw_fd(), &mut buf).map(|_| ()).map_err(errno)
 }
 
 /// Sends `data` with `fds` attached (SCM_RIGHTS) on a Unix stream socket.
-pub(crate) fn send_with_fds(
-    sock: BorrowedFd<'_>,
-    data: &[u8],
-    fds: &[BorrowedFd<'_>],
-) -> io::Result<usize> {
+pub(crate) fn send_with_fds(sock: BorrowedFd<'_>, data: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<usize> {
     let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
     let iov = [io::IoSlice::new(data)];
     let cmsg = [ControlMessage::ScmRights(&raw)];
@@ -119,20 +108,10 @@ pub(crate) fn send_with_fds(
 
 /// Receives up to `buf.len()` bytes and any descriptors attached to them. Descriptors beyond
 /// `max_fds` are closed and reported as an error, so a peer cannot make us leak descriptors.
-pub(crate) fn recv_with_fds(
-    sock: BorrowedFd<'_>,
-    buf: &mut [u8],
-    max_fds: usize,
-) -> io::Result<(usize, Vec<OwnedFd>)> {
+pub(crate) fn recv_with_fds(sock: BorrowedFd<'_>, buf: &mut [u8], max_fds: usize) -> io::Result<(usize, Vec<OwnedFd>)> {
     let mut iov = [io::IoSliceMut::new(buf)];
     let mut space = nix::cmsg_space!([RawFd; 8]);
-    let msg = recvmsg::<()>(
-        sock.as_raw_fd(),
-        &mut iov,
-        Some(&mut space),
-        MsgFlags::MSG_CMSG_CLOEXEC,
-    )
-    .map_err(errno)?;
+    let msg = recvmsg::<()>(sock.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC).map_err(errno)?;
     let mut fds = Vec::new();
     let truncated = msg.flags.contains(MsgFlags::MSG_CTRUNC);
     for cmsg in msg.cmsgs().map_err(errno)? {
@@ -148,10 +127,7 @@ pub(crate) fn recv_with_fds(
     if truncated || fds.len() > max_fds {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            format!(
-                "peer sent {} descriptors (at most {max_fds} expected)",
-                fds.len()
-            ),
+            format!("peer sent {} descriptors (at most {max_fds} expected)", fds.len()),
         ));
     }
     Ok((n, fds))
@@ -160,12 +136,7 @@ pub(crate) fn recv_with_fds(
 /// Peeks one byte without consuming it: `Ok(0)` means the peer hung up.
 pub(crate) fn peek_hangup(sock: BorrowedFd<'_>) -> io::Result<usize> {
     let mut b = [0u8; 1];
-    nix::sys::socket::recv(
-        sock.as_raw_fd(),
-        &mut b,
-        MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT,
-    )
-    .map_err(errno)
+    nix::sys::socket::recv(sock.as_raw_fd(), &mut b, MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT).map_err(errno)
 }
 
 /// Shuts a socket down in both directions (the peer sees EOF).
@@ -185,6 +156,5 @@ pub(crate) fn register_readable(fd: OwnedFd) -> io::Result<tokio::io::unix::Asyn
     // SAFETY: an `OwnedFd` is open and stays open, referring to the same description, until it
     // is dropped, which happens only when the `AsyncFd` owning it is dropped; its `as_raw_fd`
     // always returns that same descriptor.
-    unsafe { tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
-        .map_err(|e| e.into())
+    unsafe { tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }.map_err(|e| e.into())
 }

@@ -1,0 +1,616 @@
+//! The context: which transports and channels this process offers (and in which priority),
+//! the listener that accepts pipes, and `connect`.
+//!
+//! Opening a pipe takes one round trip of negotiation:
+//! 1. The client connects over TCP (the bootstrap transport) and sends [`Hello::Pipe`] with its
+//!    brochure: protocol version, transports with domain descriptors, channels with per-device
+//!    descriptors.
+//! 2. The server picks the transport and a channel per device pair (see
+//!    [`crate::negotiation`]), registers a token for every further connection the pipe needs,
+//!    and answers.
+//! 3. The client checks the answer, opens those connections (each starts with
+//!    [`Hello::Join`]), and both sides build the pipe. On one host the control connection moves
+//!    to shared memory; otherwise the bootstrap connection stays as the control connection.
+//!
+//! Every connection to a listener is handled on its own task with a deadline, so a peer that
+//! sends garbage, a truncated frame, an absurd length or nothing at all costs one typed error
+//! (returned from [`PipeListener::accept`] and logged with the peer's address), never the
+//! listener.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sluice_transport::any::{AnyConnection, AnyReader, AnyWriter};
+use sluice_transport::shm::{ShmListener, ShmOptions, ShmTransport};
+use sluice_transport::tcp::{TcpListener, TcpOptions, TcpTransport};
+use sluice_transport::{Connection, FrameReader, FrameWriter, Listener, Transport};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+use crate::channel::cma::{self, CmaContext};
+use crate::channel::{BasicContext, ChannelContext, ChannelKind, MultiLaneContext};
+use crate::device::Device;
+use crate::error::{PipeError, Result};
+use crate::negotiation;
+use crate::pipe::{Links, Pipe, PipeInfo};
+use crate::wire::{self, Answer, Brochure, ChannelOffer, Hello, Reply, TransportOffer};
+
+/// A connection, split.
+type Halves = (AnyReader, AnyWriter);
+
+/// The transports a pipe's control connection can use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TransportKind {
+    Shm,
+    Tcp,
+}
+
+impl TransportKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::Shm => "shm",
+            TransportKind::Tcp => "tcp",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        [TransportKind::Shm, TransportKind::Tcp]
+            .into_iter()
+            .find(|k| k.name() == name)
+    }
+}
+
+/// Configuration of a [`Context`]. Lists are in priority order (first wins); leaving a backend
+/// out disables it, which is how to force TCP or a given channel when debugging.
+#[derive(Debug, Clone)]
+pub struct ContextOptions {
+    /// Sent to peers, used in logs and errors.
+    pub name: String,
+    pub transports: Vec<TransportKind>,
+    pub channels: Vec<ChannelKind>,
+    pub tcp: TcpOptions,
+    pub shm: ShmOptions,
+    /// TCP connections per pipe for the multi-lane channel.
+    pub lanes: usize,
+    /// Deadline for each stage of pipe setup (and for a silent incoming connection).
+    pub setup_timeout: Duration,
+    /// Largest message descriptor accepted from a peer (metadata included).
+    pub max_descriptor_bytes: usize,
+}
+
+impl Default for ContextOptions {
+    fn default() -> Self {
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+        ContextOptions {
+            name: format!("pid{}", std::process::id()),
+            transports: vec![TransportKind::Shm, TransportKind::Tcp],
+            channels: ChannelKind::ALL.to_vec(),
+            tcp: TcpOptions::default(),
+            shm: ShmOptions::default(),
+            lanes: cores.clamp(2, 4),
+            setup_timeout: Duration::from_secs(10),
+            max_descriptor_bytes: 64 << 20,
+        }
+    }
+}
+
+struct ContextInner {
+    options: ContextOptions,
+    tcp: TcpTransport,
+    /// Viable and enabled transports, in priority order.
+    transports: Vec<TransportKind>,
+    shm: Option<ShmTransport>,
+    /// Viable and enabled channels, in priority order.
+    channels: Vec<Box<dyn ChannelContext>>,
+}
+
+/// A process's set of transports and channels. Cheap to clone.
+#[derive(Clone)]
+pub struct Context {
+    inner: Arc<ContextInner>,
+}
+
+impl Context {
+    /// Probes every enabled backend and keeps the viable ones; a backend that cannot run here
+    /// is logged and not offered.
+    pub fn new(options: ContextOptions) -> Result<Context> {
+        let tcp = TcpTransport::new(options.tcp.clone());
+        let mut transports = Vec::new();
+        let mut shm = None;
+        for &kind in &options.transports {
+            match kind {
+                TransportKind::Tcp => transports.push(kind),
+                TransportKind::Shm => {
+                    let t = ShmTransport::new(options.shm.clone());
+                    match t.viability() {
+                        Ok(()) => {
+                            transports.push(kind);
+                            shm = Some(t);
+                        }
+                        Err(e) => tracing::info!("shm transport not offered: {e}"),
+                    }
+                }
+            }
+        }
+        if transports.is_empty() {
+            return Err(PipeError::Config("no transport enabled".into()));
+        }
+        let mut channels: Vec<Box<dyn ChannelContext>> = Vec::new();
+        for &kind in &options.channels {
+            let ctx: Box<dyn ChannelContext> = match kind {
+                ChannelKind::Basic => Box::new(BasicContext),
+                ChannelKind::Cma => Box::new(CmaContext::new()),
+                ChannelKind::MultiLane => Box::new(MultiLaneContext { lanes: options.lanes }),
+            };
+            match ctx.viability() {
+                Ok(()) => channels.push(ctx),
+                Err(e) => tracing::info!("channel {kind} not offered: {e}"),
+            }
+        }
+        if channels.is_empty() {
+            return Err(PipeError::Config("no viable channel enabled".into()));
+        }
+        Ok(Context {
+            inner: Arc::new(ContextInner {
+                options,
+                tcp,
+                transports,
+                shm,
+                channels,
+            }),
+        })
+    }
+
+    /// The transports this context offers, in priority order.
+    pub fn transports(&self) -> &[TransportKind] {
+        &self.inner.transports
+    }
+
+    /// The channels this context offers, in priority order.
+    pub fn channels(&self) -> Vec<ChannelKind> {
+        self.inner.channels.iter().map(|c| c.kind()).collect()
+    }
+
+    pub fn options(&self) -> &ContextOptions {
+        &self.inner.options
+    }
+
+    /// Starts accepting pipes on `addr` (a TCP `host:port`; empty binds the configured default
+    /// address on a free port).
+    pub async fn listen(&self, addr: &str) -> Result<PipeListener> {
+        let tcp = self.inner.tcp.listen(addr).await?;
+        let address = tcp.address();
+        let shm = match &self.inner.shm {
+            Some(t) => Some(t.listen("").await?),
+            None => None,
+        };
+        let shared = Arc::new(ListenerShared {
+            ctx: self.clone(),
+            tcp_address: address.clone(),
+            shm_address: shm.as_ref().map(|l| l.address()),
+            tokens: Mutex::new(HashMap::new()),
+        });
+        let (tx, rx) = mpsc::channel(64);
+        let mut tasks = vec![tokio::spawn(accept_tcp(tcp, shared.clone(), tx.clone()))];
+        if let Some(l) = shm {
+            tasks.push(tokio::spawn(accept_shm(l, shared.clone(), tx)));
+        }
+        Ok(PipeListener {
+            address,
+            incoming: rx,
+            tasks,
+        })
+    }
+
+    /// Opens a pipe to the listener at `addr`.
+    pub async fn connect(&self, addr: &str) -> Result<Pipe> {
+        let timeout = self.inner.options.setup_timeout;
+        let conn = self.inner.tcp.connect(addr).await?;
+        let peer = format!("{addr}");
+        let staged = async {
+            let (mut r, mut w) = AnyConnection::from(conn).split();
+            w.write(&[&wire::encode_setup(&Hello::Pipe(self.brochure()))]).await?;
+            let reply = r.read_vec(wire::MAX_SETUP_BYTES).await?;
+            let answer = match wire::decode_setup::<Reply>(&reply, &peer)? {
+                Reply::Accept(a) => a,
+                Reply::Reject { reason } => {
+                    return Err(PipeError::Rejected {
+                        peer: peer.clone(),
+                        reason,
+                    })
+                }
+            };
+            self.finish_client(addr, &peer, (r, w), answer).await
+        };
+        tokio::time::timeout(timeout, staged)
+            .await
+            .map_err(|_| PipeError::Timeout {
+                peer: addr.to_owned(),
+                stage: "connect",
+            })?
+    }
+
+    fn brochure(&self) -> Brochure {
+        Brochure {
+            name: self.inner.options.name.clone(),
+            pid: std::process::id(),
+            cma_probe: cma::probe_address(),
+            transports: self.transport_offers(),
+            channels: self.channel_offers(),
+        }
+    }
+
+    fn transport_offers(&self) -> Vec<TransportOffer> {
+        self.inner
+            .transports
+            .iter()
+            .map(|&k| TransportOffer {
+                name: k.name().to_owned(),
+                descriptor: match k {
+                    TransportKind::Tcp => self.inner.tcp.domain_descriptor(),
+                    TransportKind::Shm => self
+                        .inner
+                        .shm
+                        .as_ref()
+                        .map(|s| s.domain_descriptor())
+                        .unwrap_or_default(),
+                },
+            })
+            .collect()
+    }
+
+    fn channel_offers(&self) -> Vec<ChannelOffer> {
+        self.inner
+            .channels
+            .iter()
+            .map(|c| ChannelOffer {
+                name: c.kind().name().to_owned(),
+                devices: c.device_descriptors(),
+            })
+            .collect()
+    }
+
+    fn transport_compatible(&self, name: &str, _local: &str, remote: &str) -> bool {
+        match TransportKind::from_name(name) {
+            Some(TransportKind::Tcp) => self.inner.tcp.can_communicate_with(remote),
+            Some(TransportKind::Shm) => self.inner.shm.as_ref().is_some_and(|s| s.can_communicate_with(remote)),
+            None => false,
+        }
+    }
+
+    fn channel_compatible(&self, name: &str, local: &str, remote: &str) -> bool {
+        self.inner
+            .channels
+            .iter()
+            .any(|c| c.kind().name() == name && c.can_communicate(local, remote))
+    }
+
+    async fn finish_client(
+        &self,
+        addr: &str,
+        peer: &str,
+        bootstrap: (AnyReader, AnyWriter),
+        answer: Answer,
+    ) -> Result<Pipe> {
+        let negotiation = |reason: String| PipeError::Negotiation {
+            peer: peer.to_owned(),
+            reason,
+        };
+        let kind = TransportKind::from_name(&answer.transport)
+            .filter(|k| self.inner.transports.contains(k))
+            .ok_or_else(|| {
+                negotiation(format!(
+                    "server chose transport {:?}, which this side did not offer",
+                    answer.transport
+                ))
+            })?;
+        if !self.transport_compatible(&answer.transport, "", &answer.transport_descriptor) {
+            return Err(negotiation(format!(
+                "transport {} cannot reach the server from here",
+                answer.transport
+            )));
+        }
+        let mine = self.channel_offers();
+        negotiation::verify_channels(&mine, &answer.channels, &answer.choices, &|n, l, r| {
+            self.channel_compatible(n, l, r)
+        })
+        .map_err(negotiation)?;
+        let cpu = cpu_channel(&answer.choices).ok_or_else(|| negotiation("no channel for CPU tensors".into()))?;
+        if cpu == ChannelKind::Cma {
+            cma::probe_peer(answer.pid as i32, answer.cma_probe)
+                .map_err(|e| negotiation(format!("cma chosen but {e}")))?;
+        }
+        let shm_address = answer.address.as_str();
+        let join = |token: u64| async move {
+            let conn: AnyConnection = match kind {
+                TransportKind::Tcp => self.inner.tcp.connect(addr).await?.into(),
+                TransportKind::Shm => self
+                    .inner
+                    .shm
+                    .as_ref()
+                    .expect("offered, so present")
+                    .connect(shm_address)
+                    .await?
+                    .into(),
+            };
+            let (r, mut w) = conn.split();
+            w.write(&[&wire::encode_setup(&Hello::Join { token })]).await?;
+            Ok::<_, PipeError>((r, w))
+        };
+        let control = match answer.control_token {
+            Some(token) => join(token).await?,
+            None => bootstrap,
+        };
+        let reply = join(answer.reply_token).await?;
+        let mut lanes = Vec::new();
+        for &token in &answer.lane_tokens {
+            let conn: AnyConnection = self.inner.tcp.connect(addr).await?.into();
+            let (r, mut w) = conn.split();
+            w.write(&[&wire::encode_setup(&Hello::Join { token })]).await?;
+            lanes.push((r, w));
+        }
+        let info = PipeInfo {
+            peer: format!("{}@{addr}", answer.name),
+            peer_pid: answer.pid,
+            transport: kind.name(),
+            cpu_channel: cpu,
+            lanes: lanes.len(),
+        };
+        Ok(Pipe::new(
+            info,
+            Links { control, reply, lanes },
+            self.inner.options.max_descriptor_bytes,
+        ))
+    }
+}
+
+/// The channel chosen for CPU-to-CPU tensors.
+fn cpu_channel(choices: &[wire::ChannelChoice]) -> Option<ChannelKind> {
+    choices
+        .iter()
+        .find(|c| c.server_device == Device::Cpu && c.client_device == Device::Cpu)
+        .and_then(|c| ChannelKind::from_name(&c.channel))
+}
+
+struct ListenerShared {
+    ctx: Context,
+    tcp_address: String,
+    shm_address: Option<String>,
+    tokens: Mutex<HashMap<u64, oneshot::Sender<Halves>>>,
+}
+
+/// Accepts pipes. Dropping it stops listening.
+pub struct PipeListener {
+    address: String,
+    incoming: mpsc::Receiver<Result<Pipe>>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for PipeListener {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl PipeListener {
+    /// The TCP address clients connect to.
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// The next pipe, or the error of one incoming connection that failed (the listener keeps
+    /// serving others; call `accept` again).
+    pub async fn accept(&mut self) -> Result<Pipe> {
+        self.incoming.recv().await.unwrap_or_else(|| {
+            Err(PipeError::Closed {
+                peer: self.address.clone(),
+            })
+        })
+    }
+}
+
+async fn accept_tcp(mut listener: TcpListener, shared: Arc<ListenerShared>, tx: mpsc::Sender<Result<Pipe>>) {
+    loop {
+        match listener.accept().await {
+            Ok(conn) => {
+                tokio::spawn(handle_incoming(conn.into(), shared.clone(), tx.clone()));
+            }
+            Err(e) => {
+                tracing::warn!("accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+}
+
+async fn accept_shm(mut listener: ShmListener, shared: Arc<ListenerShared>, tx: mpsc::Sender<Result<Pipe>>) {
+    loop {
+        match listener.accept().await {
+            Ok(conn) => {
+                tokio::spawn(handle_incoming(conn.into(), shared.clone(), tx.clone()));
+            }
+            Err(e) => {
+                tracing::warn!("shm connection refused: {e}");
+                if tx.send(Err(e.into())).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+async fn handle_incoming(conn: AnyConnection, shared: Arc<ListenerShared>, tx: mpsc::Sender<Result<Pipe>>) {
+    let peer = conn.peer().to_owned();
+    let timeout = shared.ctx.inner.options.setup_timeout;
+    let (mut r, mut w) = conn.split();
+    let hello = match tokio::time::timeout(timeout, r.read_vec(wire::MAX_SETUP_BYTES)).await {
+        Err(_) => Err(PipeError::Timeout {
+            peer: peer.clone(),
+            stage: "hello",
+        }),
+        Ok(Err(e)) => Err(e.into()),
+        Ok(Ok(frame)) => wire::decode_setup::<Hello>(&frame, &peer),
+    };
+    let result = match hello {
+        Ok(Hello::Join { token }) => {
+            let waiter = shared.tokens.lock().expect("token table").remove(&token);
+            match waiter {
+                Some(waiter) => {
+                    let _ = waiter.send((r, w));
+                    return;
+                }
+                None => Err(PipeError::Protocol {
+                    peer: peer.clone(),
+                    detail: format!("unknown connection token {token:#x}"),
+                }),
+            }
+        }
+        Ok(Hello::Pipe(brochure)) => {
+            match tokio::time::timeout(timeout * 2, serve_pipe(&shared, &peer, (r, w), brochure)).await {
+                Ok(r) => r,
+                Err(_) => Err(PipeError::Timeout {
+                    peer: peer.clone(),
+                    stage: "setup",
+                }),
+            }
+        }
+        Err(e) => {
+            if let PipeError::VersionMismatch { ours, theirs, .. } = &e {
+                // Tell the peer why before hanging up, so its connect fails with a clear error.
+                let reason = format!("protocol version {theirs} is not supported; this side speaks version {ours}");
+                let _ = w.write(&[&wire::encode_setup(&Reply::Reject { reason })]).await;
+            }
+            Err(e)
+        }
+    };
+    if let Err(e) = &result {
+        tracing::warn!(peer = %peer, "incoming connection failed: {e}");
+    }
+    let _ = tx.send(result).await;
+}
+
+/// The server's half of setup: choose, register tokens, answer, wait for the connections.
+async fn serve_pipe(shared: &ListenerShared, peer: &str, bootstrap: Halves, brochure: Brochure) -> Result<Pipe> {
+    let ctx = &shared.ctx;
+    let (r, mut w) = bootstrap;
+    let reject = |reason: String| PipeError::Negotiation {
+        peer: peer.to_owned(),
+        reason,
+    };
+    let local = ctx.transport_offers();
+    let transport = negotiation::choose_transport(&local, &brochure.transports, &|n, l, r| {
+        ctx.transport_compatible(n, l, r)
+    })
+    .and_then(|t| TransportKind::from_name(&t.name));
+    let mut channels = ctx.channel_offers();
+    // CMA needs permission to read this very peer; find out before offering it.
+    if channels.iter().any(|c| c.name == ChannelKind::Cma.name())
+        && brochure.channels.iter().any(|c| c.name == ChannelKind::Cma.name())
+    {
+        if let Err(e) = cma::probe_peer(brochure.pid as i32, brochure.cma_probe) {
+            tracing::info!(peer = %peer, "cma not usable with this peer: {e}");
+            channels.retain(|c| c.name != ChannelKind::Cma.name());
+        }
+    }
+    let choices = negotiation::choose_channels(&channels, &brochure.channels, &|n, l, r| {
+        ctx.channel_compatible(n, l, r)
+    });
+    let cpu = cpu_channel(&choices);
+    let (kind, cpu) = match (transport, cpu) {
+        (Some(k), Some(c)) => (k, c),
+        (None, _) => {
+            let reason = "no common transport".to_owned();
+            let _ = w
+                .write(&[&wire::encode_setup(&Reply::Reject { reason: reason.clone() })])
+                .await;
+            return Err(reject(reason));
+        }
+        (_, None) => {
+            let reason = "no common channel for CPU tensors".to_owned();
+            let _ = w
+                .write(&[&wire::encode_setup(&Reply::Reject { reason: reason.clone() })])
+                .await;
+            return Err(reject(reason));
+        }
+    };
+    let lane_count = if cpu == ChannelKind::MultiLane {
+        ctx.inner.options.lanes
+    } else {
+        0
+    };
+    let control_token = (kind != TransportKind::Tcp).then(rand::random::<u64>);
+    let reply_token = rand::random::<u64>();
+    let lane_tokens: Vec<u64> = (0..lane_count).map(|_| rand::random()).collect();
+    let mut waiting = Vec::new();
+    {
+        let mut table = shared.tokens.lock().expect("token table");
+        for &t in control_token
+            .iter()
+            .chain(std::iter::once(&reply_token))
+            .chain(&lane_tokens)
+        {
+            let (tx, rx) = oneshot::channel();
+            table.insert(t, tx);
+            waiting.push((t, rx));
+        }
+    }
+    let answer = Answer {
+        name: ctx.inner.options.name.clone(),
+        pid: std::process::id(),
+        cma_probe: cma::probe_address(),
+        transport: kind.name().to_owned(),
+        transport_descriptor: local
+            .iter()
+            .find(|t| t.name == kind.name())
+            .map(|t| t.descriptor.clone())
+            .unwrap_or_default(),
+        address: match kind {
+            TransportKind::Shm => shared.shm_address.clone().unwrap_or_default(),
+            TransportKind::Tcp => shared.tcp_address.clone(),
+        },
+        control_token,
+        reply_token,
+        lane_address: shared.tcp_address.clone(),
+        lane_tokens,
+        channels,
+        choices,
+    };
+    let collected = async {
+        w.write(&[&wire::encode_setup(&Reply::Accept(answer))]).await?;
+        let mut halves = Vec::with_capacity(waiting.len());
+        for (_, rx) in waiting.iter_mut() {
+            halves.push(rx.await.map_err(|_| PipeError::Closed { peer: peer.to_owned() })?);
+        }
+        Ok::<_, PipeError>(halves)
+    }
+    .await;
+    // Whatever happened, no token outlives this setup.
+    {
+        let mut table = shared.tokens.lock().expect("token table");
+        for (t, _) in &waiting {
+            table.remove(t);
+        }
+    }
+    let mut halves = collected?.into_iter();
+    let control = match control_token {
+        Some(_) => halves.next().expect("control connection"),
+        None => (r, w),
+    };
+    let reply = halves.next().expect("reply connection");
+    let lanes: Vec<Halves> = halves.collect();
+    let info = PipeInfo {
+        peer: format!("{}@{peer}", brochure.name),
+        peer_pid: brochure.pid,
+        transport: kind.name(),
+        cpu_channel: cpu,
+        lanes: lanes.len(),
+    };
+    Ok(Pipe::new(
+        info,
+        Links { control, reply, lanes },
+        ctx.inner.options.max_descriptor_bytes,
+    ))
+}

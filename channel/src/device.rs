@@ -1,0 +1,106 @@
+//! Devices and the buffers that live on them.
+//!
+//! A buffer knows its device. CPU buffers are `bytes` types: the sender offers an immutable
+//! [`Bytes`] (cheap to clone, kept alive by the pipe until the receiver has the data, which is
+//! what lets CMA read it in place), and the receiver supplies a [`BytesMut`] of exactly the
+//! tensor's length, which the pipe fills in place and hands back. A CUDA buffer (device pointer
+//! plus stream) joins both enums as a new variant; the pipe only asks a buffer for its device
+//! and length, so it does not change.
+
+use bytes::{Bytes, BytesMut};
+use serde::{Deserialize, Serialize};
+
+/// Where a buffer's memory lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum Device {
+    Cpu,
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => write!(f, "cpu"),
+        }
+    }
+}
+
+/// Memory a sender offers: read by the pipe's channels until the write completes.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum SendBuffer {
+    Cpu(Bytes),
+}
+
+impl SendBuffer {
+    pub fn device(&self) -> Device {
+        match self {
+            SendBuffer::Cpu(_) => Device::Cpu,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            SendBuffer::Cpu(b) => b.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl From<Bytes> for SendBuffer {
+    fn from(b: Bytes) -> Self {
+        SendBuffer::Cpu(b)
+    }
+}
+
+impl From<Vec<u8>> for SendBuffer {
+    fn from(b: Vec<u8>) -> Self {
+        SendBuffer::Cpu(Bytes::from(b))
+    }
+}
+
+/// Memory a receiver supplies for one tensor: filled in place and handed back.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum RecvBuffer {
+    Cpu(BytesMut),
+}
+
+impl RecvBuffer {
+    /// A zeroed CPU buffer of `len` bytes.
+    pub fn cpu(len: usize) -> Self {
+        RecvBuffer::Cpu(BytesMut::zeroed(len))
+    }
+
+    pub fn device(&self) -> Device {
+        match self {
+            RecvBuffer::Cpu(_) => Device::Cpu,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            RecvBuffer::Cpu(b) => b.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The CPU bytes, if this is a CPU buffer.
+    pub fn as_cpu(&self) -> Option<&BytesMut> {
+        match self {
+            RecvBuffer::Cpu(b) => Some(b),
+        }
+    }
+
+    pub fn into_cpu(self) -> Option<BytesMut> {
+        match self {
+            RecvBuffer::Cpu(b) => Some(b),
+        }
+    }
+}

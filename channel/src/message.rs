@@ -1,0 +1,79 @@
+//! Messages, descriptors and allocations: what a pipe carries.
+
+use bytes::{Bytes, BytesMut};
+
+use crate::device::{Device, RecvBuffer, SendBuffer};
+
+/// One message: metadata, payloads (small CPU bytes that travel on the pipe's control stream)
+/// and tensors (any device, moved by channels).
+#[derive(Debug, Clone, Default)]
+pub struct Message {
+    pub metadata: Bytes,
+    pub payloads: Vec<Bytes>,
+    pub tensors: Vec<Tensor>,
+}
+
+/// A tensor of a message.
+#[derive(Debug, Clone)]
+pub struct Tensor {
+    pub buffer: SendBuffer,
+    /// Opaque bytes for the application (shape, dtype, ...).
+    pub metadata: Bytes,
+    /// The device the receiver should place it on; `None` leaves the choice to the receiver.
+    pub target_device: Option<Device>,
+}
+
+impl Tensor {
+    /// A CPU tensor without metadata.
+    pub fn cpu(data: impl Into<Bytes>) -> Self {
+        Tensor {
+            buffer: SendBuffer::Cpu(data.into()),
+            metadata: Bytes::new(),
+            target_device: None,
+        }
+    }
+}
+
+/// A message without its data: what the receiver learns first, to decide where the data goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Descriptor {
+    pub metadata: Bytes,
+    pub payload_lengths: Vec<u64>,
+    pub tensors: Vec<TensorDescriptor>,
+}
+
+/// A tensor without its data.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorDescriptor {
+    pub length: u64,
+    pub source_device: Device,
+    pub target_device: Option<Device>,
+    pub metadata: Bytes,
+}
+
+/// The memory a receiver supplies for one message: one buffer per payload and per tensor, each
+/// exactly as long as the descriptor says. Filled in place and handed back by `Pipe::read`.
+#[derive(Debug, Default)]
+pub struct Allocation {
+    pub payloads: Vec<BytesMut>,
+    pub tensors: Vec<RecvBuffer>,
+}
+
+impl Allocation {
+    /// Fresh zeroed CPU memory for everything `descriptor` announces. (To avoid page faults on
+    /// every message, keep the returned allocation and pass it back for the next one.)
+    pub fn for_descriptor(descriptor: &Descriptor) -> Self {
+        Allocation {
+            payloads: descriptor
+                .payload_lengths
+                .iter()
+                .map(|&l| BytesMut::zeroed(l as usize))
+                .collect(),
+            tensors: descriptor
+                .tensors
+                .iter()
+                .map(|t| RecvBuffer::cpu(t.length as usize))
+                .collect(),
+        }
+    }
+}

@@ -1,0 +1,230 @@
+//! What goes over the wire, and how it is parsed.
+//!
+//! Setup frames (the first frame on every connection, and the server's answer) are wrapped in a
+//! versioned envelope: `b"SLCE"`, a little-endian `u16` protocol version, then a postcard body.
+//! The envelope is checked before the body is decoded, so a peer on another version gets a
+//! clear [`PipeError::VersionMismatch`], never a decoding accident. Frames inside an
+//! established pipe (descriptors, acknowledgements) are plain postcard: the version is settled.
+//!
+//! Every decoder takes bytes from a peer: lengths are bounded by the frame (which the transport
+//! bounded before allocating), and anything that does not parse is a typed error.
+
+use bytes::Bytes;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::device::Device;
+use crate::error::PipeError;
+
+pub const MAGIC: [u8; 4] = *b"SLCE";
+/// The protocol version this build speaks.
+pub const VERSION: u16 = 1;
+const ENVELOPE: usize = 6;
+
+/// Largest setup frame accepted (hello or answer).
+pub const MAX_SETUP_BYTES: usize = 64 * 1024;
+
+/// The first frame of every connection to a Sluice listener.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Hello {
+    /// Open a new pipe; here is what I support.
+    Pipe(Brochure),
+    /// This connection belongs to a pipe being set up (a secondary connection).
+    Join { token: u64 },
+}
+
+/// Everything a client supports, sent in its first frame.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Brochure {
+    pub name: String,
+    pub pid: u32,
+    /// Address of the CMA probe in the sender's memory (see `channel::cma`).
+    pub cma_probe: u64,
+    /// In the client's priority order.
+    pub transports: Vec<TransportOffer>,
+    /// In the client's priority order.
+    pub channels: Vec<ChannelOffer>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TransportOffer {
+    pub name: String,
+    pub descriptor: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChannelOffer {
+    pub name: String,
+    pub devices: Vec<(Device, String)>,
+}
+
+/// The server's reply to a [`Hello::Pipe`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Reply {
+    Accept(Answer),
+    Reject { reason: String },
+}
+
+/// The server's choices, and where the client connects to complete the pipe.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Answer {
+    pub name: String,
+    pub pid: u32,
+    pub cma_probe: u64,
+    pub transport: String,
+    pub transport_descriptor: String,
+    /// Where to open the control connection (when the transport is not the bootstrap one).
+    pub address: String,
+    /// Token of the control connection; `None` keeps the bootstrap connection as control.
+    pub control_token: Option<u64>,
+    pub reply_token: u64,
+    /// Where to open multi-lane connections, and their tokens (empty without multi-lane).
+    pub lane_address: String,
+    pub lane_tokens: Vec<u64>,
+    /// The server's channel offers, so the client can check the choice.
+    pub channels: Vec<ChannelOffer>,
+    pub choices: Vec<ChannelChoice>,
+}
+
+/// The channel chosen for one (server device, client device) pair.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChannelChoice {
+    pub server_device: Device,
+    pub client_device: Device,
+    pub channel: String,
+}
+
+/// The descriptor frame of one message on the control connection.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WireDescriptor {
+    pub seq: u64,
+    pub metadata: Bytes,
+    pub payloads: Vec<u64>,
+    pub tensors: Vec<WireTensor>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WireTensor {
+    pub length: u64,
+    pub source: Device,
+    pub target: Option<Device>,
+    pub metadata: Bytes,
+    /// For CMA: where the bytes sit in the sender's address space.
+    pub address: Option<u64>,
+}
+
+/// Sent on the reply connection once the receiver is done with a message's CMA tensors.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Ack {
+    pub seq: u64,
+}
+
+/// Serializes a setup frame with the versioned envelope.
+pub fn encode_setup<T: Serialize>(value: &T) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64);
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    postcard::to_extend(value, out).expect("serializing to a Vec cannot fail")
+}
+
+/// Parses a setup frame: envelope first, then the body.
+pub fn decode_setup<T: DeserializeOwned>(bytes: &[u8], peer: &str) -> Result<T, PipeError> {
+    if bytes.len() < ENVELOPE || bytes[..4] != MAGIC {
+        return Err(PipeError::Protocol {
+            peer: peer.to_owned(),
+            detail: "not a Sluice frame (bad magic)".into(),
+        });
+    }
+    let theirs = u16::from_le_bytes([bytes[4], bytes[5]]);
+    if theirs != VERSION {
+        return Err(PipeError::VersionMismatch {
+            peer: peer.to_owned(),
+            ours: VERSION,
+            theirs,
+        });
+    }
+    decode(&bytes[ENVELOPE..], peer)
+}
+
+/// Serializes a frame of an established pipe.
+pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+    postcard::to_stdvec(value).expect("serializing to a Vec cannot fail")
+}
+
+/// Parses a frame of an established pipe; trailing bytes are an error.
+pub fn decode<T: DeserializeOwned>(bytes: &[u8], peer: &str) -> Result<T, PipeError> {
+    match postcard::take_from_bytes(bytes) {
+        Ok((value, [])) => Ok(value),
+        Ok((_, rest)) => Err(PipeError::Protocol {
+            peer: peer.to_owned(),
+            detail: format!("{} trailing bytes", rest.len()),
+        }),
+        Err(e) => Err(PipeError::Protocol {
+            peer: peer.to_owned(),
+            detail: format!("malformed frame: {e}"),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn setup_round_trip_and_version_check() {
+        let hello = Hello::Join { token: 7 };
+        let bytes = encode_setup(&hello);
+        assert_eq!(decode_setup::<Hello>(&bytes, "p").unwrap(), hello);
+        let mut other = bytes.clone();
+        other[4] = 9;
+        assert!(matches!(
+            decode_setup::<Hello>(&other, "p"),
+            Err(PipeError::VersionMismatch {
+                theirs: 9,
+                ours: VERSION,
+                ..
+            })
+        ));
+        assert!(matches!(
+            decode_setup::<Hello>(b"GET / HTTP/1.1", "p"),
+            Err(PipeError::Protocol { .. })
+        ));
+        assert!(matches!(
+            decode_setup::<Hello>(&bytes[..bytes.len() - 1], "p"),
+            Err(PipeError::Protocol { .. })
+        ));
+    }
+
+    #[test]
+    fn garbage_never_panics() {
+        // Every prefix and a spread of byte patterns decode to a value or an error.
+        let sample = encode(&WireDescriptor {
+            seq: 3,
+            metadata: Bytes::from_static(b"meta"),
+            payloads: vec![1, 2],
+            tensors: vec![WireTensor {
+                length: 9,
+                source: Device::Cpu,
+                target: None,
+                metadata: Bytes::new(),
+                address: Some(77),
+            }],
+        });
+        for cut in 0..sample.len() {
+            let _ = decode::<WireDescriptor>(&sample[..cut], "p");
+        }
+        let mut x = 0x1234_5678u32;
+        for len in 0..512 {
+            let junk: Vec<u8> = (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 17;
+                    x ^= x << 5;
+                    x as u8
+                })
+                .collect();
+            let _ = decode::<WireDescriptor>(&junk, "p");
+            let _ = decode_setup::<Hello>(&junk, "p");
+        }
+    }
+}

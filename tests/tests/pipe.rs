@@ -1,0 +1,404 @@
+//! The pipe, end to end: negotiation outcomes, every channel over every transport, ordering,
+//! misuse, sticky errors, a real peer process (killed mid-stream), and hostile input on the
+//! listener.
+
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use sluice_channel::{
+    Allocation, ChannelKind, Context, ContextOptions, Message, Pipe, PipeError, RecvBuffer, Tensor, TransportKind,
+};
+use sluice_tests::{pattern, watchdog, PeerProcess};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const PEER: &str = env!("CARGO_BIN_EXE_sluice-test-peer");
+
+fn options(transports: &[TransportKind], channels: &[ChannelKind]) -> ContextOptions {
+    ContextOptions {
+        transports: transports.to_vec(),
+        channels: channels.to_vec(),
+        ..ContextOptions::default()
+    }
+}
+
+async fn pair_with(opts: ContextOptions) -> (Pipe, Pipe) {
+    let server = Context::new(opts.clone()).unwrap();
+    let client = Context::new(opts).unwrap();
+    let mut listener = server.listen("").await.unwrap();
+    let addr = listener.address().to_owned();
+    let (c, s) = tokio::join!(client.connect(&addr), listener.accept());
+    (c.expect("connect"), s.expect("accept"))
+}
+
+fn message(seq: u64, sizes: &[usize]) -> Message {
+    Message {
+        metadata: Bytes::from(format!("message {seq}")),
+        payloads: vec![Bytes::from(pattern(seq, 10)), Bytes::new()],
+        tensors: sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| Tensor::cpu(pattern(seq * 31 + i as u64, n)))
+            .collect(),
+    }
+}
+
+async fn receive(pipe: &Pipe) -> Allocation {
+    let d = pipe.read_descriptor().await.expect("descriptor");
+    pipe.read(Allocation::for_descriptor(&d)).await.expect("read")
+}
+
+fn check(seq: u64, sizes: &[usize], got: &Allocation) {
+    assert_eq!(&got.payloads[0][..], &pattern(seq, 10)[..]);
+    assert!(got.payloads[1].is_empty());
+    for (i, &n) in sizes.iter().enumerate() {
+        let t = got.tensors[i].as_cpu().unwrap();
+        assert_eq!(t.len(), n);
+        assert!(
+            t[..] == pattern(seq * 31 + i as u64, n)[..],
+            "message {seq} tensor {i} corrupted"
+        );
+    }
+}
+
+/// Both directions at once, many messages, mixed sizes: intact and in order.
+async fn exercise(a: Pipe, b: Pipe) {
+    const N: u64 = 40;
+    let sizes = [0usize, 1, 4099, (1 << 20) + 3, 3 << 20];
+    let send = |p: Pipe| async move {
+        for i in 0..N {
+            p.write(&message(i, &sizes)).await.expect("write");
+        }
+    };
+    let recv = |p: Pipe| async move {
+        for i in 0..N {
+            let got = receive(&p).await;
+            check(i, &sizes, &got);
+        }
+    };
+    let t = [
+        tokio::spawn(send(a.clone())),
+        tokio::spawn(send(b.clone())),
+        tokio::spawn(recv(a)),
+        tokio::spawn(recv(b)),
+    ];
+    for t in t {
+        t.await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_negotiation_picks_shm_and_cma_on_one_host() {
+    watchdog("default pipe", async {
+        let (a, b) = pair_with(ContextOptions::default()).await;
+        for p in [&a, &b] {
+            assert_eq!(p.info().transport, "shm");
+            assert_eq!(p.info().cpu_channel, ChannelKind::Cma);
+        }
+        exercise(a, b).await;
+    })
+    .await
+}
+
+macro_rules! channel_over_transport {
+    ($name:ident, $transport:expr, $channel:expr) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            watchdog(stringify!($name), async {
+                let (a, b) = pair_with(options(&[$transport], &[$channel])).await;
+                assert_eq!(a.info().transport, $transport.name());
+                assert_eq!(a.info().cpu_channel, $channel);
+                assert_eq!(b.info().cpu_channel, $channel);
+                exercise(a, b).await;
+            })
+            .await
+        }
+    };
+}
+
+channel_over_transport!(basic_over_tcp, TransportKind::Tcp, ChannelKind::Basic);
+channel_over_transport!(basic_over_shm, TransportKind::Shm, ChannelKind::Basic);
+channel_over_transport!(cma_over_tcp, TransportKind::Tcp, ChannelKind::Cma);
+channel_over_transport!(cma_over_shm, TransportKind::Shm, ChannelKind::Cma);
+channel_over_transport!(multilane_over_tcp, TransportKind::Tcp, ChannelKind::MultiLane);
+channel_over_transport!(multilane_over_shm, TransportKind::Shm, ChannelKind::MultiLane);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_common_channel_is_a_clear_error_on_both_sides() {
+    watchdog("no common channel", async {
+        let server = Context::new(options(&[TransportKind::Tcp], &[ChannelKind::Basic])).unwrap();
+        let client = Context::new(options(&[TransportKind::Tcp], &[ChannelKind::MultiLane])).unwrap();
+        let mut listener = server.listen("").await.unwrap();
+        let addr = listener.address().to_owned();
+        let (c, s) = tokio::join!(client.connect(&addr), listener.accept());
+        assert!(
+            matches!(c, Err(PipeError::Rejected { ref reason, .. }) if reason.contains("channel")),
+            "{c:?}"
+        );
+        assert!(matches!(s, Err(PipeError::Negotiation { .. })), "{s:?}");
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_common_transport_is_a_clear_error() {
+    watchdog("no common transport", async {
+        let server = Context::new(options(&[TransportKind::Shm], &[ChannelKind::Basic])).unwrap();
+        let client = Context::new(options(&[TransportKind::Tcp], &[ChannelKind::Basic])).unwrap();
+        let mut listener = server.listen("").await.unwrap();
+        let addr = listener.address().to_owned();
+        let (c, s) = tokio::join!(client.connect(&addr), listener.accept());
+        assert!(
+            matches!(c, Err(PipeError::Rejected { ref reason, .. }) if reason.contains("transport")),
+            "{c:?}"
+        );
+        assert!(s.is_err());
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn misuse_is_reported_and_leaves_the_pipe_usable() {
+    watchdog("misuse", async {
+        let (a, b) = pair_with(ContextOptions::default()).await;
+        let err = b
+            .read(Allocation::default())
+            .await
+            .expect_err("read without descriptor");
+        assert!(matches!(err.error, PipeError::Misuse(_)));
+        // A CMA write completes once the receiver pulled the data: run it on its own task.
+        let writer = tokio::spawn(async move { a.write(&message(0, &[100])).await });
+        let d = b.read_descriptor().await.unwrap();
+        assert!(matches!(b.read_descriptor().await, Err(PipeError::Misuse(_))));
+        // Wrong size: refused, and the allocation comes back.
+        let wrong = Allocation {
+            payloads: vec![BytesMut::zeroed(10), BytesMut::new()],
+            tensors: vec![RecvBuffer::cpu(99)],
+        };
+        let err = b.read(wrong).await.expect_err("wrong allocation");
+        assert!(matches!(err.error, PipeError::Misuse(_)));
+        assert_eq!(err.allocation.tensors[0].len(), 99);
+        let got = b.read(Allocation::for_descriptor(&d)).await.unwrap();
+        check(0, &[100], &got);
+        writer.await.unwrap().unwrap();
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receiver_memory_is_reused_in_place() {
+    watchdog("reuse", async {
+        let (a, b) = pair_with(ContextOptions::default()).await;
+        let mut alloc = None;
+        let writer = tokio::spawn(async move {
+            for i in 0..5 {
+                a.write(&message(i, &[2 << 20])).await.unwrap();
+            }
+        });
+        for i in 0..5 {
+            let d = b.read_descriptor().await.unwrap();
+            let given = alloc.take().unwrap_or_else(|| Allocation::for_descriptor(&d));
+            let ptr = given.tensors[0].as_cpu().unwrap().as_ptr();
+            let got = b.read(given).await.unwrap();
+            assert_eq!(
+                got.tensors[0].as_cpu().unwrap().as_ptr(),
+                ptr,
+                "data must land in the supplied memory"
+            );
+            check(i, &[2 << 20], &got);
+            alloc = Some(got);
+        }
+        writer.await.unwrap();
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_error_is_sticky_and_fails_pending_operations() {
+    watchdog("sticky errors", async {
+        let (a, b) = pair_with(ContextOptions::default()).await;
+        let pending = tokio::spawn({
+            let b = b.clone();
+            async move { b.read_descriptor().await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        a.close();
+        let err = pending.await.unwrap().expect_err("peer closed");
+        assert!(err.is_peer_lost(), "{err:?}");
+        let again = b.write(&message(0, &[1])).await.expect_err("sticky");
+        assert_eq!(again.to_string(), err.to_string());
+        assert!(matches!(
+            a.write(&message(0, &[1])).await,
+            Err(PipeError::Closed { .. })
+        ));
+    })
+    .await
+}
+
+/// A real second process echoes every message back; then it is killed with SIGKILL while we
+/// wait, and the wait fails promptly with a peer-lost error.
+async fn echo_with_peer(channel: &str) {
+    let ctx = Context::new(ContextOptions::default()).unwrap();
+    let mut listener = ctx.listen("").await.unwrap();
+    let mut peer = PeerProcess::spawn(PEER, &["pipe-echo", listener.address(), channel]);
+    let pipe = listener.accept().await.expect("peer pipe");
+    assert_eq!(pipe.info().cpu_channel.name(), channel);
+    let sizes = [5, (4 << 20) + 1];
+    let writer = tokio::spawn({
+        let pipe = pipe.clone();
+        async move {
+            for i in 0..10 {
+                pipe.write(&message(i, &sizes)).await.unwrap();
+            }
+        }
+    });
+    for i in 0..10 {
+        check(i, &sizes, &receive(&pipe).await);
+    }
+    writer.await.unwrap();
+    let pending = tokio::spawn({
+        let pipe = pipe.clone();
+        async move { pipe.read_descriptor().await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    peer.kill();
+    let err = pending.await.unwrap().expect_err("peer killed");
+    assert!(err.is_peer_lost(), "{err:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cma_with_a_real_peer_process() {
+    watchdog("cma peer", echo_with_peer("cma")).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn basic_with_a_real_peer_process() {
+    watchdog("basic peer", echo_with_peer("basic")).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multilane_with_a_real_peer_process() {
+    watchdog("multilane peer", echo_with_peer("multilane")).await
+}
+
+// ---- Hostile input on the listener ----
+
+async fn hostile_listener() -> (sluice_channel::PipeListener, String) {
+    let opts = ContextOptions {
+        setup_timeout: Duration::from_millis(500),
+        ..ContextOptions::default()
+    };
+    let listener = Context::new(opts).unwrap().listen("").await.unwrap();
+    let addr = listener.address().to_owned();
+    (listener, addr)
+}
+
+async fn send_raw(addr: &str, bytes: &[u8]) -> tokio::net::TcpStream {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(bytes).await.unwrap();
+    s
+}
+
+fn frame(body: &[u8]) -> Vec<u8> {
+    let mut f = (body.len() as u64).to_le_bytes().to_vec();
+    f.extend_from_slice(body);
+    f
+}
+
+/// After each bad connection the listener still opens a good pipe.
+async fn still_serves(listener: &mut sluice_channel::PipeListener, addr: &str) {
+    let client = Context::new(ContextOptions::default()).unwrap();
+    let (c, s) = tokio::join!(client.connect(addr), listener.accept());
+    c.expect("good client after bad input");
+    s.expect("listener still serving");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_bytes_are_a_protocol_error() {
+    watchdog("garbage", async {
+        let (mut listener, addr) = hostile_listener().await;
+        let _s = send_raw(&addr, &frame(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")).await;
+        let err = listener.accept().await.expect_err("garbage");
+        assert!(matches!(err, PipeError::Protocol { .. }), "{err:?}");
+        still_serves(&mut listener, &addr).await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncated_frame_is_a_peer_lost_error() {
+    watchdog("truncated", async {
+        let (mut listener, addr) = hostile_listener().await;
+        let mut bytes = frame(b"SLCE\x01\x00 and then some more bytes");
+        bytes.truncate(bytes.len() - 10);
+        let s = send_raw(&addr, &bytes).await;
+        drop(s);
+        let err = listener.accept().await.expect_err("truncated");
+        assert!(err.is_peer_lost(), "{err:?}");
+        still_serves(&mut listener, &addr).await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn absurd_length_prefix_is_refused_without_allocating() {
+    watchdog("absurd length", async {
+        let (mut listener, addr) = hostile_listener().await;
+        let _s = send_raw(&addr, &(1u64 << 63).to_le_bytes()).await;
+        let err = listener.accept().await.expect_err("absurd length");
+        assert!(
+            matches!(err, PipeError::Transport(sluice_transport::TransportError::FrameTooLarge { len, .. }) if len == 1 << 63),
+            "{err:?}"
+        );
+        still_serves(&mut listener, &addr).await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_protocol_version_is_refused_with_a_reason() {
+    watchdog("unknown version", async {
+        let (mut listener, addr) = hostile_listener().await;
+        let mut s = send_raw(&addr, &frame(b"SLCE\x63\x00whatever")).await;
+        let err = listener.accept().await.expect_err("version");
+        assert!(matches!(err, PipeError::VersionMismatch { theirs: 99, .. }), "{err:?}");
+        // The peer is told why before the connection closes.
+        let mut reply = Vec::new();
+        s.read_to_end(&mut reply).await.unwrap();
+        let reply: sluice_channel::wire::Reply = sluice_channel::wire::decode_setup(&reply[8..], "server").unwrap();
+        assert!(
+            matches!(reply, sluice_channel::wire::Reply::Reject { ref reason } if reason.contains("version 99")),
+            "{reply:?}"
+        );
+        still_serves(&mut listener, &addr).await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_connection_times_out_and_others_are_served_meanwhile() {
+    watchdog("silent", async {
+        let (mut listener, addr) = hostile_listener().await;
+        let _silent = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        // A good pipe opens while the silent one is still pending.
+        still_serves(&mut listener, &addr).await;
+        let err = listener.accept().await.expect_err("silent");
+        assert!(matches!(err, PipeError::Timeout { stage: "hello", .. }), "{err:?}");
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_join_token_is_refused() {
+    watchdog("unknown token", async {
+        let (mut listener, addr) = hostile_listener().await;
+        let hello = sluice_channel::wire::encode_setup(&sluice_channel::wire::Hello::Join { token: 42 });
+        let _s = send_raw(&addr, &frame(&hello)).await;
+        let err = listener.accept().await.expect_err("token");
+        assert!(
+            matches!(err, PipeError::Protocol { ref detail, .. } if detail.contains("token")),
+            "{err:?}"
+        );
+        still_serves(&mut listener, &addr).await;
+    })
+    .await
+}
