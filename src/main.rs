@@ -1,1 +1,127 @@
-fn main() {}
+//! The `sluice` command line: `sluice bench` measures every transport and pipe channel against
+//! raw baselines measured in the same run.
+
+use std::io::{BufRead, Write};
+use std::process::{Command, Stdio};
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use sluice_benches::{report, BenchOptions};
+
+#[derive(Parser)]
+#[command(
+    name = "sluice",
+    version,
+    about = "Moves tensors between processes over the fastest path each pair of peers shares"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Commands,
+}
+
+#[derive(Subcommand)]
+enum Commands {
+    /// Round-trip latency and bandwidth of every transport and channel, with raw baselines.
+    ///
+    /// Without --listen/--connect it spawns its own peer process on localhost.
+    Bench {
+        /// Short smoke run: three sizes, short budgets.
+        #[arg(long)]
+        quick: bool,
+        /// Write one JSON object per result to FILE.
+        #[arg(long, value_name = "FILE")]
+        json: Option<std::path::PathBuf>,
+        /// Run only the peer side, listening on ADDR (e.g. 0.0.0.0:7000) until killed.
+        #[arg(long, value_name = "ADDR", conflicts_with = "connect")]
+        listen: Option<String>,
+        /// Measure against a peer started elsewhere with --listen.
+        #[arg(long, value_name = "ADDR")]
+        connect: Option<String>,
+        /// Comma-separated suites: raw, transport, pipe, idle.
+        #[arg(long, default_value = "raw,transport,pipe,idle", value_delimiter = ',')]
+        suites: Vec<String>,
+        /// Seconds over which the idle pipe's CPU use is measured (default 5, 1 with --quick).
+        #[arg(long)]
+        idle_seconds: Option<f64>,
+    },
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    let Commands::Bench {
+        quick,
+        json,
+        listen,
+        connect,
+        suites,
+        idle_seconds,
+    } = Cli::parse().command;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    if let Some(addr) = listen {
+        return runtime.block_on(sluice_benches::peer::serve(&addr, |a| {
+            println!("READY {a}");
+            let _ = std::io::stdout().flush();
+        }));
+    }
+    let options = BenchOptions {
+        quick,
+        suites,
+        idle_seconds: idle_seconds.unwrap_or(if quick { 1.0 } else { 5.0 }),
+    };
+    let (addr, _peer) = match connect {
+        Some(a) => (a, None),
+        None => {
+            let peer = PeerChild::spawn()?;
+            (peer.address.clone(), Some(peer))
+        }
+    };
+    let records = runtime.block_on(sluice_benches::run(&options, &addr))?;
+    print!("{}", report::table(&records));
+    if let Some(path) = json {
+        let mut f = std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+        for r in &records {
+            writeln!(f, "{}", r.json())?;
+        }
+        eprintln!("wrote {} results to {}", records.len(), path.display());
+    }
+    Ok(())
+}
+
+/// The peer process `sluice bench` starts for itself; killed when dropped.
+struct PeerChild {
+    child: std::process::Child,
+    address: String,
+}
+
+impl PeerChild {
+    fn spawn() -> anyhow::Result<PeerChild> {
+        let exe = std::env::current_exe()?;
+        let mut child = Command::new(exe)
+            .args(["bench", "--listen", "127.0.0.1:0"])
+            .stdout(Stdio::piped())
+            .stdin(Stdio::null())
+            .spawn()
+            .context("starting the peer process")?;
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line)?;
+        let address = line
+            .trim()
+            .strip_prefix("READY ")
+            .context("peer did not report its address")?
+            .to_owned();
+        Ok(PeerChild { child, address })
+    }
+}
+
+impl Drop for PeerChild {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

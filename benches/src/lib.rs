@@ -1,1 +1,20 @@
+//! The benchmark behind `sluice bench`: round-trip latency and one-way bandwidth of every
+//! transport and pipe channel, next to raw baselines measured in the same run, so each result
+//! is reported as a ratio that survives a noisy, shared machine.
+//!
+//! Layout: [`peer`] is the other side (a process this one spawns on localhost, or `--listen` on
+//! another host); [`raw`] holds the baselines (busy-poll ping-pong over a shared atomic, raw TCP
+//! ping-pong and stream with the same tokio waiting strategy as the TCP transport, memcpy);
+//! [`run`] drives the suites and [`report`] prints the table and the JSON lines.
+//!
+//! Nothing here asserts a speed: targets are checked by reading the ratios.
 
+#![forbid(unsafe_code)]
+
+pub mod peer;
+pub mod raw;
+pub mod report;
+pub mod run;
+
+pub use report::Record;
+pub use run::{run, BenchOptions};

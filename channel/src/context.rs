@@ -207,13 +207,13 @@ impl Context {
     pub async fn connect(&self, addr: &str) -> Result<Pipe> {
         let timeout = self.inner.options.setup_timeout;
         let conn = self.inner.tcp.connect(addr).await?;
-        let peer = format!("{addr}");
+        let peer = addr.to_string();
         let staged = async {
             let (mut r, mut w) = AnyConnection::from(conn).split();
             w.write(&[&wire::encode_setup(&Hello::Pipe(self.brochure()))]).await?;
             let reply = r.read_vec(wire::MAX_SETUP_BYTES).await?;
             let answer = match wire::decode_setup::<Reply>(&reply, &peer)? {
-                Reply::Accept(a) => a,
+                Reply::Accept(a) => *a,
                 Reply::Reject { reason } => {
                     return Err(PipeError::Rejected {
                         peer: peer.clone(),
@@ -579,7 +579,8 @@ async fn serve_pipe(shared: &ListenerShared, peer: &str, bootstrap: Halves, broc
         choices,
     };
     let collected = async {
-        w.write(&[&wire::encode_setup(&Reply::Accept(answer))]).await?;
+        w.write(&[&wire::encode_setup(&Reply::Accept(Box::new(answer)))])
+            .await?;
         let mut halves = Vec::with_capacity(waiting.len());
         for (_, rx) in waiting.iter_mut() {
             halves.push(rx.await.map_err(|_| PipeError::Closed { peer: peer.to_owned() })?);

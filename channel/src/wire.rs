@@ -61,7 +61,7 @@ pub struct ChannelOffer {
 /// The server's reply to a [`Hello::Pipe`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Reply {
-    Accept(Answer),
+    Accept(Box<Answer>),
     Reject { reason: String },
 }
 

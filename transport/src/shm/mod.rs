@@ -463,7 +463,7 @@ impl Shared {
                     return Ok(());
                 }
                 spins = spins.wrapping_add(1);
-                if spins % 64 == 0 && start.elapsed() >= self.spin {
+                if spins.is_multiple_of(64) && start.elapsed() >= self.spin {
                     break;
                 }
                 std::hint::spin_loop();

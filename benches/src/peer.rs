@@ -1,0 +1,151 @@
+//! The benchmark's other side. One pipe listener is the entry point; the addresses of the raw
+//! TCP, TCP-transport and shared-memory listeners are handed out over a pipe ("directory"), so
+//! `--listen` on one host and `--connect` on another need only one address.
+//!
+//! Protocols, all driven by the client:
+//! - transport connections: first frame `echo` (every later frame is sent back) or `sink`
+//!   (frames are drained; an empty frame is answered with an empty frame);
+//! - pipe messages: metadata `dir` (reply with addresses), `echo` (send the message back),
+//!   `bw` (drain), `ack` (reply with an empty message);
+//! - raw TCP: see [`crate::raw::serve_raw`].
+
+use std::net::SocketAddr;
+
+use bytes::Bytes;
+use sluice_channel::{Allocation, Context, ContextOptions, Message, Pipe, Tensor};
+use sluice_transport::shm::ShmTransport;
+use sluice_transport::tcp::TcpTransport;
+use sluice_transport::{Connection, FrameReader, FrameWriter, Listener, Transport};
+
+/// Largest frame the echo server accepts.
+pub const MAX_FRAME: usize = 64 << 20;
+
+/// Runs the peer until the process is killed. `ready` gets the pipe address once listening.
+pub async fn serve(listen: &str, ready: impl FnOnce(&str)) -> anyhow::Result<()> {
+    let ctx = Context::new(ContextOptions::default())?;
+    let mut pipes = ctx.listen(listen).await?;
+    let ip = pipes.address().parse::<SocketAddr>()?.ip();
+    let any = SocketAddr::new(ip, 0).to_string();
+    let tcp = TcpTransport::default();
+    let mut tcp_listener = tcp.listen(&any).await?;
+    let shm = ShmTransport::default();
+    let mut shm_listener = match shm.listen("").await {
+        Ok(l) => Some(l),
+        Err(e) => {
+            eprintln!("shm transport unavailable: {e}");
+            None
+        }
+    };
+    let raw = tokio::net::TcpListener::bind(&any).await?;
+    let directory = format!(
+        "tcp={};shm={};raw={}",
+        tcp_listener.address(),
+        shm_listener.as_ref().map(|l| l.address()).unwrap_or_default(),
+        raw.local_addr()?
+    );
+    tokio::spawn(async move {
+        while let Ok(c) = tcp_listener.accept().await {
+            tokio::spawn(serve_transport(c));
+        }
+    });
+    if let Some(mut l) = shm_listener.take() {
+        tokio::spawn(async move {
+            while let Ok(c) = l.accept().await {
+                tokio::spawn(serve_transport(c));
+            }
+        });
+    }
+    tokio::spawn(async move {
+        while let Ok((s, _)) = raw.accept().await {
+            tokio::spawn(async move {
+                let _ = crate::raw::serve_raw(s).await;
+            });
+        }
+    });
+    ready(pipes.address());
+    loop {
+        match pipes.accept().await {
+            Ok(pipe) => {
+                let directory = directory.clone();
+                tokio::spawn(async move {
+                    let _ = serve_pipe(pipe, directory).await;
+                });
+            }
+            Err(e) => eprintln!("bench peer: incoming pipe failed: {e}"),
+        }
+    }
+}
+
+async fn serve_transport<C: Connection>(conn: C) -> anyhow::Result<()> {
+    let (mut r, mut w) = conn.split();
+    let mode = r.read_vec(16).await?;
+    let mut buf = vec![0u8; MAX_FRAME];
+    match &mode[..] {
+        b"echo" => loop {
+            let n = r.read(&mut buf).await?;
+            w.write(&[&buf[..n]]).await?;
+        },
+        b"sink" => loop {
+            if r.read(&mut buf).await? == 0 {
+                w.write(&[]).await?;
+            }
+        },
+        other => anyhow::bail!("unknown transport mode {other:?}"),
+    }
+}
+
+async fn serve_pipe(pipe: Pipe, directory: String) -> anyhow::Result<()> {
+    let mut spare: Option<Allocation> = None;
+    loop {
+        let d = pipe.read_descriptor().await?;
+        // Reuse the previous message's memory when the shape matches: no page faults.
+        let fits = |a: &Allocation| {
+            a.payloads.len() == d.payload_lengths.len()
+                && a.tensors.len() == d.tensors.len()
+                && a.tensors
+                    .iter()
+                    .zip(&d.tensors)
+                    .all(|(b, t)| b.len() as u64 == t.length)
+        };
+        let alloc = match spare.take() {
+            Some(a) if fits(&a) => a,
+            _ => Allocation::for_descriptor(&d),
+        };
+        let got = pipe.read(alloc).await?;
+        match &d.metadata[..] {
+            b"dir" => {
+                pipe.write(&Message {
+                    metadata: Bytes::from(directory.clone()),
+                    ..Message::default()
+                })
+                .await?;
+                spare = Some(got);
+            }
+            b"echo" => {
+                let tensors: Vec<Bytes> = got
+                    .tensors
+                    .into_iter()
+                    .filter_map(|t| t.into_cpu())
+                    .map(|b| b.freeze())
+                    .collect();
+                let message = Message {
+                    metadata: d.metadata.clone(),
+                    payloads: Vec::new(),
+                    tensors: tensors.iter().cloned().map(Tensor::cpu).collect(),
+                };
+                pipe.write(&message).await?;
+                drop(message);
+                // The write is complete, so the pipe holds no reference: take the memory back.
+                let back: Vec<_> = tensors.into_iter().filter_map(|b| b.try_into_mut().ok()).collect();
+                if back.len() == d.tensors.len() {
+                    spare = Some(Allocation {
+                        payloads: got.payloads,
+                        tensors: back.into_iter().map(sluice_channel::RecvBuffer::Cpu).collect(),
+                    });
+                }
+            }
+            b"ack" => pipe.write(&Message::default()).await?,
+            _ => spare = Some(got),
+        }
+    }
+}

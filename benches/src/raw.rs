@@ -1,0 +1,139 @@
+//! Raw baselines, measured in the same run as Sluice's own figures.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_utils::CachePadded;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Busy-poll ping-pong over shared atomics between two threads (two cores): the floor for any
+/// shared-memory round trip. Returns per-round-trip samples in ns.
+pub fn busy_poll_pingpong(budget: Duration, max_iters: usize) -> Vec<f64> {
+    let ping = Arc::new(CachePadded::new(AtomicU64::new(0)));
+    let pong = Arc::new(CachePadded::new(AtomicU64::new(0)));
+    let stop = u64::MAX;
+    let echo = {
+        let (ping, pong) = (ping.clone(), pong.clone());
+        std::thread::spawn(move || {
+            let mut last = 0;
+            loop {
+                let v = ping.load(Ordering::Acquire);
+                if v == stop {
+                    return;
+                }
+                if v != last {
+                    last = v;
+                    pong.store(v, Ordering::Release);
+                }
+                std::hint::spin_loop();
+            }
+        })
+    };
+    let mut samples = Vec::new();
+    let start = Instant::now();
+    let mut i = 0u64;
+    while samples.len() < max_iters && (start.elapsed() < budget || samples.len() < 100) {
+        // Time batches of 64 round trips: the clock costs as much as one round trip.
+        let t = Instant::now();
+        for _ in 0..64 {
+            i += 1;
+            ping.store(i, Ordering::Release);
+            while pong.load(Ordering::Acquire) != i {
+                std::hint::spin_loop();
+            }
+        }
+        samples.push(t.elapsed().as_nanos() as f64 / 64.0);
+    }
+    ping.store(stop, Ordering::Release);
+    echo.join().expect("echo thread");
+    samples
+}
+
+/// Single-thread memcpy of `len` bytes between warm buffers, in GB/s.
+pub fn memcpy_gbps(len: usize, budget: Duration) -> (f64, u64) {
+    let src = vec![1u8; len];
+    let mut dst = vec![0u8; len];
+    dst.copy_from_slice(&src);
+    let start = Instant::now();
+    let mut n = 0u64;
+    while n < 3 || start.elapsed() < budget {
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&mut dst);
+        n += 1;
+    }
+    (len as f64 * n as f64 / start.elapsed().as_secs_f64() / 1e9, n)
+}
+
+/// Raw TCP ping-pong of `len`-byte messages with the peer's raw echo server (tokio streams,
+/// `TCP_NODELAY`: the same waiting strategy as the TCP transport, without framing).
+pub async fn tcp_pingpong(addr: &str, len: usize, budget: Duration, max_iters: usize) -> anyhow::Result<Vec<f64>> {
+    let mut s = TcpStream::connect(addr).await?;
+    s.set_nodelay(true)?;
+    s.write_all(b"e").await?;
+    s.write_all(&(len as u64).to_le_bytes()).await?;
+    let out = vec![7u8; len];
+    let mut back = vec![0u8; len];
+    let mut samples = Vec::new();
+    let start = Instant::now();
+    while samples.len() < max_iters && (start.elapsed() < budget || samples.len() < 3) {
+        let t = Instant::now();
+        s.write_all(&out).await?;
+        s.read_exact(&mut back).await?;
+        samples.push(t.elapsed().as_nanos() as f64);
+    }
+    Ok(samples)
+}
+
+/// Raw TCP stream: `len`-byte writes, the peer drains and acknowledges each batch. GB/s.
+pub async fn tcp_stream(addr: &str, len: usize, budget: Duration) -> anyhow::Result<(f64, u64)> {
+    let mut s = TcpStream::connect(addr).await?;
+    s.set_nodelay(true)?;
+    s.write_all(b"s").await?;
+    s.write_all(&(len as u64).to_le_bytes()).await?;
+    let out = vec![7u8; len];
+    let batch = batch_for(len);
+    let start = Instant::now();
+    let mut n = 0u64;
+    let mut ack = [0u8; 1];
+    while n < 3 || start.elapsed() < budget {
+        for _ in 0..batch {
+            s.write_all(&out).await?;
+        }
+        s.read_exact(&mut ack).await?;
+        n += batch as u64;
+    }
+    Ok((len as f64 * n as f64 / start.elapsed().as_secs_f64() / 1e9, n))
+}
+
+/// Messages per acknowledged batch in streaming measurements: about 8 MiB, at least one.
+pub fn batch_for(len: usize) -> usize {
+    ((8 << 20) / len.max(1)).clamp(1, 1024)
+}
+
+/// The raw server side: `e` + len: echo `len`-byte messages; `s` + len: drain batches of
+/// `batch_for(len)` messages and answer each with one byte.
+pub async fn serve_raw(mut s: TcpStream) -> anyhow::Result<()> {
+    s.set_nodelay(true)?;
+    let mut mode = [0u8; 1];
+    s.read_exact(&mut mode).await?;
+    let mut len = [0u8; 8];
+    s.read_exact(&mut len).await?;
+    let len = u64::from_le_bytes(len) as usize;
+    anyhow::ensure!(len <= 1 << 30, "raw message of {len} bytes refused");
+    let mut buf = vec![0u8; len];
+    match mode[0] {
+        b'e' => loop {
+            s.read_exact(&mut buf).await?;
+            s.write_all(&buf).await?;
+        },
+        b's' => loop {
+            for _ in 0..batch_for(len) {
+                s.read_exact(&mut buf).await?;
+            }
+            s.write_all(&[1]).await?;
+        },
+        m => anyhow::bail!("unknown raw mode {m}"),
+    }
+}

@@ -1,0 +1,130 @@
+//! Results: one [`Record`] per (suite, backend, metric, size), printed as a table and written as
+//! JSON lines.
+
+use serde::Serialize;
+
+/// One measurement. `p50_ns`/`p99_ns` for round trips, `gbps` (GB/s, 10^9 bytes) for bandwidth.
+#[derive(Debug, Clone, Serialize)]
+pub struct Record {
+    pub suite: &'static str,
+    pub backend: String,
+    pub metric: &'static str,
+    pub bytes: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub p50_ns: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub p99_ns: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gbps: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_percent: Option<f64>,
+    pub iterations: u64,
+    /// Name of the baseline this result is compared with (empty for baselines themselves).
+    pub baseline: String,
+    /// Ours over baseline: latency ratio for `rtt` (lower is better), bandwidth ratio for `bw`
+    /// (higher is better).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ratio: Option<f64>,
+}
+
+impl Record {
+    pub fn rtt(suite: &'static str, backend: impl Into<String>, bytes: usize, mut samples: Vec<f64>) -> Record {
+        samples.sort_by(|a, b| a.total_cmp(b));
+        let pick = |q: f64| samples[((samples.len() as f64 - 1.0) * q).round() as usize];
+        Record {
+            suite,
+            backend: backend.into(),
+            metric: "rtt",
+            bytes: bytes as u64,
+            p50_ns: Some(pick(0.5)),
+            p99_ns: Some(pick(0.99)),
+            gbps: None,
+            cpu_percent: None,
+            iterations: samples.len() as u64,
+            baseline: String::new(),
+            ratio: None,
+        }
+    }
+
+    pub fn bw(suite: &'static str, backend: impl Into<String>, bytes: usize, gbps: f64, iterations: u64) -> Record {
+        Record {
+            suite,
+            backend: backend.into(),
+            metric: "bw",
+            bytes: bytes as u64,
+            p50_ns: None,
+            p99_ns: None,
+            gbps: Some(gbps),
+            cpu_percent: None,
+            iterations,
+            baseline: String::new(),
+            ratio: None,
+        }
+    }
+
+    /// Sets the baseline and the ratio against it.
+    pub fn against(&mut self, baseline: &Record) {
+        self.baseline = format!("{}/{}", baseline.suite, baseline.backend);
+        self.ratio = match self.metric {
+            "rtt" => Some(self.p50_ns.unwrap_or(0.0) / baseline.p50_ns.unwrap_or(f64::NAN)),
+            _ => Some(self.gbps.unwrap_or(0.0) / baseline.gbps.unwrap_or(f64::NAN)),
+        };
+    }
+
+    pub fn json(&self) -> String {
+        serde_json::to_string(self).expect("records serialize")
+    }
+}
+
+pub fn human_bytes(n: u64) -> String {
+    match n {
+        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{} MiB", n >> 20),
+        n if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{} KiB", n >> 10),
+        n => format!("{n} B"),
+    }
+}
+
+fn human_ns(ns: f64) -> String {
+    if ns >= 1e6 {
+        format!("{:.2} ms", ns / 1e6)
+    } else {
+        format!("{:.2} µs", ns / 1e3)
+    }
+}
+
+/// The results as an aligned text table.
+pub fn table(records: &[Record]) -> String {
+    let mut out = format!(
+        "{:<10} {:<16} {:<6} {:>9} {:>12} {:>12} {:>10}  {:<24} {:>7}\n",
+        "suite", "backend", "metric", "size", "p50", "p99", "GB/s", "baseline", "ratio"
+    );
+    for r in records {
+        let (p50, p99, gbps) = match r.metric {
+            "rtt" => (
+                human_ns(r.p50_ns.unwrap_or(0.0)),
+                human_ns(r.p99_ns.unwrap_or(0.0)),
+                String::new(),
+            ),
+            "cpu" => (
+                String::new(),
+                String::new(),
+                format!("{:.2}% cpu", r.cpu_percent.unwrap_or(0.0)),
+            ),
+            _ => (String::new(), String::new(), format!("{:.2}", r.gbps.unwrap_or(0.0))),
+        };
+        let ratio = r.ratio.map(|x| format!("{x:.2}x")).unwrap_or_default();
+        out.push_str(&format!(
+            "{:<10} {:<16} {:<6} {:>9} {:>12} {:>12} {:>10}  {:<24} {:>7}\n",
+            r.suite,
+            r.backend,
+            r.metric,
+            human_bytes(r.bytes),
+            p50,
+            p99,
+            gbps,
+            r.baseline,
+            ratio
+        ));
+    }
+    out
+}
