@@ -261,7 +261,7 @@ impl Pipe {
             let SendBuffer::Cpu(bytes) = &t.buffer;
             match channel {
                 ChannelKind::Basic => side.control.write(&[bytes]).await?,
-                ChannelKind::MultiLane => send_lanes(&mut side.lanes, bytes).await?,
+                ChannelKind::MultiLane => send_lanes(&mut side.lanes, bytes, &self.inner.info.peer).await?,
                 ChannelKind::Cma => cma_pending = true,
             }
         }
@@ -379,7 +379,7 @@ impl Pipe {
             let RecvBuffer::Cpu(dst) = buf;
             match self.channel_for(t.source, t.target.unwrap_or(t.source))? {
                 ChannelKind::Basic => read_exact_frame(&mut side.control, dst, &self.inner).await?,
-                ChannelKind::MultiLane => recv_lanes(&mut side.lanes, dst).await?,
+                ChannelKind::MultiLane => recv_lanes(&mut side.lanes, dst, &self.inner.info.peer).await?,
                 ChannelKind::Cma => {
                     cma = true;
                     let address = t.address.expect("checked in read_descriptor");
@@ -460,42 +460,63 @@ async fn cma_read(pid: i32, address: u64, dst: &mut BytesMut) -> std::result::Re
     result.map_err(|e| e.to_string())
 }
 
-/// Sends `bytes` over the lanes, one piece per lane, all lanes at once.
-async fn send_lanes(lanes: &mut Vec<AnyWriter>, bytes: &Bytes) -> Result<()> {
-    let pieces = multilane::pieces(bytes.len(), lanes.len());
-    let mut tasks = Vec::with_capacity(pieces.len());
-    let taken: Vec<AnyWriter> = lanes.drain(..pieces.len()).collect();
-    for (mut lane, range) in taken.into_iter().zip(pieces) {
-        let piece = bytes.slice(range);
-        tasks.push(tokio::spawn(async move {
-            let r = lane.write(&[&piece]).await;
-            (lane, r)
-        }));
-    }
-    let mut first_error = None;
+/// What one lane task hands back: its lane, what it carried (if anything), and how it went.
+type LaneOutcome<L, X> = (L, X, std::result::Result<(), sluice_transport::TransportError>);
+
+/// Awaits the lane tasks in lane order and puts the lanes back in front (keeping lane order).
+/// Returns what each finished task carried, even when one failed, and the first error (naming
+/// the peer).
+async fn join_lanes<L, X>(
+    lanes: &mut Vec<L>,
+    tasks: Vec<tokio::task::JoinHandle<LaneOutcome<L, X>>>,
+    peer: &str,
+) -> (Vec<X>, Result<()>) {
+    let mut first_error: Option<PipeError> = None;
     let mut returned = Vec::with_capacity(tasks.len());
+    let mut carried = Vec::with_capacity(tasks.len());
     for t in tasks {
-        let (lane, r) = t.await.map_err(|e| PipeError::Channel {
-            peer: String::new(),
-            channel: "multilane",
-            detail: e.to_string(),
-        })?;
-        returned.push(lane);
-        if let Err(e) = r {
-            first_error.get_or_insert(e);
+        match t.await {
+            Ok((lane, x, r)) => {
+                returned.push(lane);
+                carried.push(x);
+                if let Err(e) = r {
+                    first_error.get_or_insert(e.into());
+                }
+            }
+            Err(e) => {
+                first_error.get_or_insert(PipeError::Channel {
+                    peer: peer.to_owned(),
+                    channel: "multilane",
+                    detail: e.to_string(),
+                });
+            }
         }
     }
-    // Keep lane order: the used lanes go back in front.
     returned.append(lanes);
     *lanes = returned;
-    match first_error {
-        Some(e) => Err(e.into()),
-        None => Ok(()),
-    }
+    (carried, first_error.map_or(Ok(()), Err))
+}
+
+/// Sends `bytes` over the lanes, one piece per lane, all lanes at once.
+async fn send_lanes(lanes: &mut Vec<AnyWriter>, bytes: &Bytes, peer: &str) -> Result<()> {
+    let pieces = multilane::pieces(bytes.len(), lanes.len());
+    let taken: Vec<AnyWriter> = lanes.drain(..pieces.len()).collect();
+    let tasks = taken
+        .into_iter()
+        .zip(pieces)
+        .map(|(mut lane, range)| {
+            let piece = bytes.slice(range);
+            tokio::spawn(async move {
+                let r = lane.write(&[&piece]).await;
+                (lane, (), r)
+            })
+        })
+        .collect();
+    join_lanes(lanes, tasks, peer).await.1
 }
 
 /// Receives a tensor's pieces from the lanes straight into `dst`, all lanes at once.
-async fn recv_lanes(lanes: &mut Vec<AnyReader>, dst: &mut BytesMut) -> Result<()> {
+async fn recv_lanes(lanes: &mut Vec<AnyReader>, dst: &mut BytesMut, peer: &str) -> Result<()> {
     let pieces = multilane::pieces(dst.len(), lanes.len());
     let mut whole = std::mem::take(dst);
     let mut chunks = Vec::with_capacity(pieces.len());
@@ -504,43 +525,31 @@ async fn recv_lanes(lanes: &mut Vec<AnyReader>, dst: &mut BytesMut) -> Result<()
     }
     chunks.reverse();
     let taken: Vec<AnyReader> = lanes.drain(..pieces.len()).collect();
-    let mut tasks = Vec::with_capacity(chunks.len());
-    for (mut lane, mut chunk) in taken.into_iter().zip(chunks) {
-        tasks.push(tokio::spawn(async move {
-            let r = lane.read(&mut chunk).await.and_then(|n| {
-                if n == chunk.len() {
-                    Ok(())
-                } else {
-                    Err(sluice_transport::TransportError::FrameTooLarge {
-                        peer: lane.peer().to_owned(),
-                        len: n as u64,
-                        limit: chunk.len(),
-                    })
-                }
-            });
-            (lane, chunk, r)
-        }));
-    }
-    let mut first_error = None;
-    let mut returned = Vec::with_capacity(tasks.len());
-    for t in tasks {
-        let (lane, chunk, r) = t.await.map_err(|e| PipeError::Channel {
-            peer: String::new(),
-            channel: "multilane",
-            detail: e.to_string(),
-        })?;
-        returned.push(lane);
+    let tasks = taken
+        .into_iter()
+        .zip(chunks)
+        .map(|(mut lane, mut chunk)| {
+            tokio::spawn(async move {
+                let r = lane.read(&mut chunk).await.and_then(|n| {
+                    if n == chunk.len() {
+                        Ok(())
+                    } else {
+                        Err(sluice_transport::TransportError::FrameTooLarge {
+                            peer: lane.peer().to_owned(),
+                            len: n as u64,
+                            limit: chunk.len(),
+                        })
+                    }
+                });
+                (lane, chunk, r)
+            })
+        })
+        .collect();
+    let (chunks, result) = join_lanes(lanes, tasks, peer).await;
+    for chunk in chunks {
         // Pieces were split off one allocation in order, so this re-joins without copying.
         whole.unsplit(chunk);
-        if let Err(e) = r {
-            first_error.get_or_insert(e);
-        }
     }
     *dst = whole;
-    returned.append(lanes);
-    *lanes = returned;
-    match first_error {
-        Some(e) => Err(e.into()),
-        None => Ok(()),
-    }
+    result
 }
