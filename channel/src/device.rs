@@ -15,12 +15,38 @@ use serde::{Deserialize, Serialize};
 #[non_exhaustive]
 pub enum Device {
     Cpu,
+    /// A CUDA device by its index in this process. (Channels that move CUDA memory arrive with
+    /// the CUDA issue; today the id exists so device maps can name GPUs.)
+    Cuda(u32),
 }
 
 impl std::fmt::Display for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Device::Cpu => write!(f, "cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+/// A device name that does not parse (`cpu`, `cuda`, `cuda:N`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{0}` is not a device: expected `cpu`, `cuda` or `cuda:N`")]
+pub struct BadDevice(pub String);
+
+impl std::str::FromStr for Device {
+    type Err = BadDevice;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.trim();
+        match t {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => t
+                .strip_prefix("cuda:")
+                .and_then(|i| i.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| BadDevice(s.to_owned())),
         }
     }
 }
@@ -47,6 +73,13 @@ impl SendBuffer {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The CPU bytes, if this is a CPU buffer.
+    pub fn as_cpu(&self) -> Option<&Bytes> {
+        match self {
+            SendBuffer::Cpu(b) => Some(b),
+        }
     }
 }
 
@@ -101,6 +134,13 @@ impl RecvBuffer {
     pub fn into_cpu(self) -> Option<BytesMut> {
         match self {
             RecvBuffer::Cpu(b) => Some(b),
+        }
+    }
+
+    /// The received memory as a buffer that can be sent on, without copying.
+    pub fn freeze(self) -> SendBuffer {
+        match self {
+            RecvBuffer::Cpu(b) => SendBuffer::Cpu(b.freeze()),
         }
     }
 }

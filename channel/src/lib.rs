@@ -24,7 +24,7 @@ pub mod wire;
 
 pub use channel::ChannelKind;
 pub use context::{Context, ContextOptions, PipeListener, TransportKind};
-pub use device::{Device, RecvBuffer, SendBuffer};
+pub use device::{BadDevice, Device, RecvBuffer, SendBuffer};
 pub use error::PipeError;
 pub use message::{Allocation, Descriptor, Message, Tensor, TensorDescriptor};
 pub use pipe::{Pipe, PipeInfo, ReadError};

@@ -208,6 +208,10 @@ impl Pipe {
     fn channel_for(&self, source: Device, target: Device) -> Result<ChannelKind> {
         match (source, target) {
             (Device::Cpu, Device::Cpu) => Ok(self.inner.info.cpu_channel),
+            (source, target) => Err(PipeError::Negotiation {
+                peer: self.inner.info.peer.clone(),
+                reason: format!("no channel moves {source} memory to {target} (CUDA channels are not built yet)"),
+            }),
         }
     }
 
@@ -224,12 +228,15 @@ impl Pipe {
 
     async fn write_locked(&self, side: &mut WriteSide, message: &Message) -> Result<()> {
         let seq = side.seq;
-        side.seq += 1;
         let mut channels = Vec::with_capacity(message.tensors.len());
         let mut tensors = Vec::with_capacity(message.tensors.len());
         for t in &message.tensors {
             let source = t.buffer.device();
-            let channel = self.channel_for(source, t.target_device.unwrap_or(source))?;
+            // Nothing is written yet, so an unmovable tensor is the caller's mistake, not the
+            // pipe's: report it without breaking the pipe.
+            let channel = self
+                .channel_for(source, t.target_device.unwrap_or(source))
+                .map_err(|e| PipeError::Misuse(e.to_string()))?;
             let address = match (&t.buffer, channel) {
                 (SendBuffer::Cpu(b), ChannelKind::Cma) => {
                     side.exposed.push(b.clone());
@@ -246,6 +253,8 @@ impl Pipe {
                 address,
             });
         }
+        // Counted only once the message is known to be sendable (a refused one leaves no gap).
+        side.seq += 1;
         let descriptor = WireDescriptor {
             seq,
             metadata: message.metadata.clone(),

@@ -1,0 +1,189 @@
+//! One-shot results that can be awaited (as a future) or waited for (blocking a thread), any
+//! number of times: every waiter gets a clone of the result.
+//!
+//! Blocking waits spin briefly before sleeping: on this machine kind a futex wake-up across
+//! cores costs tens of microseconds, more than a fast round trip. A pool thread that blocks
+//! hands its slot to a new thread first (see [`crate::pool`]), so nested calls cannot starve
+//! the pool.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+/// How long a blocking wait spins before it sleeps.
+const SPIN: Duration = Duration::from_micros(30);
+
+struct State<T> {
+    value: Option<T>,
+    wakers: Vec<Waker>,
+}
+
+/// The shared cell behind a [`Completion`].
+pub(crate) struct Slot<T> {
+    done: AtomicBool,
+    state: Mutex<State<T>>,
+    ready: Condvar,
+}
+
+impl<T: Clone> Slot<T> {
+    pub(crate) fn new() -> Arc<Slot<T>> {
+        Arc::new(Slot {
+            done: AtomicBool::new(false),
+            state: Mutex::new(State {
+                value: None,
+                wakers: Vec::new(),
+            }),
+            ready: Condvar::new(),
+        })
+    }
+
+    /// Sets the result. Only the first call has an effect; returns whether it was this one.
+    pub(crate) fn complete(&self, value: T) -> bool {
+        let wakers = {
+            let mut s = self.state.lock().unwrap();
+            if s.value.is_some() {
+                return false;
+            }
+            s.value = Some(value);
+            self.done.store(true, Ordering::Release);
+            std::mem::take(&mut s.wakers)
+        };
+        self.ready.notify_all();
+        for w in wakers {
+            w.wake();
+        }
+        true
+    }
+
+    pub(crate) fn is_done(&self) -> bool {
+        self.done.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn peek(&self) -> Option<T> {
+        if !self.is_done() {
+            return None;
+        }
+        self.state.lock().unwrap().value.clone()
+    }
+
+    /// Blocks this thread until the result is set or `timeout` passes.
+    pub(crate) fn wait(&self, timeout: Option<Duration>) -> Option<T> {
+        let start = Instant::now();
+        while start.elapsed() < SPIN {
+            if self.is_done() {
+                return self.peek();
+            }
+            std::hint::spin_loop();
+        }
+        crate::pool::blocking(|| {
+            let mut s = self.state.lock().unwrap();
+            loop {
+                if let Some(v) = &s.value {
+                    return Some(v.clone());
+                }
+                match timeout {
+                    None => s = self.ready.wait(s).unwrap(),
+                    Some(t) => {
+                        let left = t.checked_sub(start.elapsed())?;
+                        s = self.ready.wait_timeout(s, left).unwrap().0;
+                    }
+                }
+            }
+        })
+    }
+
+    fn poll(&self, cx: &mut Context<'_>) -> Poll<T> {
+        let mut s = self.state.lock().unwrap();
+        if let Some(v) = &s.value {
+            return Poll::Ready(v.clone());
+        }
+        if !s.wakers.iter().any(|w| w.will_wake(cx.waker())) {
+            s.wakers.push(cx.waker().clone());
+        }
+        Poll::Pending
+    }
+}
+
+/// A result that arrives later. Clone it to wait in several places; each gets the same result.
+pub struct Completion<T> {
+    slot: Arc<Slot<T>>,
+}
+
+impl<T> Clone for Completion<T> {
+    fn clone(&self) -> Self {
+        Completion {
+            slot: self.slot.clone(),
+        }
+    }
+}
+
+impl<T: Clone> Completion<T> {
+    pub(crate) fn new(slot: Arc<Slot<T>>) -> Self {
+        Completion { slot }
+    }
+
+    /// A completion that is already done.
+    pub fn ready(value: T) -> Self {
+        let slot = Slot::new();
+        slot.complete(value);
+        Completion { slot }
+    }
+
+    /// Blocks the calling thread until the result is there. Do not call it on an async
+    /// runtime's thread; `.await` the completion there instead.
+    pub fn wait(&self) -> T {
+        self.slot.wait(None).expect("waits without a timeout return a value")
+    }
+
+    /// Like [`wait`](Self::wait), giving up after `timeout` (the operation itself goes on).
+    pub fn wait_timeout(&self, timeout: Duration) -> Option<T> {
+        self.slot.wait(Some(timeout))
+    }
+
+    /// The result if it is already there.
+    pub fn try_get(&self) -> Option<T> {
+        self.slot.peek()
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.slot.is_done()
+    }
+}
+
+impl<T: Clone> Future for Completion<T> {
+    type Output = T;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        self.slot.poll(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_waiter_gets_the_result() {
+        let slot = Slot::<Result<u32, String>>::new();
+        let c = Completion::new(slot.clone());
+        let c2 = c.clone();
+        let t = std::thread::spawn(move || c2.wait());
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(slot.complete(Err("boom".into())));
+        assert!(!slot.complete(Ok(1)), "only the first result counts");
+        assert_eq!(t.join().unwrap(), Err("boom".into()));
+        assert_eq!(c.wait(), Err("boom".into()));
+        assert_eq!(c.wait(), Err("boom".into()));
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        assert_eq!(rt.block_on(c.clone()), Err("boom".into()));
+    }
+
+    #[test]
+    fn wait_timeout_gives_up() {
+        let c = Completion::new(Slot::<u8>::new());
+        assert_eq!(c.wait_timeout(Duration::from_millis(10)), None);
+    }
+}

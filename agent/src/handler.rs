@@ -1,0 +1,143 @@
+//! Handlers: Rust functions registered by name before init.
+//!
+//! - **Synchronous** handlers run on the handler pool; they may block (nested calls included).
+//! - **Async** handlers return a future and run on the agent's runtime, holding no thread while
+//!   they wait (PyTorch's `@async_execution`).
+//! - **Methods** run on an RRef's value on its owner (the target of RRef proxies).
+//!
+//! Typed forms decode the argument and encode the result with serde; raw forms take and return
+//! a [`Payload`] (bytes, tensors, RRefs).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::agent::Agent;
+use crate::error::HandlerError;
+use crate::name::WorkerInfo;
+use crate::payload::{Payload, Value};
+
+/// What a handler sees besides its argument.
+#[derive(Clone)]
+pub struct CallContext {
+    /// This worker's agent, for nested calls.
+    pub agent: Agent,
+    /// Who called.
+    pub caller: WorkerInfo,
+}
+
+pub type HandlerResult = Result<Value, HandlerError>;
+pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+type SyncFn = dyn Fn(&CallContext, Payload) -> HandlerResult + Send + Sync;
+type AsyncFn = dyn Fn(CallContext, Payload) -> BoxFuture<HandlerResult> + Send + Sync;
+type MethodFn = dyn Fn(&CallContext, &Value, Payload) -> HandlerResult + Send + Sync;
+
+#[derive(Clone)]
+pub(crate) enum Handler {
+    Sync(Arc<SyncFn>),
+    Async(Arc<AsyncFn>),
+}
+
+/// Every handler and method of a worker, fixed at init.
+#[derive(Clone, Default)]
+pub struct Registry {
+    pub(crate) handlers: HashMap<String, Handler>,
+    pub(crate) methods: HashMap<String, Arc<MethodFn>>,
+}
+
+fn decode_arg<A: DeserializeOwned>(payload: &Payload) -> Result<A, HandlerError> {
+    payload
+        .decode::<A>()
+        .map_err(|e| HandlerError::new("DecodeError", e.to_string()))
+}
+
+impl Registry {
+    pub fn new() -> Registry {
+        Registry::default()
+    }
+
+    /// A synchronous handler taking `A` and returning `R`.
+    pub fn handler<A, R, F>(&mut self, name: &str, f: F) -> &mut Self
+    where
+        A: DeserializeOwned,
+        R: Serialize + Send + Sync + 'static,
+        F: Fn(&CallContext, A) -> Result<R, HandlerError> + Send + Sync + 'static,
+    {
+        let f: Arc<SyncFn> = Arc::new(move |ctx, payload| {
+            let arg = decode_arg::<A>(&payload)?;
+            f(ctx, arg).map(Value::object)
+        });
+        self.handlers.insert(name.to_owned(), Handler::Sync(f));
+        self
+    }
+
+    /// A synchronous handler over raw payloads (tensors in, tensors out).
+    pub fn raw_handler<F>(&mut self, name: &str, f: F) -> &mut Self
+    where
+        F: Fn(&CallContext, Payload) -> Result<Payload, HandlerError> + Send + Sync + 'static,
+    {
+        let f: Arc<SyncFn> = Arc::new(move |ctx, payload| f(ctx, payload).map(Value::Payload));
+        self.handlers.insert(name.to_owned(), Handler::Sync(f));
+        self
+    }
+
+    /// An async handler: the future runs on the agent's runtime and holds no thread while it
+    /// waits.
+    pub fn async_handler<A, R, F, Fut>(&mut self, name: &str, f: F) -> &mut Self
+    where
+        A: DeserializeOwned,
+        R: Serialize + Send + Sync + 'static,
+        F: Fn(CallContext, A) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<R, HandlerError>> + Send + 'static,
+    {
+        let f = Arc::new(f);
+        let h: Arc<AsyncFn> = Arc::new(move |ctx, payload| {
+            let f = f.clone();
+            Box::pin(async move {
+                let arg = decode_arg::<A>(&payload)?;
+                f(ctx, arg).await.map(Value::object)
+            })
+        });
+        self.handlers.insert(name.to_owned(), Handler::Async(h));
+        self
+    }
+
+    /// An async handler over raw payloads.
+    pub fn raw_async_handler<F, Fut>(&mut self, name: &str, f: F) -> &mut Self
+    where
+        F: Fn(CallContext, Payload) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Payload, HandlerError>> + Send + 'static,
+    {
+        let h: Arc<AsyncFn> = Arc::new(move |ctx, payload| {
+            let fut = f(ctx, payload);
+            Box::pin(async move { fut.await.map(Value::Payload) })
+        });
+        self.handlers.insert(name.to_owned(), Handler::Async(h));
+        self
+    }
+
+    /// A method on RRef values of type `T`: `rref.rpc_sync(name, arg)` runs `f(value, arg)` on
+    /// the owner.
+    pub fn method<T, A, R, F>(&mut self, name: &str, f: F) -> &mut Self
+    where
+        T: DeserializeOwned + Send + Sync + 'static,
+        A: DeserializeOwned,
+        R: Serialize + Send + Sync + 'static,
+        F: Fn(&CallContext, &T, A) -> Result<R, HandlerError> + Send + Sync + 'static,
+    {
+        let m: Arc<MethodFn> = Arc::new(move |ctx, value, payload| {
+            let target = value
+                .get::<T>()
+                .map_err(|e| HandlerError::new("TypeError", e.to_string()))?;
+            let arg = decode_arg::<A>(&payload)?;
+            f(ctx, &target, arg).map(Value::object)
+        });
+        self.methods.insert(name.to_owned(), m);
+        self
+    }
+}

@@ -1,0 +1,48 @@
+//! RPC over pipes: what PyTorch users know as `torch.distributed.rpc`, with the same concepts
+//! (workers, `rpc_sync` / `rpc_async` / `remote`, RRefs, async handlers, device maps, graceful
+//! shutdown) and honest errors.
+//!
+//! ```no_run
+//! use sluice_agent::{Agent, AgentOptions, Payload, Registry};
+//!
+//! let mut registry = Registry::new();
+//! registry.handler("add", |_ctx, (a, b): (i64, i64)| Ok(a + b));
+//! // RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT come from the environment.
+//! let agent = Agent::init(AgentOptions::new("worker0"), registry)?;
+//! let sum: i64 = agent.call("worker1", "add", &(2i64, 3i64))?;
+//! agent.shutdown()?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! Start with [`agent`] (init, calls, serving, shutdown), then [`rref`] (references and their
+//! counting protocol), [`handler`] (what a handler may be) and [`store`] (rendezvous).
+//!
+//! What it does not do (yet): move CUDA tensors (device maps are validated and applied, and a
+//! CUDA tensor without a map is refused, but the CUDA channels come later); survive the loss of
+//! the store's host; let workers join or leave a running group.
+
+#![forbid(unsafe_code)]
+
+pub mod agent;
+pub mod completion;
+pub mod device_map;
+pub mod error;
+pub mod handler;
+pub mod name;
+pub mod options;
+pub mod payload;
+pub mod pool;
+pub mod rref;
+pub mod store;
+pub mod wire;
+
+pub use agent::{Agent, RpcFuture};
+pub use completion::Completion;
+pub use device_map::DeviceMap;
+pub use error::{HandlerError, InitError, RpcError, ShutdownError};
+pub use handler::{CallContext, Registry};
+pub use name::{Dest, WorkerInfo};
+pub use options::{AgentOptions, Connect, Faults};
+pub use payload::{Payload, Value};
+pub use rref::RRef;
+pub use sluice_channel::{Device, Tensor};

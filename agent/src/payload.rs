@@ -1,0 +1,171 @@
+//! What calls carry: a serialized value (postcard), tensors moved by the pipe's channels, and
+//! the RRefs the value mentions.
+//!
+//! RRefs inside a value serialize as an index into the payload's RRef list; the agent does the
+//! fork bookkeeping for that list when it sends the payload, and materializes the references
+//! eagerly when it receives one, so a reference nobody decodes is still released.
+
+use std::any::Any;
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use sluice_channel::Tensor;
+
+use crate::error::RpcError;
+use crate::rref::RRefState;
+
+thread_local! {
+    /// Set while a value is being encoded: RRefs met on the way are collected here.
+    static ENCODING: RefCell<Option<Vec<Arc<RRefState>>>> = const { RefCell::new(None) };
+    /// Set while a value is being decoded: RRefs are looked up here by index.
+    static DECODING: RefCell<Option<Vec<Arc<RRefState>>>> = const { RefCell::new(None) };
+}
+
+/// Bytes, tensors and RRefs: the argument or result of a call.
+#[derive(Clone, Default)]
+pub struct Payload {
+    pub(crate) bytes: Bytes,
+    pub tensors: Vec<Tensor>,
+    pub(crate) rrefs: Vec<Arc<RRefState>>,
+}
+
+impl std::fmt::Debug for Payload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Payload")
+            .field("bytes", &self.bytes.len())
+            .field("tensors", &self.tensors.len())
+            .field("rrefs", &self.rrefs.len())
+            .finish()
+    }
+}
+
+impl Payload {
+    /// An empty payload (no bytes, no tensors).
+    pub fn empty() -> Payload {
+        Payload::default()
+    }
+
+    /// Serializes `value` (postcard). RRefs inside it travel with the payload.
+    pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Payload, RpcError> {
+        let previous = ENCODING.with(|e| e.borrow_mut().replace(Vec::new()));
+        let result = postcard::to_allocvec(value);
+        let rrefs = ENCODING
+            .with(|e| std::mem::replace(&mut *e.borrow_mut(), previous))
+            .unwrap_or_default();
+        let bytes = result.map_err(|e| RpcError::Encode(e.to_string()))?;
+        Ok(Payload {
+            bytes: Bytes::from(bytes),
+            tensors: Vec::new(),
+            rrefs,
+        })
+    }
+
+    /// Raw bytes, no RRefs.
+    pub fn from_bytes(bytes: impl Into<Bytes>) -> Payload {
+        Payload {
+            bytes: bytes.into(),
+            ..Payload::default()
+        }
+    }
+
+    /// Adds tensors (moved by the pipe's channels, never copied into the value's bytes).
+    pub fn with_tensors(mut self, tensors: Vec<Tensor>) -> Payload {
+        self.tensors = tensors;
+        self
+    }
+
+    /// Deserializes the value. RRefs inside it resolve to the references that came with it.
+    pub fn decode<T: DeserializeOwned>(&self) -> Result<T, RpcError> {
+        let previous = DECODING.with(|d| d.borrow_mut().replace(self.rrefs.clone()));
+        let result = postcard::from_bytes(&self.bytes);
+        DECODING.with(|d| *d.borrow_mut() = previous);
+        result.map_err(|e| RpcError::Decode {
+            worker: "this worker".into(),
+            detail: format!("as {}: {e}", std::any::type_name::<T>()),
+        })
+    }
+
+    pub fn bytes(&self) -> &Bytes {
+        &self.bytes
+    }
+
+    /// Takes the tensors out.
+    pub fn take_tensors(&mut self) -> Vec<Tensor> {
+        std::mem::take(&mut self.tensors)
+    }
+}
+
+/// Called by `RRef`'s `Serialize`: records the reference, returns its index.
+pub(crate) fn encode_rref(state: &Arc<RRefState>) -> Option<u32> {
+    ENCODING.with(|e| {
+        let mut e = e.borrow_mut();
+        let list = e.as_mut()?;
+        list.push(state.clone());
+        Some(list.len() as u32 - 1)
+    })
+}
+
+/// Called by `RRef`'s `Deserialize`: the reference at `index`.
+pub(crate) fn decode_rref(index: u32) -> Option<Arc<RRefState>> {
+    DECODING.with(|d| d.borrow().as_ref()?.get(index as usize).cloned())
+}
+
+/// A handler's result: an encoded payload, or a typed object kept as it is when it stays on
+/// this worker (an RRef's value on its owner) and encoded only when it travels.
+#[derive(Clone)]
+pub enum Value {
+    Payload(Payload),
+    Object(Object),
+}
+
+/// A typed value with the function that encodes it.
+#[derive(Clone)]
+pub struct Object {
+    pub(crate) any: Arc<dyn Any + Send + Sync>,
+    pub(crate) encode: fn(&(dyn Any + Send + Sync)) -> Result<Payload, RpcError>,
+    pub(crate) type_name: &'static str,
+}
+
+impl Value {
+    /// A typed value.
+    pub fn object<T: Serialize + Send + Sync + 'static>(value: T) -> Value {
+        Value::Object(Object {
+            any: Arc::new(value),
+            encode: |any| {
+                Payload::encode(
+                    any.downcast_ref::<T>()
+                        .expect("an Object encodes the type it was built from"),
+                )
+            },
+            type_name: std::any::type_name::<T>(),
+        })
+    }
+
+    /// The value as a payload (encodes an object).
+    pub fn to_payload(&self) -> Result<Payload, RpcError> {
+        match self {
+            Value::Payload(p) => Ok(p.clone()),
+            Value::Object(o) => (o.encode)(&*o.any),
+        }
+    }
+
+    /// The value as `T`: a shared object of that type, or decoded from a payload.
+    pub fn get<T: DeserializeOwned + Send + Sync + 'static>(&self) -> Result<Arc<T>, RpcError> {
+        match self {
+            Value::Object(o) => o.any.clone().downcast::<T>().map_err(|_| RpcError::WrongType {
+                rref: format!("value of type {}", o.type_name),
+                expected: std::any::type_name::<T>(),
+            }),
+            Value::Payload(p) => p.decode::<T>().map(Arc::new),
+        }
+    }
+}
+
+impl From<Payload> for Value {
+    fn from(p: Payload) -> Self {
+        Value::Payload(p)
+    }
+}

@@ -1,0 +1,150 @@
+//! The agent's messages, carried in a pipe message's metadata (postcard). The value's bytes
+//! travel inline when small, otherwise as the message's first payload; tensors are the
+//! message's tensors.
+//!
+//! Everything here comes from a peer: it is decoded into these types or the pipe is dropped.
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::error::HandlerError;
+
+/// Bumped on any incompatible change; compared at rendezvous.
+pub const AGENT_VERSION: u16 = 1;
+
+/// Values up to this size travel inside the envelope; larger ones as a separate payload.
+pub const INLINE_LIMIT: usize = 4096;
+
+/// A globally unique id: the worker that made it and a counter there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct GlobalId {
+    pub worker: u32,
+    pub local: u64,
+}
+
+impl std::fmt::Display for GlobalId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.worker, self.local)
+    }
+}
+
+/// An RRef inside a value: its owner, its id, the fork the receiver becomes, and who sent it
+/// (the fork's parent).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WireRRef {
+    pub owner: u32,
+    pub id: GlobalId,
+    pub fork: GlobalId,
+    pub parent: u32,
+}
+
+/// The value part of a request or response.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct WireValue {
+    /// The value's bytes when they are small; otherwise empty and `in_payload` is set.
+    pub inline: Bytes,
+    pub in_payload: bool,
+    pub rrefs: Vec<WireRRef>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum Envelope {
+    /// First message on every pipe a worker opens: who is calling.
+    Hello {
+        rank: u32,
+        version: u16,
+    },
+    Request(Request),
+    Response(Response),
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Request {
+    /// `worker_id << 48 | counter`.
+    pub id: u64,
+    pub body: Body,
+    pub value: WireValue,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum Body {
+    /// Run a handler, reply with its value.
+    Call { handler: String },
+    /// Run a handler and keep its value as the RRef `rref`; `fork` is the creator's reference
+    /// (`None` when the creator is the owner itself).
+    Remote {
+        handler: String,
+        rref: GlobalId,
+        fork: Option<GlobalId>,
+    },
+    /// Reply with a copy of the RRef's value (`to_here`).
+    Fetch { rref: GlobalId },
+    /// Run a method handler on the RRef's value (proxies).
+    Method { rref: GlobalId, handler: String },
+    /// Control (idempotent, retried): a new user reference introduces itself to the owner.
+    ForkRequest { rref: GlobalId, fork: GlobalId },
+    /// Control (idempotent, retried): tells the parent that the owner knows its child.
+    ChildAccept { fork: GlobalId },
+    /// Control (idempotent, retried): a user reference is gone.
+    Delete { rref: GlobalId, fork: GlobalId },
+}
+
+impl Body {
+    /// Control messages may be retried; user calls never are.
+    pub fn is_control(&self) -> bool {
+        matches!(
+            self,
+            Body::ForkRequest { .. } | Body::ChildAccept { .. } | Body::Delete { .. }
+        )
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Response {
+    pub id: u64,
+    pub result: Result<WireValue, WireError>,
+}
+
+/// Why a request failed on the callee.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum WireError {
+    Handler(HandlerError),
+    UnknownHandler(String),
+    /// Anything else (decoding, wrong RRef type, …), as text.
+    Failed(String),
+    /// The callee is shutting down.
+    ShuttingDown,
+}
+
+pub fn encode(envelope: &Envelope) -> Bytes {
+    Bytes::from(postcard::to_allocvec(envelope).expect("agent envelopes always encode"))
+}
+
+pub fn decode(bytes: &[u8]) -> Result<Envelope, String> {
+    postcard::from_bytes(bytes).map_err(|e| format!("malformed agent message: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_garbage() {
+        let e = Envelope::Request(Request {
+            id: 7 << 48 | 3,
+            body: Body::Call { handler: "f".into() },
+            value: WireValue {
+                inline: Bytes::from_static(b"abc"),
+                ..Default::default()
+            },
+        });
+        let b = encode(&e);
+        assert!(matches!(decode(&b), Ok(Envelope::Request(r)) if r.id == 7 << 48 | 3));
+        assert!(decode(&[0xff, 0xff, 0xff]).is_err());
+        assert!(decode(&[]).is_err());
+        // A truncated message never decodes.
+        for n in 0..b.len() {
+            let _ = decode(&b[..n]);
+        }
+    }
+}

@@ -1,0 +1,516 @@
+//! The RPC agent across real processes: each test body runs on N worker processes started by
+//! the fixture in `sluice_tests::workers`, rendezvousing through the store on rank 0 with the
+//! torchrun environment variables.
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use sluice_agent::{
+    Agent, AgentOptions, CallContext, Device, HandlerError, InitError, Payload, RRef, Registry, RpcError,
+    ShutdownError, Tensor,
+};
+use sluice_tests::workers::{run_workers_with, Ending, WorkerEnv};
+use sluice_tests::{pattern, worker_test};
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Counter {
+    value: AtomicI64,
+}
+
+/// A counter on rank 0 that survivors use as a barrier when a worker is dead.
+static ARRIVED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+fn registry() -> Registry {
+    let mut r = Registry::new();
+    r.handler("add", |_, (a, b): (i64, i64)| Ok(a + b))
+        .handler("whoami", |ctx: &CallContext, (): ()| Ok(ctx.agent.info().name.clone()))
+        .handler("fail", |_, msg: String| -> Result<(), _> {
+            Err(HandlerError::new("ValueError", msg))
+        })
+        .handler("sleep_ms", |ctx: &CallContext, ms: u64| {
+            std::thread::sleep(Duration::from_millis(ms));
+            Ok(ctx.agent.info().id)
+        })
+        .raw_handler("echo", |_, payload| Ok(payload))
+        // Nested: bounces back to the caller until depth reaches zero.
+        .handler("bounce", |ctx: &CallContext, depth: u32| {
+            if depth == 0 {
+                return Ok(0u32);
+            }
+            let n: u32 = ctx.agent.call(&ctx.caller, "bounce", &(depth - 1))?;
+            Ok(n + 1)
+        })
+        .async_handler("relay", |ctx: CallContext, (target, ms): (String, u64)| async move {
+            let reply = ctx.agent.call_async(target.as_str(), "sleep_ms", &ms).await?;
+            Ok(reply.decode::<u32>()?)
+        })
+        .handler("make_counter", |_, start: i64| {
+            Ok(Counter {
+                value: AtomicI64::new(start),
+            })
+        })
+        .handler("own_counter", |ctx: &CallContext, start: i64| {
+            Ok(ctx.agent.rref(Counter {
+                value: AtomicI64::new(start),
+            }))
+        })
+        .handler("read_rref", |_, r: RRef<Counter>| {
+            Ok(r.to_here()?.value.load(Ordering::SeqCst))
+        })
+        .handler(
+            "forward_rref",
+            |ctx: &CallContext, (mut chain, r): (Vec<String>, RRef<Counter>)| {
+                if chain.is_empty() {
+                    return Ok(r.to_here()?.value.load(Ordering::SeqCst));
+                }
+                let next = chain.remove(0);
+                Ok(ctx.agent.call::<_, i64>(next.as_str(), "forward_rref", &(chain, r))?)
+            },
+        )
+        .handler("owned", |ctx: &CallContext, (): ()| Ok(ctx.agent.owned_rrefs() as u64))
+        .handler("arrive", |_, add: u32| {
+            Ok(ARRIVED.fetch_add(add, Ordering::SeqCst) + add)
+        })
+        .method("counter_add", |_, c: &Counter, d: i64| {
+            Ok(c.value.fetch_add(d, Ordering::SeqCst) + d)
+        });
+    r
+}
+
+fn name(rank: u32) -> String {
+    WorkerEnv::name(rank)
+}
+
+/// Polls `f` until it holds; the fixture's watchdog turns a hang into a failure.
+fn eventually(what: &str, f: impl Fn() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < Duration::from_secs(60), "never happened: {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+worker_test!(calls_by_name_rank_and_info, 4, |env| {
+    let agent = env.agent(registry());
+    let me = env.rank as i64;
+    for peer in 0..env.world_size {
+        let by_name: i64 = agent.call(name(peer).as_str(), "add", &(me, 100)).unwrap();
+        let by_rank: i64 = agent.call(peer, "add", &(me, 200)).unwrap();
+        let info = agent.worker(peer).unwrap();
+        let by_info: String = agent.call(&info, "whoami", &()).unwrap();
+        assert_eq!((by_name, by_rank, by_info), (me + 100, me + 200, name(peer)));
+    }
+    // Many calls in flight to everyone at once.
+    let futures: Vec<_> = (0..200)
+        .map(|i| (i, agent.call_async(i % env.world_size, "add", &(i as i64, 1i64))))
+        .collect();
+    for (i, f) in futures {
+        assert_eq!(f.wait().unwrap().decode::<i64>().unwrap(), i as i64 + 1);
+    }
+    agent.shutdown().unwrap();
+});
+
+worker_test!(errors_reach_the_caller_and_the_agent_keeps_serving, 2, |env| {
+    let agent = env.agent(registry());
+    let peer = 1 - env.rank;
+    // Invalid destinations.
+    let e = agent.call::<_, i64>("nobody", "add", &(1i64, 2i64)).unwrap_err();
+    assert!(
+        matches!(&e, RpcError::UnknownWorker { dest, .. } if dest.contains("nobody")),
+        "{e}"
+    );
+    let e = agent.call::<_, i64>(7u32, "add", &(1i64, 2i64)).unwrap_err();
+    assert!(matches!(e, RpcError::UnknownWorker { .. }), "{e}");
+    // Unknown handler.
+    let e = agent.call::<_, i64>(peer, "no_such", &()).unwrap_err();
+    assert!(
+        matches!(&e, RpcError::UnknownHandler { handler, worker } if handler == "no_such" && *worker == name(peer))
+    );
+    // A handler error keeps its kind and message, every time the future is awaited.
+    let f = agent.call_async(peer, "fail", &"bad input".to_owned());
+    for _ in 0..3 {
+        match f.wait() {
+            Err(RpcError::Remote { worker, kind, message }) => {
+                assert_eq!(
+                    (worker.as_str(), kind.as_str(), message.as_str()),
+                    (name(peer).as_str(), "ValueError", "bad input")
+                );
+            }
+            other => panic!("expected the handler's error, got {other:?}"),
+        }
+    }
+    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    assert!(matches!(rt.block_on(f.clone()), Err(RpcError::Remote { .. })));
+    // An argument that does not decode as the handler's type: the handler reports it.
+    let e = agent.call::<_, i64>(peer, "add", &()).unwrap_err();
+    assert!(
+        matches!(&e, RpcError::Remote { kind, .. } if kind == "DecodeError"),
+        "{e}"
+    );
+    // Still serving.
+    assert_eq!(agent.call::<_, i64>(peer, "add", &(2i64, 2i64)).unwrap(), 4);
+    agent.shutdown().unwrap();
+    // Any call after shutdown errors.
+    assert!(matches!(
+        agent.call::<_, i64>(peer, "add", &(1i64, 1i64)),
+        Err(RpcError::Shutdown)
+    ));
+    assert!(matches!(agent.shutdown(), Err(ShutdownError::AlreadyShutDown)));
+});
+
+worker_test!(calls_to_self_and_tensors_without_copies, 2, |env| {
+    let agent = env.agent(registry());
+    let me = env.rank;
+    assert_eq!(agent.call::<_, i64>(me, "add", &(20i64, 22i64)).unwrap(), 42);
+    assert_eq!(agent.call::<_, String>(me, "whoami", &()).unwrap(), name(me));
+    for (i, size) in [0usize, 1, 4096, 1 << 20, 24 << 20].into_iter().enumerate() {
+        let a = Bytes::from(pattern(i as u64, size));
+        let b = Bytes::from(pattern(100 + i as u64, size / 2));
+        let payload = Payload::encode(&("meta", size))
+            .unwrap()
+            .with_tensors(vec![Tensor::cpu(a.clone()), Tensor::cpu(b.clone())]);
+        for dest in [1 - me, me] {
+            let reply = agent.rpc_sync(dest, "echo", payload.clone()).unwrap();
+            assert_eq!(reply.decode::<(String, usize)>().unwrap(), ("meta".to_owned(), size));
+            assert_eq!(reply.tensors.len(), 2);
+            assert_eq!(
+                reply.tensors[0].buffer.as_cpu().unwrap(),
+                &a,
+                "tensor 0 of {size} bytes via {dest}"
+            );
+            assert_eq!(reply.tensors[1].buffer.as_cpu().unwrap(), &b);
+        }
+    }
+    agent.shutdown().unwrap();
+});
+
+worker_test!(nested_calls_never_deadlock_with_a_pool_of_one, 2, |env| {
+    let mut options = env.options();
+    options.pool_threads = 1;
+    let agent = Agent::init(options, registry()).unwrap();
+    let peer = 1 - env.rank;
+    // Both workers bounce calls back and forth at once, 8 levels deep, from 8 threads each.
+    std::thread::scope(|s| {
+        for _ in 0..8 {
+            s.spawn(|| {
+                let n: u32 = agent.call(peer, "bounce", &8u32).unwrap();
+                assert_eq!(n, 8);
+            });
+        }
+    });
+    agent.shutdown().unwrap();
+});
+
+worker_test!(async_handlers_release_their_thread, 3, |env| {
+    let mut options = env.options();
+    options.pool_threads = 1;
+    options.io_threads = 1;
+    let agent = Agent::init(options, registry()).unwrap();
+    if env.rank == 0 {
+        // 100 relays in flight through worker1 to worker2, each waiting 50 ms there: they can
+        // only all finish if the relays hold no thread while they wait.
+        let futures: Vec<_> = (0..100)
+            .map(|_| agent.call_async(1u32, "relay", &(name(2), 50u64)))
+            .collect();
+        for f in futures {
+            assert_eq!(f.wait().unwrap().decode::<u32>().unwrap(), 2);
+        }
+    }
+    agent.shutdown().unwrap();
+});
+
+worker_test!(timeouts_name_the_peer_and_drop_late_replies, 2, |env| {
+    let mut options = env.options();
+    options.default_timeout = Duration::from_millis(200);
+    let agent = Agent::init(options, registry()).unwrap();
+    if env.rank == 0 {
+        let e = agent
+            .rpc_sync_timeout(
+                1u32,
+                "sleep_ms",
+                Payload::encode(&400u64).unwrap(),
+                Duration::from_millis(50),
+            )
+            .unwrap_err();
+        match &e {
+            RpcError::Timeout { worker, timeout } => {
+                assert_eq!((worker.as_str(), *timeout), ("worker1", Duration::from_millis(50)));
+                assert!(
+                    e.to_string().contains("worker1") && e.to_string().contains("50ms"),
+                    "{e}"
+                );
+            }
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        // The default timeout applies when none is given.
+        let e = agent.call::<_, u32>(1u32, "sleep_ms", &400u64).unwrap_err();
+        assert!(matches!(e, RpcError::Timeout { timeout, .. } if timeout == Duration::from_millis(200)));
+        // Zero means no timeout.
+        let r = agent.rpc_sync_timeout(1u32, "sleep_ms", Payload::encode(&300u64).unwrap(), Duration::ZERO);
+        assert_eq!(r.unwrap().decode::<u32>().unwrap(), 1);
+        // The late replies of the timed-out calls went nowhere: later calls get their own.
+        std::thread::sleep(Duration::from_millis(500));
+        for i in 0..20i64 {
+            assert_eq!(agent.call::<_, i64>(1u32, "add", &(i, 0i64)).unwrap(), i);
+        }
+    }
+    agent.shutdown().unwrap();
+});
+
+worker_test!(rrefs_remote_to_here_local_value_and_proxies, 3, |env| {
+    let agent = env.agent(registry());
+    if env.rank == 0 {
+        let r: RRef<Counter> = agent
+            .remote(1u32, "make_counter", Payload::encode(&5i64).unwrap())
+            .unwrap();
+        assert_eq!(r.owner().name, "worker1");
+        assert!(!r.is_owner());
+        assert_eq!(r.to_here().unwrap().value.load(Ordering::SeqCst), 5);
+        // local_value on a user names the owner.
+        let e = r.local_value().unwrap_err();
+        assert!(
+            matches!(&e, RpcError::NotOwner { owner, .. } if owner.contains("worker1")),
+            "{e}"
+        );
+        // Proxy: a method runs on the owner's value.
+        assert_eq!(r.rpc_sync::<_, i64>("counter_add", &10i64).unwrap(), 15);
+        assert_eq!(r.to_here().unwrap().value.load(Ordering::SeqCst), 15);
+        // Passed as an argument to a third worker, which fetches it from the owner.
+        assert_eq!(agent.call::<_, i64>(2u32, "read_rref", &r).unwrap(), 15);
+        // Passed to its owner.
+        assert_eq!(agent.call::<_, i64>(1u32, "read_rref", &r).unwrap(), 15);
+        // Returned from a call: worker2 owns a counter and hands back a reference.
+        let mine: RRef<Counter> = agent.call(2u32, "own_counter", &7i64).unwrap();
+        assert_eq!(mine.owner().name, "worker2");
+        assert_eq!(mine.to_here().unwrap().value.load(Ordering::SeqCst), 7);
+        // Forwarded through a chain of calls: 0 -> 1 -> 2 -> 1 -> 2 -> to_here.
+        let chain = vec![name(2), name(1), name(2)];
+        assert_eq!(
+            agent
+                .call::<_, i64>(1u32, "forward_rref", &(chain, mine.clone()))
+                .unwrap(),
+            7
+        );
+        // A creation that fails surfaces on use.
+        let bad: RRef<Counter> = agent
+            .remote(1u32, "fail", Payload::encode(&"no".to_owned()).unwrap())
+            .unwrap();
+        let e = bad.to_here().unwrap_err();
+        assert!(e.to_string().contains("no"), "{e}");
+        // A remote to self gives an owner reference.
+        let local: RRef<Counter> = agent
+            .remote(0u32, "make_counter", Payload::encode(&3i64).unwrap())
+            .unwrap();
+        assert!(local.is_owner());
+        assert_eq!(local.to_here().unwrap().value.load(Ordering::SeqCst), 3);
+        assert_eq!(local.local_value().unwrap().value.load(Ordering::SeqCst), 3);
+        let owned_here: RRef<Counter> = agent.rref(Counter {
+            value: AtomicI64::new(1),
+        });
+        assert_eq!(agent.call::<_, i64>(2u32, "read_rref", &owned_here).unwrap(), 1);
+    }
+    agent.barrier("used").unwrap();
+    // Every reference is dropped now: each owner frees its values.
+    eventually("owners freed every value", || agent.owned_rrefs() == 0);
+    agent.barrier("freed").unwrap();
+    agent.shutdown().unwrap();
+});
+
+/// Lost and duplicated control messages: the protocol retries and stays idempotent.
+fn lossy_rref_body(env: WorkerEnv, duplicate: bool) {
+    let mut options = env.options();
+    options.faults.drop_control = 3;
+    options.faults.duplicate_control = duplicate;
+    options.control_retry = Duration::from_millis(100);
+    let agent = Agent::init(options, registry()).unwrap();
+    if env.rank == 0 {
+        for i in 0..5i64 {
+            let r: RRef<Counter> = agent
+                .remote(1u32, "make_counter", Payload::encode(&i).unwrap())
+                .unwrap();
+            assert_eq!(agent.call::<_, i64>(2u32, "read_rref", &r).unwrap(), i);
+            assert_eq!(r.to_here().unwrap().value.load(Ordering::SeqCst), i);
+        }
+    }
+    agent.barrier("used").unwrap();
+    eventually("owner freed every value despite lost control messages", || {
+        agent.owned_rrefs() == 0
+    });
+    agent.barrier("freed").unwrap();
+    agent.shutdown().unwrap();
+}
+
+worker_test!(rref_control_messages_are_retried_when_lost, 3, |env| lossy_rref_body(
+    env, false
+));
+worker_test!(rref_control_messages_are_idempotent, 3, |env| lossy_rref_body(
+    env, true
+));
+
+worker_test!(leaked_rrefs_fail_shutdown_only_with_leak_checking, 2, |env| {
+    let mut options = env.options();
+    options.leak_check = env.rank == 0;
+    let agent = Agent::init(options, registry()).unwrap();
+    let held: Option<RRef<Counter>> = (env.rank == 0).then(|| {
+        agent
+            .remote(1u32, "make_counter", Payload::encode(&1i64).unwrap())
+            .unwrap()
+    });
+    if let Some(r) = &held {
+        assert_eq!(r.to_here().unwrap().value.load(Ordering::SeqCst), 1);
+    }
+    let result = agent.shutdown();
+    if env.rank == 0 {
+        assert!(
+            matches!(result, Err(ShutdownError::LeakedRRefs { count: 1, .. })),
+            "{result:?}"
+        );
+    } else {
+        result.unwrap();
+    }
+    drop(held);
+});
+
+worker_test!(graceful_shutdown_waits_for_the_whole_group, 3, |env| {
+    let agent = env.agent(registry());
+    match env.rank {
+        // Rank 0 leaves at once; rank 1 still calls rank 2, which must not leave before it
+        // answered, and rank 1 calls rank 0 after a while, which must still be there.
+        0 => agent.shutdown().unwrap(),
+        1 => {
+            let slow = agent.call_async(2u32, "sleep_ms", &300u64);
+            std::thread::sleep(Duration::from_millis(100));
+            assert_eq!(agent.call::<_, i64>(0u32, "add", &(1i64, 1i64)).unwrap(), 2);
+            assert_eq!(slow.wait().unwrap().decode::<u32>().unwrap(), 2);
+            agent.shutdown().unwrap();
+        }
+        _ => agent.shutdown().unwrap(),
+    }
+});
+
+worker_test!(graceful_shutdown_times_out_cleanly, 2, |env| {
+    let agent = env.agent(registry());
+    if env.rank == 0 {
+        // Rank 1 never joins the shutdown while it is busy.
+        let e = agent.shutdown_timeout(Duration::from_millis(300)).unwrap_err();
+        assert!(matches!(e, ShutdownError::Timeout { .. }), "{e}");
+        assert!(matches!(
+            agent.call::<_, i64>(1u32, "add", &(1i64, 1i64)),
+            Err(RpcError::Shutdown)
+        ));
+    } else {
+        std::thread::sleep(Duration::from_millis(1500));
+        agent.shutdown_now();
+    }
+});
+
+#[test]
+fn peer_death_fails_pending_and_new_calls_and_survivors_go_on() {
+    run_workers_with(
+        "peer_death_fails_pending_and_new_calls_and_survivors_go_on",
+        4,
+        |rank| if rank == 3 { Ending::Killed } else { Ending::Success },
+        |env| {
+            let agent = env.agent(registry());
+            if env.rank == 3 {
+                agent.barrier("ready").unwrap();
+                // Die while others wait on us.
+                std::thread::sleep(Duration::from_millis(300));
+                nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL).unwrap();
+                unreachable!();
+            }
+            // Every survivor has a call pending on worker3 when it dies.
+            let pending = agent.call_async(3u32, "sleep_ms", &30_000u64);
+            agent.barrier("ready").unwrap();
+            let e = pending.wait().unwrap_err();
+            assert!(e.is_peer_lost() && e.to_string().contains("worker3"), "{e}");
+            let e = agent.call::<_, i64>(3u32, "add", &(1i64, 1i64)).unwrap_err();
+            assert!(e.is_peer_lost() && e.to_string().contains("worker3"), "{e}");
+            // The survivors keep working together.
+            for peer in 0..3u32 {
+                assert_eq!(
+                    agent.call::<_, i64>(peer, "add", &(peer as i64, 1i64)).unwrap(),
+                    peer as i64 + 1
+                );
+            }
+            // The store-based barrier needs all four; the survivors meet on rank 0 instead.
+            agent.call::<_, u32>(0u32, "arrive", &1u32).unwrap();
+            loop {
+                match agent.call::<_, u32>(0u32, "arrive", &0u32) {
+                    Ok(n) if n < 3 => std::thread::sleep(Duration::from_millis(10)),
+                    // Everyone arrived (or rank 0 saw that and left).
+                    _ => break,
+                }
+            }
+            agent.shutdown_now();
+        },
+    );
+}
+
+worker_test!(init_rejects_duplicate_names, 2, |env| {
+    let e = Agent::init(AgentOptions::new("same"), registry()).unwrap_err();
+    assert!(
+        matches!(&e, InitError::DuplicateName { name, first: 0, second: 1 } if name == "same"),
+        "{e}"
+    );
+    let _ = env;
+});
+
+worker_test!(init_rejects_bad_device_maps_everywhere, 2, |env| {
+    // Rank 0 maps its cuda:0 to a device rank 1 does not have: both workers refuse.
+    let mut options = env.options().map_device("worker1", Device::Cuda(0), Device::Cuda(5));
+    options.devices = Some(vec![Device::Cpu, Device::Cuda(0)]);
+    let e = Agent::init(options, registry()).unwrap_err();
+    assert!(
+        matches!(&e, InitError::UnknownDevice { device: Device::Cuda(5), owner, .. } if owner == "worker1"),
+        "{e}"
+    );
+});
+
+worker_test!(device_maps_are_applied_and_checked, 2, |env| {
+    let peer = name(1 - env.rank);
+    let mut options = env.options().map_device(&peer, Device::Cpu, Device::Cpu);
+    options.devices = Some(vec![Device::Cpu, Device::Cuda(0)]);
+    let agent = Agent::init(options, registry()).unwrap();
+    let t = Bytes::from(pattern(1, 1000));
+    let reply = agent
+        .rpc_sync(
+            peer.as_str(),
+            "echo",
+            Payload::empty().with_tensors(vec![Tensor::cpu(t.clone())]),
+        )
+        .unwrap();
+    assert_eq!(reply.tensors[0].buffer.as_cpu().unwrap(), &t);
+    agent.shutdown().unwrap();
+});
+
+#[test]
+fn init_checks_names_and_second_init_errors() {
+    // Single-process checks that need no group.
+    for (bad, rule) in [("", "empty"), ("a b", "contains"), (&"x".repeat(129) as &str, "129")] {
+        let e = Agent::init(AgentOptions::new(bad).rank(0, 1).store("127.0.0.1:1"), Registry::new()).unwrap_err();
+        assert!(
+            matches!(e, InitError::Name(_)) && e.to_string().contains(rule),
+            "{bad:?}: {e}"
+        );
+    }
+    let e = Agent::init(AgentOptions::new("w").rank(3, 2).store("127.0.0.1:1"), Registry::new()).unwrap_err();
+    assert!(matches!(e, InitError::BadRank { rank: 3, world_size: 2 }), "{e}");
+    let port = sluice_tests::workers::free_port();
+    let store = format!("127.0.0.1:{port}");
+    let agent = Agent::init(AgentOptions::new("solo").rank(0, 1).store(&store), registry()).unwrap();
+    let e = Agent::init(AgentOptions::new("other").rank(0, 1).store(&store), Registry::new()).unwrap_err();
+    assert!(matches!(e, InitError::AlreadyInitialized), "{e}");
+    assert_eq!(agent.call::<_, i64>("solo", "add", &(1i64, 2i64)).unwrap(), 3);
+    agent.shutdown().unwrap();
+    // After shutdown a new agent may start.
+    let port = sluice_tests::workers::free_port();
+    let again = Agent::init(
+        AgentOptions::new("solo2").rank(0, 1).store(format!("127.0.0.1:{port}")),
+        registry(),
+    )
+    .unwrap();
+    again.shutdown().unwrap();
+}
