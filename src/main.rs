@@ -25,6 +25,9 @@ enum Commands {
     ///
     /// Without --listen/--connect it spawns its own peer process on localhost.
     Bench {
+        /// Suites to run, as words (`sluice bench rpc`); the same as --suites.
+        #[arg(value_name = "SUITE")]
+        only: Vec<String>,
         /// Short smoke run: three sizes, short budgets.
         #[arg(long)]
         quick: bool,
@@ -37,9 +40,12 @@ enum Commands {
         /// Measure against a peer started elsewhere with --listen.
         #[arg(long, value_name = "ADDR")]
         connect: Option<String>,
-        /// Comma-separated suites: raw, transport, pipe, idle.
-        #[arg(long, default_value = "raw,transport,pipe,idle", value_delimiter = ',')]
+        /// Comma-separated suites: raw, transport, pipe, idle, rpc.
+        #[arg(long, default_value = "raw,transport,pipe,idle,rpc", value_delimiter = ',')]
         suites: Vec<String>,
+        /// Internal: run as rank 1 of the rpc suite, with the store at ADDR.
+        #[arg(long, value_name = "ADDR", hide = true)]
+        rpc_worker: Option<String>,
         /// Seconds over which the idle pipe's CPU use is measured (default 5, 1 with --quick).
         #[arg(long)]
         idle_seconds: Option<f64>,
@@ -52,13 +58,25 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let Commands::Bench {
+        only,
         quick,
         json,
         listen,
         connect,
         suites,
         idle_seconds,
+        rpc_worker,
     } = Cli::parse().command;
+    if let Some(store) = rpc_worker {
+        return sluice_benches::rpc::worker(&store);
+    }
+    let suites = if only.is_empty() { suites } else { only };
+    for s in &suites {
+        anyhow::ensure!(
+            ["raw", "transport", "pipe", "idle", "rpc"].contains(&s.as_str()),
+            "unknown suite `{s}`: expected raw, transport, pipe, idle or rpc"
+        );
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -71,9 +89,10 @@ fn main() -> anyhow::Result<()> {
     }
     let options = BenchOptions {
         quick,
-        suites,
+        suites: suites.clone(),
         idle_seconds: idle_seconds.unwrap_or(if quick { 1.0 } else { 5.0 }),
     };
+    let remote = connect.is_some();
     let (addr, _peer) = match connect {
         Some(a) => (a, None),
         None => {
@@ -81,7 +100,25 @@ fn main() -> anyhow::Result<()> {
             (peer.address.clone(), Some(peer))
         }
     };
-    let records = runtime.block_on(sluice_benches::run(&options, &addr))?;
+    let mut records = Vec::new();
+    if suites.iter().any(|s| s != "rpc") {
+        records = runtime.block_on(sluice_benches::run(&options, &addr))?;
+    }
+    if options.suites.iter().any(|s| s == "rpc") {
+        if remote {
+            eprintln!("rpc suite skipped: it starts its own second worker on this host");
+        } else {
+            records.extend(sluice_benches::rpc::run(&options, &addr, |store| {
+                let exe = std::env::current_exe()?;
+                let child = Command::new(exe)
+                    .args(["bench", "--rpc-worker", store])
+                    .stdin(Stdio::null())
+                    .spawn()
+                    .context("starting the rpc worker")?;
+                Ok(Box::new(KillOnDrop(child)) as Box<dyn std::any::Any>)
+            })?);
+        }
+    }
     print!("{}", report::table(&records));
     if let Some(path) = json {
         let mut f = std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
@@ -91,6 +128,20 @@ fn main() -> anyhow::Result<()> {
         eprintln!("wrote {} results to {}", records.len(), path.display());
     }
     Ok(())
+}
+
+/// A child process killed and reaped when dropped.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // The worker leaves by itself after the graceful shutdown; this only catches failures.
+        if matches!(self.0.try_wait(), Ok(None)) {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// The peer process `sluice bench` starts for itself; killed when dropped.

@@ -12,6 +12,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -22,7 +23,7 @@ use sluice_channel::{Allocation, Context, Descriptor, Device, Message, Pipe, Pip
 use crate::completion::{Completion, Slot};
 use crate::device_map::{self, DeviceMap, WorkerDevices};
 use crate::error::{HandlerError, InitError, RpcError, ShutdownError};
-use crate::handler::{CallContext, Handler, Registry};
+use crate::handler::{BoxFuture, CallContext, Handler, Registry};
 use crate::name::{validate_name, Dest, WorkerInfo};
 use crate::options::{self, AgentOptions, Connect};
 use crate::payload::{Payload, Value};
@@ -868,8 +869,17 @@ impl AgentInner {
         });
     }
 
-    /// Runs the request's work and replies on `pipe`.
-    fn dispatch(self: &Arc<Self>, caller: u32, pipe: Pipe, request: Request, payload: Payload) {
+    /// Starts the request's work. Work that runs on this task (async handlers, RRef fetches,
+    /// control replies) comes back as a future for the reader to poll at once, so a handler
+    /// that finishes without waiting replies with no task switch; the reader spawns whatever is
+    /// still pending.
+    fn dispatch(
+        self: &Arc<Self>,
+        caller: u32,
+        pipe: Pipe,
+        request: Request,
+        payload: Payload,
+    ) -> Option<BoxFuture<()>> {
         let ctx = CallContext {
             agent: Agent { inner: self.clone() },
             caller: self.worker_info(caller),
@@ -881,35 +891,29 @@ impl AgentInner {
                 if let Some(fork) = fork {
                     self.rrefs.add_fork(rref, fork);
                 }
-                self.run_handler(ctx, pipe, id, &handler, payload, Some(rref));
+                self.run_handler(ctx, pipe, id, &handler, payload, Some(rref))
             }
             Body::Fetch { rref } => {
                 let value = self.rrefs.value(rref);
                 let inner = self.clone();
                 self.handlers_running.fetch_add(1, Ordering::AcqRel);
-                tokio::spawn(async move {
+                Some(Box::pin(async move {
                     let result = match value.await {
                         Ok(v) => v.to_payload().map_err(|e| WireError::Failed(e.to_string())),
                         Err(e) => Err(WireError::Failed(format!("RRef creation failed: {e}"))),
                     };
                     inner.reply(&pipe, caller, id, result).await;
                     inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
-                });
+                }))
             }
             Body::Method { rref, handler } => {
                 let Some(method) = self.registry.methods.get(&handler).cloned() else {
-                    let inner = self.clone();
-                    tokio::spawn(async move {
-                        inner
-                            .reply(&pipe, caller, id, Err(WireError::UnknownHandler(handler)))
-                            .await
-                    });
-                    return;
+                    return Some(self.reply_later(pipe, caller, id, Err(WireError::UnknownHandler(handler))));
                 };
                 let value = self.rrefs.value(rref);
                 let inner = self.clone();
                 self.handlers_running.fetch_add(1, Ordering::AcqRel);
-                tokio::spawn(async move {
+                Some(Box::pin(async move {
                     match value.await {
                         Ok(v) => {
                             let pool_inner = inner.clone();
@@ -926,26 +930,32 @@ impl AgentInner {
                             inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
                         }
                     }
-                });
+                }))
             }
             Body::ForkRequest { rref, fork } => {
                 self.rrefs.add_fork(rref, fork);
-                self.spawn_reply(pipe, caller, id);
+                Some(self.reply_later(pipe, caller, id, Ok(Payload::empty())))
             }
             Body::ChildAccept { fork } => {
                 self.rrefs.child_accepted(fork);
-                self.spawn_reply(pipe, caller, id);
+                Some(self.reply_later(pipe, caller, id, Ok(Payload::empty())))
             }
             Body::Delete { rref, fork } => {
                 self.rrefs.delete_fork(rref, fork);
-                self.spawn_reply(pipe, caller, id);
+                Some(self.reply_later(pipe, caller, id, Ok(Payload::empty())))
             }
         }
     }
 
-    fn spawn_reply(self: &Arc<Self>, pipe: Pipe, caller: u32, id: u64) {
+    fn reply_later(
+        self: &Arc<Self>,
+        pipe: Pipe,
+        caller: u32,
+        id: u64,
+        result: Result<Payload, WireError>,
+    ) -> BoxFuture<()> {
         let inner = self.clone();
-        tokio::spawn(async move { inner.reply(&pipe, caller, id, Ok(Payload::empty())).await });
+        Box::pin(async move { inner.reply(&pipe, caller, id, result).await })
     }
 
     fn encode_result(&self, result: Result<Value, HandlerError>) -> Result<Payload, WireError> {
@@ -965,7 +975,7 @@ impl AgentInner {
         name: &str,
         payload: Payload,
         rref: Option<GlobalId>,
-    ) {
+    ) -> Option<BoxFuture<()>> {
         let caller = ctx.caller.id;
         let Some(handler) = self.registry.handlers.get(name).cloned() else {
             if let Some(r) = rref {
@@ -977,14 +987,7 @@ impl AgentInner {
                     }),
                 );
             }
-            let inner = self.clone();
-            let name = name.to_owned();
-            tokio::spawn(async move {
-                inner
-                    .reply(&pipe, caller, id, Err(WireError::UnknownHandler(name)))
-                    .await
-            });
-            return;
+            return Some(self.reply_later(pipe, caller, id, Err(WireError::UnknownHandler(name.to_owned()))));
         };
         self.handlers_running.fetch_add(1, Ordering::AcqRel);
         let inner = self.clone();
@@ -1008,20 +1011,21 @@ impl AgentInner {
             }
         };
         match handler {
-            Handler::Sync(f) => self.pool.submit(move || {
-                let result = f(&ctx, payload);
-                let reply = finish(&inner, result);
-                inner.handle.block_on(inner.reply(&pipe, caller, id, reply));
-                inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
-            }),
-            Handler::Async(f) => {
-                tokio::spawn(async move {
-                    let result = f(ctx, payload).await;
+            Handler::Sync(f) => {
+                self.pool.submit(move || {
+                    let result = f(&ctx, payload);
                     let reply = finish(&inner, result);
-                    inner.reply(&pipe, caller, id, reply).await;
+                    inner.handle.block_on(inner.reply(&pipe, caller, id, reply));
                     inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
                 });
+                None
             }
+            Handler::Async(f) => Some(Box::pin(async move {
+                let result = f(ctx, payload).await;
+                let reply = finish(&inner, result);
+                inner.reply(&pipe, caller, id, reply).await;
+                inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
+            })),
         }
     }
 
@@ -1246,7 +1250,14 @@ async fn serve_pipe(inner: Arc<AgentInner>, pipe: Pipe) {
         match inner.receive(caller, &d, allocation) {
             Ok((Envelope::Request(request), Some(payload))) => {
                 inner.activity.fetch_add(1, Ordering::Relaxed);
-                inner.dispatch(caller, pipe.clone(), request, payload);
+                if let Some(mut work) = inner.dispatch(caller, pipe.clone(), request, payload) {
+                    // Poll once here; what must wait continues as its own task (which polls it
+                    // again at once, so its waker is the task's own).
+                    let done = std::future::poll_fn(|cx| Poll::Ready(work.as_mut().poll(cx).is_ready())).await;
+                    if !done {
+                        tokio::spawn(work);
+                    }
+                }
             }
             Ok((other, _)) => {
                 tracing::warn!(worker = %inner.me, caller, ?other, "unexpected message on an incoming pipe; closing it");
@@ -1259,8 +1270,6 @@ async fn serve_pipe(inner: Arc<AgentInner>, pipe: Pipe) {
                 return;
             }
         }
-        // Let the handler task just spawned run before this task reads (and spins) again.
-        tokio::task::yield_now().await;
     }
 }
 

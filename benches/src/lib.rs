@@ -5,7 +5,8 @@
 //! Layout: [`peer`] is the other side (a process this one spawns on localhost, or `--listen` on
 //! another host); [`raw`] holds the baselines (busy-poll ping-pong over a shared atomic, raw TCP
 //! ping-pong and stream with the same tokio waiting strategy as the TCP transport, memcpy);
-//! [`run`] drives the suites and [`report`] prints the table and the JSON lines.
+//! [`run`] drives the suites, [`rpc`] the RPC agent suite (two agent processes), and [`report`]
+//! prints the table and the JSON lines.
 //!
 //! Nothing here asserts a speed: targets are checked by reading the ratios.
 
@@ -14,6 +15,7 @@
 pub mod peer;
 pub mod raw;
 pub mod report;
+pub mod rpc;
 pub mod run;
 
 pub use report::Record;

@@ -18,6 +18,9 @@ pub struct Record {
     pub gbps: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cpu_percent: Option<f64>,
+    /// Operations per second, for `rate` records.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub per_second: Option<f64>,
     pub iterations: u64,
     /// Name of the baseline this result is compared with (empty for baselines themselves).
     pub baseline: String,
@@ -40,6 +43,7 @@ impl Record {
             p99_ns: Some(pick(0.99)),
             gbps: None,
             cpu_percent: None,
+            per_second: None,
             iterations: samples.len() as u64,
             baseline: String::new(),
             ratio: None,
@@ -56,6 +60,31 @@ impl Record {
             p99_ns: None,
             gbps: Some(gbps),
             cpu_percent: None,
+            per_second: None,
+            iterations,
+            baseline: String::new(),
+            ratio: None,
+        }
+    }
+
+    /// A throughput in operations per second.
+    pub fn rate(
+        suite: &'static str,
+        backend: impl Into<String>,
+        bytes: usize,
+        per_second: f64,
+        iterations: u64,
+    ) -> Record {
+        Record {
+            suite,
+            backend: backend.into(),
+            metric: "rate",
+            bytes: bytes as u64,
+            p50_ns: None,
+            p99_ns: None,
+            gbps: None,
+            cpu_percent: None,
+            per_second: Some(per_second),
             iterations,
             baseline: String::new(),
             ratio: None,
@@ -67,6 +96,7 @@ impl Record {
         self.baseline = format!("{}/{}", baseline.suite, baseline.backend);
         self.ratio = match self.metric {
             "rtt" => Some(self.p50_ns.unwrap_or(0.0) / baseline.p50_ns.unwrap_or(f64::NAN)),
+            "rate" => Some(self.per_second.unwrap_or(0.0) / baseline.per_second.unwrap_or(f64::NAN)),
             _ => Some(self.gbps.unwrap_or(0.0) / baseline.gbps.unwrap_or(f64::NAN)),
         };
     }
@@ -109,6 +139,11 @@ pub fn table(records: &[Record]) -> String {
                 String::new(),
                 String::new(),
                 format!("{:.2}% cpu", r.cpu_percent.unwrap_or(0.0)),
+            ),
+            "rate" => (
+                String::new(),
+                String::new(),
+                format!("{:.0}k/s", r.per_second.unwrap_or(0.0) / 1e3),
             ),
             _ => (String::new(), String::new(), format!("{:.2}", r.gbps.unwrap_or(0.0))),
         };

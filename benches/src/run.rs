@@ -42,7 +42,7 @@ impl BenchOptions {
         }
     }
 
-    fn budget(&self) -> Duration {
+    pub(crate) fn budget(&self) -> Duration {
         if self.quick {
             Duration::from_millis(20)
         } else {
@@ -50,12 +50,12 @@ impl BenchOptions {
         }
     }
 
-    fn wants(&self, suite: &str) -> bool {
+    pub(crate) fn wants(&self, suite: &str) -> bool {
         self.suites.iter().any(|s| s == suite)
     }
 }
 
-const MAX_RTT_SAMPLES: usize = 200_000;
+pub(crate) const MAX_RTT_SAMPLES: usize = 200_000;
 
 struct Directory {
     tcp: String,
@@ -265,7 +265,7 @@ fn tensor_message(tag: &'static [u8], data: &Bytes) -> Message {
     }
 }
 
-async fn pipe_rtt(pipe: &Pipe, size: usize, budget: Duration) -> anyhow::Result<Vec<f64>> {
+pub(crate) async fn pipe_rtt(pipe: &Pipe, size: usize, budget: Duration) -> anyhow::Result<Vec<f64>> {
     let data = Bytes::from(vec![7u8; size]);
     let message = tensor_message(b"echo", &data);
     let mut alloc: Option<Allocation> = None;
@@ -339,6 +339,7 @@ async fn idle_cpu(addr: &str, seconds: f64) -> anyhow::Result<Record> {
         p99_ns: None,
         gbps: None,
         cpu_percent: Some(percent),
+        per_second: None,
         iterations: 1,
         baseline: String::new(),
         ratio: None,

@@ -1,0 +1,176 @@
+//! `sluice bench rpc`: the RPC agent between two processes on this host, next to the bare pipe
+//! measured in the same run.
+//!
+//! - `rpc_sync` no-op round trip (a synchronous handler on the pool, and an async handler),
+//!   called from a plain thread, against an empty message echoed on a bare pipe;
+//! - `rpc_async` no-op throughput with 64 calls in flight;
+//! - tensor echo (1 MiB, 64 MiB by default) through `rpc_sync`, against the same echo on a bare
+//!   pipe. Bandwidth here is tensor bytes per round trip over the round trip's time.
+//!
+//! This process is rank 0 (it hosts the store); it starts rank 1 with `sluice bench
+//! --rpc-worker STORE`.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use sluice_agent::{Agent, AgentOptions, Payload, Registry, Tensor};
+use sluice_channel::{Allocation, Context, ContextOptions, Message, Pipe};
+
+use crate::report::Record;
+use crate::run::{pipe_rtt, BenchOptions, MAX_RTT_SAMPLES};
+
+const IN_FLIGHT: usize = 64;
+
+/// The handlers of the benchmark's peer.
+pub fn registry() -> Registry {
+    let mut r = Registry::new();
+    r.handler("noop", |_, (): ()| Ok(()))
+        .async_handler("noop_async", |_, (): ()| async { Ok(()) })
+        .raw_handler("echo", |_, payload| Ok(payload));
+    r
+}
+
+/// Rank 1: serves until rank 0 shuts the group down.
+pub fn worker(store: &str) -> anyhow::Result<()> {
+    let agent = Agent::init(AgentOptions::new("bench-peer").rank(1, 2).store(store), registry())?;
+    agent.shutdown()?;
+    Ok(())
+}
+
+fn echo_sizes(options: &BenchOptions) -> Vec<usize> {
+    if options.quick {
+        vec![1 << 20]
+    } else {
+        vec![1 << 20, 64 << 20]
+    }
+}
+
+/// Echo bandwidth: bytes per round trip over the mean round trip.
+fn echo_gbps(size: usize, samples: &[f64]) -> f64 {
+    let mean = samples.iter().sum::<f64>() / samples.len().max(1) as f64;
+    size as f64 / mean
+}
+
+/// Runs the suite; `pipe_addr` is the bench peer's pipe listener (for the bare-pipe baselines)
+/// and `spawn_worker` starts rank 1 given the store address.
+pub fn run(
+    options: &BenchOptions,
+    pipe_addr: &str,
+    spawn_worker: impl FnOnce(&str) -> anyhow::Result<Box<dyn std::any::Any>>,
+) -> anyhow::Result<Vec<Record>> {
+    let budget = options.budget() * 3;
+    let mut out = Vec::new();
+
+    // Baselines on a bare pipe, same negotiation as the agent's pipes.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let (noop_base, echo_base, transport) = rt.block_on(async {
+        let pipe = Context::new(ContextOptions::default())?.connect(pipe_addr).await?;
+        let transport = format!("{}/{}", pipe.info().cpu_channel, pipe.info().transport);
+        let noop = Record::rtt(
+            "rpc",
+            format!("pipe-empty/{transport}"),
+            0,
+            empty_rtt(&pipe, budget).await?,
+        );
+        let mut echo = Vec::new();
+        for size in echo_sizes(options) {
+            let samples = pipe_rtt(&pipe, size, budget).await?;
+            let gbps = echo_gbps(size, &samples);
+            echo.push(Record::bw(
+                "rpc",
+                format!("pipe-echo/{transport}"),
+                size,
+                gbps,
+                samples.len() as u64,
+            ));
+        }
+        pipe.close();
+        Ok::<_, anyhow::Error>((noop, echo, transport))
+    })?;
+    drop(rt);
+    out.push(noop_base.clone());
+    out.extend(echo_base.iter().cloned());
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let store = format!("127.0.0.1:{port}");
+    let _worker = spawn_worker(&store)?;
+    let agent = Agent::init(AgentOptions::new("bench").rank(0, 2).store(&store), registry())?;
+
+    for handler in ["noop", "noop_async"] {
+        let empty = Payload::encode(&())?;
+        let mut samples = Vec::new();
+        let start = Instant::now();
+        while samples.len() < MAX_RTT_SAMPLES && (start.elapsed() < budget || samples.len() < 3) {
+            let t0 = Instant::now();
+            agent.rpc_sync(1u32, handler, empty.clone())?;
+            samples.push(t0.elapsed().as_nanos() as f64);
+        }
+        let mut r = Record::rtt("rpc", format!("rpc_sync-{handler}/{transport}"), 0, samples);
+        r.against(&noop_base);
+        out.push(r);
+    }
+
+    let empty = Payload::encode(&())?;
+    let mut window = VecDeque::with_capacity(IN_FLIGHT);
+    let mut done = 0u64;
+    let start = Instant::now();
+    while start.elapsed() < budget || done < 3 {
+        while window.len() < IN_FLIGHT {
+            window.push_back(agent.rpc_async(1u32, "noop", empty.clone()));
+        }
+        window.pop_front().expect("a call in flight").wait()?;
+        done += 1;
+    }
+    for f in window {
+        f.wait()?;
+    }
+    let per_second = done as f64 / start.elapsed().as_secs_f64();
+    out.push(Record::rate(
+        "rpc",
+        format!("rpc_async-64/{transport}"),
+        0,
+        per_second,
+        done,
+    ));
+
+    for (size, base) in echo_sizes(options).into_iter().zip(&echo_base) {
+        let data = Bytes::from(vec![7u8; size]);
+        let payload = Payload::empty().with_tensors(vec![Tensor::cpu(data)]);
+        let mut samples = Vec::new();
+        let start = Instant::now();
+        while start.elapsed() < budget || samples.len() < 3 {
+            let t0 = Instant::now();
+            let reply = agent.rpc_sync(1u32, "echo", payload.clone())?;
+            samples.push(t0.elapsed().as_nanos() as f64);
+            drop(reply);
+        }
+        let gbps = echo_gbps(size, &samples);
+        let mut r = Record::bw("rpc", format!("rpc-echo/{transport}"), size, gbps, samples.len() as u64);
+        r.against(base);
+        out.push(r);
+    }
+    agent.shutdown()?;
+    Ok(out)
+}
+
+/// Round trips of an empty message (metadata only) through the peer's pipe echo.
+async fn empty_rtt(pipe: &Pipe, budget: Duration) -> anyhow::Result<Vec<f64>> {
+    let message = Message {
+        metadata: Bytes::from_static(b"echo"),
+        ..Message::default()
+    };
+    let mut samples = Vec::new();
+    let start = Instant::now();
+    while samples.len() < MAX_RTT_SAMPLES && (start.elapsed() < budget || samples.len() < 3) {
+        let t0 = Instant::now();
+        pipe.write(&message).await?;
+        let d = pipe.read_descriptor().await?;
+        pipe.read(Allocation::for_descriptor(&d)).await?;
+        samples.push(t0.elapsed().as_nanos() as f64);
+    }
+    Ok(samples)
+}

@@ -1,0 +1,12 @@
+//! Sluice: moves tensors between processes over the fastest path each pair of peers shares,
+//! with an RPC agent on top. This crate re-exports the layers; `sluice bench` is its CLI.
+//!
+//! - [`transport`]: ordered, reliable connections (TCP, shared memory).
+//! - [`channel`]: devices, buffers, channels and the negotiated pipe.
+//! - [`agent`]: RPC over pipes (workers, calls, RRefs, timeouts, device maps, shutdown).
+
+#![forbid(unsafe_code)]
+
+pub use sluice_agent as agent;
+pub use sluice_channel as channel;
+pub use sluice_transport as transport;
