@@ -11,14 +11,14 @@
 //! --rpc-worker STORE`.
 
 use std::collections::VecDeque;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
 use sluice_agent::{Agent, AgentOptions, Payload, Registry, Tensor};
-use sluice_channel::{Allocation, Context, ContextOptions, Message, Pipe};
+use sluice_channel::{Context, ContextOptions, Message};
 
 use crate::report::Record;
-use crate::run::{pipe_rtt, BenchOptions, MAX_RTT_SAMPLES};
+use crate::run::{message_rtt, pipe_rtt, BenchOptions, MAX_RTT_SAMPLES};
 
 const IN_FLIGHT: usize = 64;
 
@@ -70,11 +70,15 @@ pub fn run(
     let (noop_base, echo_base, transport) = rt.block_on(async {
         let pipe = Context::new(ContextOptions::default())?.connect(pipe_addr).await?;
         let transport = format!("{}/{}", pipe.info().cpu_channel, pipe.info().transport);
+        let empty = Message {
+            metadata: Bytes::from_static(b"echo"),
+            ..Message::default()
+        };
         let noop = Record::rtt(
             "rpc",
             format!("pipe-empty/{transport}"),
             0,
-            empty_rtt(&pipe, budget).await?,
+            message_rtt(&pipe, &empty, budget).await?,
         );
         let mut echo = Vec::new();
         for size in echo_sizes(options) {
@@ -155,22 +159,4 @@ pub fn run(
     }
     agent.shutdown()?;
     Ok(out)
-}
-
-/// Round trips of an empty message (metadata only) through the peer's pipe echo.
-async fn empty_rtt(pipe: &Pipe, budget: Duration) -> anyhow::Result<Vec<f64>> {
-    let message = Message {
-        metadata: Bytes::from_static(b"echo"),
-        ..Message::default()
-    };
-    let mut samples = Vec::new();
-    let start = Instant::now();
-    while samples.len() < MAX_RTT_SAMPLES && (start.elapsed() < budget || samples.len() < 3) {
-        let t0 = Instant::now();
-        pipe.write(&message).await?;
-        let d = pipe.read_descriptor().await?;
-        pipe.read(Allocation::for_descriptor(&d)).await?;
-        samples.push(t0.elapsed().as_nanos() as f64);
-    }
-    Ok(samples)
 }
