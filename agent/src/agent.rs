@@ -287,6 +287,11 @@ impl Agent {
         self.inner.teardown();
     }
 
+    /// Where this worker listens for pipes.
+    pub fn address(&self) -> &str {
+        &self.inner.peers[self.inner.me.id as usize].address
+    }
+
     /// The pipe info of this worker's pipe to `dest`, if one is open.
     pub fn pipe_info(&self, dest: impl Into<Dest>) -> Option<sluice_channel::PipeInfo> {
         let rank = self.inner.resolve(&dest.into()).ok()?;

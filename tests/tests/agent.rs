@@ -19,6 +19,9 @@ struct Counter {
     value: AtomicI64,
 }
 
+/// Tests that start an agent in the test process itself take turns: one agent per process.
+static IN_PROCESS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// A counter on rank 0 that survivors use as a barrier when a worker is dead.
 static ARRIVED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
@@ -161,7 +164,11 @@ worker_test!(errors_reach_the_caller_and_the_agent_keeps_serving, 2, |env| {
 });
 
 worker_test!(calls_to_self_and_tensors_without_copies, 2, |env| {
-    let agent = env.agent(registry());
+    let mut options = env.options();
+    options.connect = sluice_agent::Connect::Eager;
+    let agent = Agent::init(options, registry()).unwrap();
+    // Eager: the pipes exist before the first call.
+    assert!(agent.pipe_info(1 - env.rank).is_some());
     let me = env.rank;
     assert_eq!(agent.call::<_, i64>(me, "add", &(20i64, 22i64)).unwrap(), 42);
     assert_eq!(agent.call::<_, String>(me, "whoami", &()).unwrap(), name(me));
@@ -488,6 +495,7 @@ worker_test!(device_maps_are_applied_and_checked, 2, |env| {
 
 #[test]
 fn init_checks_names_and_second_init_errors() {
+    let _turn = IN_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
     // Single-process checks that need no group.
     for (bad, rule) in [("", "empty"), ("a b", "contains"), (&"x".repeat(129) as &str, "129")] {
         let e = Agent::init(AgentOptions::new(bad).rank(0, 1).store("127.0.0.1:1"), Registry::new()).unwrap_err();
@@ -513,4 +521,60 @@ fn init_checks_names_and_second_init_errors() {
     )
     .unwrap();
     again.shutdown().unwrap();
+}
+
+#[test]
+fn hostile_pipes_are_closed_and_the_agent_keeps_serving() {
+    let _turn = IN_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
+    use sluice_channel::{Context, ContextOptions, Message};
+    let port = sluice_tests::workers::free_port();
+    let agent = Agent::init(
+        AgentOptions::new("target")
+            .rank(0, 1)
+            .store(format!("127.0.0.1:{port}")),
+        registry(),
+    )
+    .unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let garbage = [
+        Bytes::from_static(b"\xff\xff\xff\xff"),
+        Bytes::new(),
+        // A well-formed hello from a rank that does not exist.
+        Bytes::from(postcard::to_allocvec(&sluice_agent::wire::Envelope::Hello { rank: 99, version: 1 }).unwrap()),
+        // A request before any hello.
+        Bytes::from(
+            postcard::to_allocvec(&sluice_agent::wire::Envelope::Request(sluice_agent::wire::Request {
+                id: 1,
+                body: sluice_agent::wire::Body::Call { handler: "add".into() },
+                value: Default::default(),
+            }))
+            .unwrap(),
+        ),
+    ];
+    for metadata in garbage {
+        rt.block_on(async {
+            let pipe = Context::new(ContextOptions::default())
+                .unwrap()
+                .connect(agent.address())
+                .await
+                .unwrap();
+            pipe.write(&Message {
+                metadata,
+                ..Message::default()
+            })
+            .await
+            .unwrap();
+            // The agent closes the pipe instead of answering.
+            let e = tokio::time::timeout(sluice_tests::WATCHDOG, pipe.read_descriptor())
+                .await
+                .expect("watchdog");
+            assert!(e.is_err(), "the agent answered a hostile pipe");
+        });
+        assert_eq!(agent.call::<_, i64>(0u32, "add", &(1i64, 2i64)).unwrap(), 3);
+    }
+    agent.shutdown().unwrap();
 }
