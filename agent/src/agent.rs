@@ -194,8 +194,7 @@ impl Agent {
         handler: &str,
         arg: &A,
     ) -> Result<R, RpcError> {
-        let reply = self.rpc_sync(dest, handler, Payload::encode(arg)?)?;
-        self.inner.decode_reply(&reply)
+        self.rpc_sync(dest, handler, Payload::encode(arg)?)?.decode()
     }
 
     /// Typed `rpc_async`.
@@ -530,10 +529,6 @@ impl AgentInner {
             worker: self.me.id,
             local: self.counter.fetch_add(1, Ordering::Relaxed),
         }
-    }
-
-    pub(crate) fn decode_reply<R: DeserializeOwned>(&self, reply: &Payload) -> Result<R, RpcError> {
-        reply.decode::<R>()
     }
 
     /// Registers a call and sends it; the returned completion gets the reply or an error.
@@ -1069,10 +1064,6 @@ impl AgentInner {
                 worker,
                 kind: "Failed".into(),
                 message: detail,
-            },
-            WireError::ShuttingDown => RpcError::PeerLost {
-                worker,
-                detail: "it is shutting down".into(),
             },
         }
     }

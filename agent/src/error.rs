@@ -74,8 +74,6 @@ pub enum RpcError {
     Encode(String),
     #[error("could not decode a value from {worker}: {detail}")]
     Decode { worker: String, detail: String },
-    #[error("protocol error from {worker}: {detail}")]
-    Protocol { worker: String, detail: String },
     /// A tensor on `device` was sent to `worker`, but the device map to it does not cover that
     /// device.
     #[error("no device map from {device} to {worker}: add `{device}` to the device map for `{worker}`")]

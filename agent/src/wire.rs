@@ -112,8 +112,6 @@ pub enum WireError {
     UnknownHandler(String),
     /// Anything else (decoding, wrong RRef type, …), as text.
     Failed(String),
-    /// The callee is shutting down.
-    ShuttingDown,
 }
 
 pub fn encode(envelope: &Envelope) -> Bytes {
