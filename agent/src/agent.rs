@@ -551,19 +551,16 @@ impl AgentInner {
         }
         let control = body.is_control();
         let id = self.next_id();
-        let (value, forks) = match self.outgoing_value(&payload, dest, peer.map_to.as_ref(), false) {
+        let Outgoing {
+            value,
+            frames,
+            tensors,
+            forks,
+        } = match self.outgoing_value(&payload, dest, peer.map_to.as_ref(), false) {
             Ok(v) => v,
             Err(e) => return Completion::ready(Err(e)),
         };
-        let message = build_message(
-            Envelope::Request(Request {
-                id,
-                body,
-                value: value.0,
-            }),
-            value.1,
-            value.2,
-        );
+        let message = build_message(Envelope::Request(Request { id, body, value }), frames, tensors);
         let slot = Slot::new();
         let deadline = (!timeout.is_zero()).then(|| Instant::now() + timeout);
         {
@@ -710,16 +707,13 @@ impl AgentInner {
     }
 
     /// Prepares a value for `dest`: RRef forks, tensor placement (`reverse` for replies).
-    /// Returns the wire value, the payload frames, the tensors, and the forks made (undone if
-    /// the send fails).
-    #[allow(clippy::type_complexity)]
     fn outgoing_value(
         self: &Arc<Self>,
         payload: &Payload,
         dest: u32,
         map: Option<&DeviceMap>,
         reverse: bool,
-    ) -> Result<((WireValue, Vec<Bytes>, Vec<Tensor>), Vec<GlobalId>), RpcError> {
+    ) -> Result<Outgoing, RpcError> {
         let dest_name = self.name_of(dest);
         let mut tensors = Vec::with_capacity(payload.tensors.len());
         for t in &payload.tensors {
@@ -759,7 +753,12 @@ impl AgentInner {
         } else {
             vec![payload.bytes.clone()]
         };
-        Ok(((value, frames, tensors), forks))
+        Ok(Outgoing {
+            value,
+            frames,
+            tensors,
+            forks,
+        })
     }
 
     /// Memory for an incoming message: recycled for large tensors when possible.
@@ -1034,7 +1033,7 @@ impl AgentInner {
         let map = self.peers[caller as usize].map_from.as_ref();
         let (result, frames, tensors, forks) = match result {
             Ok(payload) => match self.outgoing_value(&payload, caller, map, true) {
-                Ok(((v, frames, tensors), forks)) => (Ok(v), frames, tensors, forks),
+                Ok(o) => (Ok(o.value), o.frames, o.tensors, o.forks),
                 Err(e) => (
                     Err(WireError::Failed(e.to_string())),
                     Vec::new(),
@@ -1199,6 +1198,15 @@ impl AgentInner {
         RUNNING.store(false, Ordering::Release);
         tracing::debug!(worker = %self.me, "agent down");
     }
+}
+
+/// A value made ready for one destination: the wire value, the frames of its bytes, its
+/// tensors with their target devices, and the RRef forks made for it (undone if the send fails).
+struct Outgoing {
+    value: WireValue,
+    frames: Vec<Bytes>,
+    tensors: Vec<Tensor>,
+    forks: Vec<GlobalId>,
 }
 
 fn build_message(envelope: Envelope, payloads: Vec<Bytes>, tensors: Vec<Tensor>) -> Message {

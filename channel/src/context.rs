@@ -350,19 +350,27 @@ impl Context {
             w.write(&[&wire::encode_setup(&Hello::Join { token })]).await?;
             lanes.push((r, w));
         }
-        let info = PipeInfo {
-            peer: format!("{}@{addr}", answer.name),
-            peer_pid: answer.pid,
-            transport: kind.name(),
-            cpu_channel: cpu,
-            lanes: lanes.len(),
-        };
-        Ok(Pipe::new(
-            info,
+        Ok(assemble(
+            format!("{}@{addr}", answer.name),
+            answer.pid,
+            kind,
+            cpu,
             Links { control, reply, lanes },
             self.inner.options.max_descriptor_bytes,
         ))
     }
+}
+
+/// The pipe both ends build once their connections are in place.
+fn assemble(peer: String, peer_pid: u32, kind: TransportKind, cpu: ChannelKind, links: Links, max: usize) -> Pipe {
+    let info = PipeInfo {
+        peer,
+        peer_pid,
+        transport: kind.name(),
+        cpu_channel: cpu,
+        lanes: links.lanes.len(),
+    };
+    Pipe::new(info, links, max)
 }
 
 /// The channel chosen for CPU-to-CPU tensors.
@@ -602,15 +610,11 @@ async fn serve_pipe(shared: &ListenerShared, peer: &str, bootstrap: Halves, broc
     };
     let reply = halves.next().expect("reply connection");
     let lanes: Vec<Halves> = halves.collect();
-    let info = PipeInfo {
-        peer: format!("{}@{peer}", brochure.name),
-        peer_pid: brochure.pid,
-        transport: kind.name(),
-        cpu_channel: cpu,
-        lanes: lanes.len(),
-    };
-    Ok(Pipe::new(
-        info,
+    Ok(assemble(
+        format!("{}@{peer}", brochure.name),
+        brochure.pid,
+        kind,
+        cpu,
         Links { control, reply, lanes },
         ctx.inner.options.max_descriptor_bytes,
     ))
