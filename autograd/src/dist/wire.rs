@@ -1,0 +1,173 @@
+//! How autograd tensors travel inside agent payloads.
+//!
+//! A value is serialized with postcard; every `Tensor` inside it becomes an index into the
+//! payload's tensor list, and its data travels as a pipe tensor (moved by the pipe's channels,
+//! never copied into the value's bytes). Shape, strides, dtype and whether it requires grad
+//! travel in a [`WireTensor`] beside the value.
+//!
+//! Layout on the wire: a contiguous tensor (or a contiguous window of a larger buffer) sends
+//! just its elements, a slice of its storage, no copy. A view that is a permutation of its
+//! whole buffer (a transpose) sends the buffer unchanged and **arrives with its strides**. Any
+//! other view (a strided window) is made contiguous first, so only the bytes it covers travel.
+//!
+//! Every field from a peer is checked (`Tensor::from_bytes`): dtype, dims ≤ 16, the buffer
+//! covering every element the strides reach, sparse indices inside the dense shape.
+
+use std::cell::RefCell;
+
+use bytes::Bytes;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::tensor::{contiguous_strides, Tensor};
+
+const MAX_DIMS: usize = 16;
+
+/// A tensor's description; its data is the pipe tensor at `buffer`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WireTensor {
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub strides: Vec<u64>,
+    pub offset: u64,
+    pub requires_grad: bool,
+    /// Sparse rows: the dense row of each stored row.
+    pub sparse: Option<Vec<u64>>,
+    pub buffer: u32,
+}
+
+/// Prepares `t` for sending: its description and the bytes to move.
+pub(crate) fn to_wire(t: &Tensor, buffer: u32) -> (WireTensor, Bytes) {
+    let requires_grad = t.requires_grad();
+    let (data, strides, offset) = if t.is_dense_permutation() && !t.is_contiguous() {
+        (t.inner.data.clone(), t.strides().to_vec(), 0)
+    } else {
+        (t.contiguous_bytes(), contiguous_strides(t.shape()), 0)
+    };
+    let wire = WireTensor {
+        dtype: t.dtype(),
+        shape: t.shape().iter().map(|&n| n as u64).collect(),
+        strides: strides.iter().map(|&n| n as u64).collect(),
+        offset,
+        requires_grad,
+        sparse: t.sparse_indices().map(|i| i.iter().map(|&n| n as u64).collect()),
+        buffer,
+    };
+    (wire, data)
+}
+
+fn usize_of(v: u64, what: &str) -> Result<usize> {
+    usize::try_from(v).map_err(|_| Error::Wire(format!("{what} {v} does not fit")))
+}
+
+/// Rebuilds a tensor from its description and its received bytes (graph-free).
+pub(crate) fn from_wire(w: &WireTensor, data: Bytes) -> Result<Tensor> {
+    if w.shape.len() > MAX_DIMS || w.shape.len() != w.strides.len() {
+        return Err(Error::Wire(format!("{} dims with {} strides", w.shape.len(), w.strides.len())));
+    }
+    if w.dtype.is_float() == false && w.requires_grad {
+        return Err(Error::Wire("an i64 tensor cannot require grad".into()));
+    }
+    let shape: Vec<usize> = w.shape.iter().map(|&n| usize_of(n, "dimension")).collect::<Result<_>>()?;
+    let strides: Vec<usize> = w.strides.iter().map(|&n| usize_of(n, "stride")).collect::<Result<_>>()?;
+    match &w.sparse {
+        None => Tensor::from_bytes(data, w.dtype, &shape, &strides, usize_of(w.offset, "offset")?),
+        Some(indices) => {
+            if shape.is_empty() {
+                return Err(Error::Wire("a sparse tensor needs rows".into()));
+            }
+            let indices: Vec<usize> = indices
+                .iter()
+                .map(|&i| match usize_of(i, "row") {
+                    Ok(i) if i < shape[0] => Ok(i),
+                    _ => Err(Error::Wire(format!("sparse row {i} outside {} rows", shape[0]))),
+                })
+                .collect::<Result<_>>()?;
+            let mut rows_shape = shape.clone();
+            rows_shape[0] = indices.len();
+            let rows = Tensor::from_bytes(data, w.dtype, &rows_shape, &contiguous_strides(&rows_shape), 0)?;
+            if rows.numel() * w.dtype.size() != rows.inner.data.len() {
+                return Err(Error::Wire("sparse rows and their buffer differ in length".into()));
+            }
+            Ok(Tensor::sparse_rows(indices, rows, shape))
+        }
+    }
+}
+
+thread_local! {
+    static ENCODING: RefCell<Option<Vec<Tensor>>> = const { RefCell::new(None) };
+    static DECODING: RefCell<Option<Vec<Tensor>>> = const { RefCell::new(None) };
+}
+
+/// Serializes `value`, collecting the tensors inside it (in order of appearance).
+pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<(Vec<u8>, Vec<Tensor>)> {
+    let previous = ENCODING.with(|e| e.borrow_mut().replace(Vec::new()));
+    let bytes = postcard::to_allocvec(value);
+    let tensors = ENCODING.with(|e| std::mem::replace(&mut *e.borrow_mut(), previous)).unwrap_or_default();
+    let bytes = bytes.map_err(|e| Error::Wire(format!("encoding: {e}")))?;
+    Ok((bytes, tensors))
+}
+
+/// Deserializes `bytes`, resolving tensor indices against `tensors`.
+pub(crate) fn decode<T: DeserializeOwned>(bytes: &[u8], tensors: Vec<Tensor>) -> Result<T> {
+    let previous = DECODING.with(|d| d.borrow_mut().replace(tensors));
+    let value = postcard::from_bytes(bytes);
+    DECODING.with(|d| *d.borrow_mut() = previous);
+    value.map_err(|e| Error::Wire(format!("decoding {}: {e}", std::any::type_name::<T>())))
+}
+
+/// How a tensor is written inside a value: an index when the value travels through
+/// `dist::rpc_*` (data moved by the pipe), inline bytes otherwise (e.g. inside a plain agent
+/// call or an RRef fetch).
+#[derive(Serialize, Deserialize)]
+enum Repr {
+    Indexed(u32),
+    Inline(WireTensor, serde_bytes_compat::Buf),
+}
+
+mod serde_bytes_compat {
+    /// Bytes serialized as one byte string.
+    pub struct Buf(pub bytes::Bytes);
+    impl serde::Serialize for Buf {
+        fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            s.serialize_bytes(&self.0)
+        }
+    }
+    impl<'de> serde::Deserialize<'de> for Buf {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            bytes::Bytes::deserialize(d).map(Buf)
+        }
+    }
+}
+
+impl Serialize for Tensor {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let index = ENCODING.with(|e| {
+            e.borrow_mut().as_mut().map(|list| {
+                list.push(self.clone());
+                list.len() as u32 - 1
+            })
+        });
+        match index {
+            Some(i) => Repr::Indexed(i).serialize(s),
+            None => {
+                let (w, data) = to_wire(self, 0);
+                Repr::Inline(w, serde_bytes_compat::Buf(data)).serialize(s)
+            }
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Tensor {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::Error as _;
+        match Repr::deserialize(d)? {
+            Repr::Indexed(i) => DECODING
+                .with(|list| list.borrow().as_ref().and_then(|l| l.get(i as usize).cloned()))
+                .ok_or_else(|| D::Error::custom(format!("tensor index {i} outside the message's tensors"))),
+            Repr::Inline(w, buf) => from_wire(&w, buf.0).map_err(D::Error::custom),
+        }
+    }
+}

@@ -1,0 +1,29 @@
+//! Tensors over raw buffers, ops with backward, a local engine, distributed autograd and the
+//! distributed optimizer.
+//!
+//! Start with [`tensor`] (what a tensor is), [`ops`] (what you can compute and differentiate),
+//! [`engine`] (how a backward runs), then [`dist`] (contexts, recorded RPCs, the distributed
+//! backward) and [`optim`] (parameters, optimizers, the distributed optimizer).
+//!
+//! Devices: every kernel lives in [`cpu`]; ops check the device first, so a CUDA tensor gets a
+//! clear "no kernels for this device yet" error until the CUDA kernels join beside them.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod cpu;
+pub mod dist;
+pub mod dtype;
+pub mod engine;
+pub mod error;
+pub mod gradcheck;
+pub mod graph;
+pub mod ops;
+pub mod optim;
+pub mod tensor;
+
+pub use dtype::DType;
+pub use error::{Error, Result};
+pub use graph::no_grad;
+pub use ops::{accuracy, cat, cross_entropy, embedding, linear, mse_loss, nll_loss};
+pub use optim::{DistributedOptimizer, Optimizer, OptimizerKind, Parameter, UpdateMode};
+pub use tensor::{LeafId, Rng, Tensor};
