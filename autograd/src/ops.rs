@@ -262,6 +262,15 @@ impl Tensor {
         Ok(record1("Contiguous", &[self], out, |g| Ok(vec![Some(g.clone())])))
     }
 
+    /// The identity, whose backward fails with `message` (PyTorch's `SimulateBackwardError`):
+    /// for testing how failures in a backward pass are reported.
+    pub fn fail_in_backward(&self, message: &str) -> Result<Tensor> {
+        let message = message.to_owned();
+        Ok(record1("FailInBackward", &[self], self.detach(), move |_| {
+            Err(crate::error::Error::Backward(message.clone()))
+        }))
+    }
+
     /// Rows `indices` (an i64 tensor) along dimension 0.
     pub fn index_rows(&self, indices: &Tensor) -> Result<Tensor> {
         if self.dims() == 0 {
