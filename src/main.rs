@@ -40,8 +40,8 @@ enum Commands {
         /// Measure against a peer started elsewhere with --listen.
         #[arg(long, value_name = "ADDR")]
         connect: Option<String>,
-        /// Comma-separated suites: raw, transport, pipe, idle, rpc.
-        #[arg(long, default_value = "raw,transport,pipe,idle,rpc", value_delimiter = ',')]
+        /// Comma-separated suites: raw, transport, pipe, idle, rpc, autograd.
+        #[arg(long, default_value = "raw,transport,pipe,idle,rpc,autograd", value_delimiter = ',')]
         suites: Vec<String>,
         /// Internal: run as rank 1 of the rpc suite, with the store at ADDR.
         #[arg(long, value_name = "ADDR", hide = true)]
@@ -73,8 +73,8 @@ fn main() -> anyhow::Result<()> {
     let suites = if only.is_empty() { suites } else { only };
     for s in &suites {
         anyhow::ensure!(
-            ["raw", "transport", "pipe", "idle", "rpc"].contains(&s.as_str()),
-            "unknown suite `{s}`: expected raw, transport, pipe, idle or rpc"
+            ["raw", "transport", "pipe", "idle", "rpc", "autograd"].contains(&s.as_str()),
+            "unknown suite `{s}`: expected raw, transport, pipe, idle, rpc or autograd"
         );
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -101,22 +101,21 @@ fn main() -> anyhow::Result<()> {
         }
     };
     let mut records = Vec::new();
-    if suites.iter().any(|s| s != "rpc") {
+    if suites.iter().any(|s| s != "rpc" && s != "autograd") {
         records = runtime.block_on(sluice_benches::run(&options, &addr))?;
     }
     if options.suites.iter().any(|s| s == "rpc") {
         if remote {
             eprintln!("rpc suite skipped: it starts its own second worker on this host");
         } else {
-            records.extend(sluice_benches::rpc::run(&options, &addr, |store| {
-                let exe = std::env::current_exe()?;
-                let child = Command::new(exe)
-                    .args(["bench", "--rpc-worker", store])
-                    .stdin(Stdio::null())
-                    .spawn()
-                    .context("starting the rpc worker")?;
-                Ok(Box::new(KillOnDrop(child)) as Box<dyn std::any::Any>)
-            })?);
+            records.extend(sluice_benches::rpc::run(&options, &addr, spawn_rpc_worker)?);
+        }
+    }
+    if options.suites.iter().any(|s| s == "autograd") {
+        if remote {
+            eprintln!("autograd suite skipped: it starts its own second worker on this host");
+        } else {
+            records.extend(sluice_benches::autograd::run(&options, spawn_rpc_worker)?);
         }
     }
     print!("{}", report::table(&records));
@@ -128,6 +127,17 @@ fn main() -> anyhow::Result<()> {
         eprintln!("wrote {} results to {}", records.len(), path.display());
     }
     Ok(())
+}
+
+/// Starts rank 1 of the rpc and autograd suites.
+fn spawn_rpc_worker(store: &str) -> anyhow::Result<Box<dyn std::any::Any>> {
+    let exe = std::env::current_exe()?;
+    let child = Command::new(exe)
+        .args(["bench", "--rpc-worker", store])
+        .stdin(Stdio::null())
+        .spawn()
+        .context("starting the rpc worker")?;
+    Ok(Box::new(KillOnDrop(child)) as Box<dyn std::any::Any>)
 }
 
 /// A child process killed and reaped when dropped.

@@ -75,7 +75,10 @@ fn run_inner(starts: Vec<(Arc<Node>, Vec<Option<Tensor>>)>, sink: &dyn Sink, kee
         for (slot, g) in grads.into_iter().enumerate() {
             if let Some(g) = g {
                 if slot >= buf.len() {
-                    return Err(Error::Backward(format!("{} has {} outputs, got gradient {slot}", n.name, n.outputs)));
+                    return Err(Error::Backward(format!(
+                        "{} has {} outputs, got gradient {slot}",
+                        n.name, n.outputs
+                    )));
                 }
                 add_into(&mut buf[slot], g)?;
             }

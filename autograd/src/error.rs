@@ -20,7 +20,9 @@ pub enum Error {
     Index { op: &'static str, index: i64, size: usize },
     #[error("backward: {0}")]
     Backward(String),
-    #[error("the graph was already freed by an earlier backward through {0}; pass retain_graph=true to backward twice")]
+    #[error(
+        "the graph was already freed by an earlier backward through {0}; pass retain_graph=true to backward twice"
+    )]
     GraphFreed(&'static str),
     #[error("malformed tensor from a peer: {0}")]
     Wire(String),
@@ -30,7 +32,9 @@ pub enum Error {
     NestedContext(u64),
     #[error("no distributed autograd context is active on this thread")]
     NoContext,
-    #[error("distributed autograd is not installed: call sluice_autograd::dist::install on the registry before Agent::init")]
+    #[error(
+        "distributed autograd is not installed: call sluice_autograd::dist::install on the registry before Agent::init"
+    )]
     NotInstalled,
     /// A failure on a worker, with the worker's rank: "error on worker N: …".
     #[error("error on worker {worker}: {detail}")]

@@ -9,7 +9,13 @@ use crate::tensor::Tensor;
 pub fn gradcheck(f: impl Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor], eps: f64, tol: f64) -> Result<f64> {
     let leaves: Vec<Tensor> = inputs
         .iter()
-        .map(|t| if t.dtype().is_float() { t.detach().requires_grad_() } else { t.clone() })
+        .map(|t| {
+            if t.dtype().is_float() {
+                t.detach().requires_grad_()
+            } else {
+                t.clone()
+            }
+        })
         .collect();
     let out = f(&leaves)?;
     let weights = Tensor::randn(out.shape(), 1.0, 7, out.dtype())?;

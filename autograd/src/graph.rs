@@ -104,7 +104,12 @@ pub(crate) fn record(
         return outputs;
     }
     let next = inputs.iter().map(|t| edge_of(t)).collect();
-    let node = Node::new(name, NodeKind::Op(Mutex::new(Some(Box::new(backward)))), next, outputs.len());
+    let node = Node::new(
+        name,
+        NodeKind::Op(Mutex::new(Some(Box::new(backward)))),
+        next,
+        outputs.len(),
+    );
     outputs
         .into_iter()
         .enumerate()

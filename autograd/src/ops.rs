@@ -81,31 +81,63 @@ impl Tensor {
         /// Elementwise product with broadcasting.
         mul, "Mul", |x, y| x * y, |g, a, b| (zip!(&g, &b, "mul", |x, y| x * y), zip!(&g, &a, "mul", |x, y| x * y)));
     binary_op!(
-        /// Elementwise quotient with broadcasting.
-        div, "Div", |x, y| x / y, |g, a, b| (
-            zip!(&g, &b, "div", |x, y| x / y),
-            zip!(&zip!(&g, &a, "mul", |x, y| x * y), &b, "div", |x, y| -x / (y * y))
-        ));
+    /// Elementwise quotient with broadcasting.
+    div, "Div", |x, y| x / y, |g, a, b| (
+        zip!(&g, &b, "div", |x, y| x / y),
+        zip!(&zip!(&g, &a, "mul", |x, y| x * y), &b, "div", |x, y| -x / (y * y))
+    ));
 
     unary_op!(
         /// −x.
         neg, "Neg", |x| -x, save = input, |g, _s| cpu::scale(g, -1.0)?);
-    unary_op!(exp, "Exp", |x| x.exp(), save = output, |g, y| zip!(g, y, "exp", |g, y| g * y));
+    unary_op!(exp, "Exp", |x| x.exp(), save = output, |g, y| zip!(
+        g,
+        y,
+        "exp",
+        |g, y| g * y
+    ));
     unary_op!(
         /// Natural logarithm.
         log, "Log", |x| x.ln(), save = input, |g, x| zip!(g, x, "log", |g, x| g / x));
-    unary_op!(relu, "Relu", |x| if x > T::ZERO { x } else { T::ZERO }, save = input,
-        |g, x| zip!(g, x, "relu", |g, x| if x > T::ZERO { g } else { T::ZERO }));
-    unary_op!(tanh, "Tanh", |x| x.tanh(), save = output, |g, y| zip!(g, y, "tanh", |g, y| g * (T::ONE - y * y)));
-    unary_op!(sigmoid, "Sigmoid", |x| T::ONE / (T::ONE + (-x).exp()), save = output,
-        |g, y| zip!(g, y, "sigmoid", |g, y| g * y * (T::ONE - y)));
-    unary_op!(cos, "Cos", |x| x.cos(), save = input, |g, x| zip!(g, x, "cos", |g, x| -g * x.sin()));
-    unary_op!(sin, "Sin", |x| x.sin(), save = input, |g, x| zip!(g, x, "sin", |g, x| g * x.cos()));
+    unary_op!(
+        relu,
+        "Relu",
+        |x| if x > T::ZERO { x } else { T::ZERO },
+        save = input,
+        |g, x| zip!(g, x, "relu", |g, x| if x > T::ZERO { g } else { T::ZERO })
+    );
+    unary_op!(tanh, "Tanh", |x| x.tanh(), save = output, |g, y| zip!(
+        g,
+        y,
+        "tanh",
+        |g, y| g * (T::ONE - y * y)
+    ));
+    unary_op!(
+        sigmoid,
+        "Sigmoid",
+        |x| T::ONE / (T::ONE + (-x).exp()),
+        save = output,
+        |g, y| zip!(g, y, "sigmoid", |g, y| g * y * (T::ONE - y))
+    );
+    unary_op!(cos, "Cos", |x| x.cos(), save = input, |g, x| zip!(
+        g,
+        x,
+        "cos",
+        |g, x| -g * x.sin()
+    ));
+    unary_op!(sin, "Sin", |x| x.sin(), save = input, |g, x| zip!(
+        g,
+        x,
+        "sin",
+        |g, x| g * x.cos()
+    ));
 
     /// `self · s`.
     pub fn mul_scalar(&self, s: f64) -> Result<Tensor> {
         let out = cpu::scale(self, s)?;
-        Ok(record1("MulScalar", &[self], out, move |g| Ok(vec![Some(cpu::scale(g, s)?)])))
+        Ok(record1("MulScalar", &[self], out, move |g| {
+            Ok(vec![Some(cpu::scale(g, s)?)])
+        }))
     }
 
     /// `self + s`.
@@ -120,8 +152,16 @@ impl Tensor {
         let (a, b) = (self.detach(), other.detach());
         let needed = need(&[self, other]);
         Ok(record1("MatMul", &[self, other], out, move |g| {
-            let ga = if needed[0] { Some(cpu::matmul(g, &b.transpose_raw(0, 1))?) } else { None };
-            let gb = if needed[1] { Some(cpu::matmul(&a.transpose_raw(0, 1), g)?) } else { None };
+            let ga = if needed[0] {
+                Some(cpu::matmul(g, &b.transpose_raw(0, 1))?)
+            } else {
+                None
+            };
+            let gb = if needed[1] {
+                Some(cpu::matmul(&a.transpose_raw(0, 1), g)?)
+            } else {
+                None
+            };
             Ok(vec![ga, gb])
         }))
     }
@@ -130,7 +170,9 @@ impl Tensor {
     pub fn sum(&self) -> Result<Tensor> {
         let out = cpu::sum_dims(self, &vec![true; self.dims()], false)?;
         let shape = self.shape().to_vec();
-        Ok(record1("Sum", &[self], out, move |g| Ok(vec![Some(broadcast_to(g, &shape)?)])))
+        Ok(record1("Sum", &[self], out, move |g| {
+            Ok(vec![Some(broadcast_to(g, &shape)?)])
+        }))
     }
 
     /// Sum along `dim` (negative counts from the end).
@@ -167,9 +209,12 @@ impl Tensor {
         }
         let out = cpu::softmax_last(self, log)?;
         let y = out.detach();
-        Ok(record1(if log { "LogSoftmax" } else { "Softmax" }, &[self], out, move |g| {
-            Ok(vec![Some(cpu::softmax_last_backward(&y, g, log)?)])
-        }))
+        Ok(record1(
+            if log { "LogSoftmax" } else { "Softmax" },
+            &[self],
+            out,
+            move |g| Ok(vec![Some(cpu::softmax_last_backward(&y, g, log)?)]),
+        ))
     }
 
     /// Softmax along `dim`.
@@ -209,10 +254,15 @@ impl Tensor {
     /// Swaps two dimensions (a view).
     pub fn transpose(&self, d0: usize, d1: usize) -> Result<Tensor> {
         if d0 >= self.dims() || d1 >= self.dims() {
-            return Err(shape_err("transpose", format!("dimensions {d0}, {d1} of {:?}", self.shape())));
+            return Err(shape_err(
+                "transpose",
+                format!("dimensions {d0}, {d1} of {:?}", self.shape()),
+            ));
         }
         let out = self.transpose_raw(d0, d1);
-        Ok(record1("Transpose", &[self], out, move |g| Ok(vec![Some(g.transpose_raw(d0, d1))])))
+        Ok(record1("Transpose", &[self], out, move |g| {
+            Ok(vec![Some(g.transpose_raw(d0, d1))])
+        }))
     }
 
     /// Transpose of a 2-D tensor (a view).
@@ -226,11 +276,18 @@ impl Tensor {
     /// Elements `start..start + len` along `dim` (a view).
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor> {
         if dim >= self.dims() || start + len > self.shape()[dim] {
-            return Err(shape_err("narrow", format!("{start}..{} of dimension {dim} of {:?}", start + len, self.shape())));
+            return Err(shape_err(
+                "narrow",
+                format!("{start}..{} of dimension {dim} of {:?}", start + len, self.shape()),
+            ));
         }
         let mut shape = self.shape().to_vec();
         shape[dim] = len;
-        let out = self.view_raw(shape, self.strides().to_vec(), self.inner.offset + start * self.strides()[dim]);
+        let out = self.view_raw(
+            shape,
+            self.strides().to_vec(),
+            self.inner.offset + start * self.strides()[dim],
+        );
         let full = self.shape().to_vec();
         Ok(record1("Narrow", &[self], out, move |g| {
             Ok(vec![Some(cpu::pad_narrow(&g.contiguous_raw(), &full, dim, start)?)])
@@ -240,7 +297,10 @@ impl Tensor {
     /// Pieces of the given sizes along `dim` (views).
     pub fn split(&self, sizes: &[usize], dim: usize) -> Result<Vec<Tensor>> {
         if dim >= self.dims() || sizes.iter().sum::<usize>() != self.shape()[dim] {
-            return Err(shape_err("split", format!("sizes {sizes:?} along {dim} of {:?}", self.shape())));
+            return Err(shape_err(
+                "split",
+                format!("sizes {sizes:?} along {dim} of {:?}", self.shape()),
+            ));
         }
         let mut start = 0;
         sizes
@@ -280,7 +340,11 @@ impl Tensor {
         let out = cpu::index_rows(self, &idx)?;
         let shape = self.shape().to_vec();
         Ok(record1("IndexRows", &[self], out, move |g| {
-            Ok(vec![Some(cpu::index_add_rows(&Tensor::zeros(&shape, g.dtype())?, &idx, g)?)])
+            Ok(vec![Some(cpu::index_add_rows(
+                &Tensor::zeros(&shape, g.dtype())?,
+                &idx,
+                g,
+            )?)])
         }))
     }
 }
@@ -305,24 +369,65 @@ pub fn cat(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
     }))
 }
 
-/// `x · wᵀ + b` for `x: [batch, in]`, `w: [out, in]`, `b: [out]`.
+/// `x · wᵀ + b` for `x: [batch, in]`, `w: [out, in]`, `b: [out]`. One node, so `w`'s
+/// gradient is computed as `gᵀ · x` straight into `w`'s own layout (no transpose to copy).
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    let y = x.matmul(&w.t()?)?;
-    match b {
-        Some(b) => y.add(b),
-        None => Ok(y),
+    if w.dims() != 2 || x.dims() != 2 || x.shape()[1] != w.shape()[1] {
+        return Err(shape_err(
+            "linear",
+            format!("input {:?}, weight {:?}", x.shape(), w.shape()),
+        ));
     }
+    if let Some(b) = b {
+        if b.shape() != [w.shape()[0]] {
+            return Err(shape_err(
+                "linear",
+                format!("bias {:?} for weight {:?}", b.shape(), w.shape()),
+            ));
+        }
+    }
+    let y = cpu::matmul(x, &w.transpose_raw(0, 1))?;
+    let y = match b {
+        Some(b) => cpu::binary_add(&y, b)?,
+        None => y,
+    };
+    let (xs, ws) = (x.detach(), w.detach());
+    let mut inputs = vec![x, w];
+    inputs.extend(b);
+    let needed = need(&inputs);
+    Ok(record1("Linear", &inputs, y, move |g| {
+        let gx = if needed[0] { Some(cpu::matmul(g, &ws)?) } else { None };
+        let gw = if needed[1] {
+            Some(cpu::matmul(&g.transpose_raw(0, 1), &xs)?)
+        } else {
+            None
+        };
+        let mut out = vec![gx, gw];
+        if needed.len() == 3 {
+            out.push(if needed[2] {
+                Some(cpu::sum_dims(g, &[true, false], false)?)
+            } else {
+                None
+            });
+        }
+        Ok(out)
+    }))
 }
 
 /// Mean negative log-likelihood: `logp: [batch, classes]` log-probabilities, `targets` i64.
 pub fn nll_loss(logp: &Tensor, targets: &Tensor) -> Result<Tensor> {
     if logp.dims() != 2 || targets.shape() != [logp.shape()[0]] {
-        return Err(shape_err("nll_loss", format!("log-probabilities {:?}, targets {:?}", logp.shape(), targets.shape())));
+        return Err(shape_err(
+            "nll_loss",
+            format!("log-probabilities {:?}, targets {:?}", logp.shape(), targets.shape()),
+        ));
     }
     let t = targets.index_values("nll_loss", logp.shape()[1])?;
     let out = cpu::nll_loss(logp, &t)?;
     let shape = logp.shape().to_vec();
-    Ok(record1("NllLoss", &[logp], out, move |g| Ok(vec![Some(cpu::nll_loss_backward(g, &shape, &t)?)])))
+    Ok(record1("NllLoss", &[logp], out, move |g| {
+        Ok(vec![Some(cpu::nll_loss_backward(g, &shape, &t)?)])
+    }))
 }
 
 /// Cross-entropy of raw scores: `nll_loss(log_softmax(logits))`.
@@ -334,7 +439,10 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 /// gradient for `weight` is sparse: only the rows that were used.
 pub fn embedding(weight: &Tensor, indices: &Tensor) -> Result<Tensor> {
     if weight.dims() != 2 {
-        return Err(shape_err("embedding", format!("weight {:?} is not 2-d", weight.shape())));
+        return Err(shape_err(
+            "embedding",
+            format!("weight {:?} is not 2-d", weight.shape()),
+        ));
     }
     let idx = indices.index_values("embedding", weight.shape()[0])?;
     let rows = cpu::index_rows(weight, &idx)?;
@@ -344,7 +452,11 @@ pub fn embedding(weight: &Tensor, indices: &Tensor) -> Result<Tensor> {
     let wshape = weight.shape().to_vec();
     Ok(record1("Embedding", &[weight], out, move |g| {
         let rows = g.contiguous_raw();
-        let rows = rows.view_raw(vec![idx.len(), wshape[1]], contiguous_strides(&[idx.len(), wshape[1]]), rows.inner.offset);
+        let rows = rows.view_raw(
+            vec![idx.len(), wshape[1]],
+            contiguous_strides(&[idx.len(), wshape[1]]),
+            rows.inner.offset,
+        );
         Ok(vec![Some(Tensor::sparse_rows(idx.clone(), rows, wshape.clone()))])
     }))
 }
@@ -357,7 +469,10 @@ pub fn mse_loss(pred: &Tensor, target: &Tensor) -> Result<Tensor> {
 
 /// Fraction of rows whose highest score is the target (no graph).
 pub fn accuracy(logits: &Tensor, targets: &Tensor) -> Result<f64> {
-    let c = *logits.shape().last().ok_or_else(|| shape_err("accuracy", "0-d scores"))?;
+    let c = *logits
+        .shape()
+        .last()
+        .ok_or_else(|| shape_err("accuracy", "0-d scores"))?;
     let v = logits.to_f64_vec()?;
     let t = targets.index_values("accuracy", c)?;
     let right = v
@@ -367,4 +482,3 @@ pub fn accuracy(logits: &Tensor, targets: &Tensor) -> Result<f64> {
         .count();
     Ok(right as f64 / t.len().max(1) as f64)
 }
-

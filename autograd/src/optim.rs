@@ -167,8 +167,11 @@ impl Optimizer {
     /// Steps with the gradients a local backward accumulated in the parameters, then clears
     /// them.
     pub fn step(&self) -> Result<()> {
-        let grads: HashMap<LeafId, Tensor> =
-            self.params.iter().filter_map(|p| p.grad().map(|g| (p.id(), g))).collect();
+        let grads: HashMap<LeafId, Tensor> = self
+            .params
+            .iter()
+            .filter_map(|p| p.grad().map(|g| (p.id(), g)))
+            .collect();
         self.step_with(&grads)?;
         self.params.iter().for_each(Parameter::zero_grad);
         Ok(())
@@ -210,7 +213,11 @@ impl Optimizer {
     /// The new value and state for one parameter (pure: retried freely in Hogwild mode).
     fn update(&self, p: &Tensor, g: &Tensor, slot: &Slot) -> Result<(Tensor, Slot)> {
         if g.shape() != p.shape() {
-            return Err(Error::Optimizer(format!("gradient {:?} for a parameter {:?}", g.shape(), p.shape())));
+            return Err(Error::Optimizer(format!(
+                "gradient {:?} for a parameter {:?}",
+                g.shape(),
+                p.shape()
+            )));
         }
         match self.kind {
             OptimizerKind::Sgd { lr, momentum } if momentum == 0.0 => {
@@ -242,7 +249,10 @@ impl Optimizer {
             }
             OptimizerKind::Adam { lr, beta1, beta2, eps } => {
                 let g = g.to_dense()?.to_f64_vec()?;
-                let (mut m, mut v, t) = slot.adam.clone().unwrap_or_else(|| (vec![0.0; g.len()], vec![0.0; g.len()], 0));
+                let (mut m, mut v, t) = slot
+                    .adam
+                    .clone()
+                    .unwrap_or_else(|| (vec![0.0; g.len()], vec![0.0; g.len()], 0));
                 let t = t + 1;
                 for ((m, v), g) in m.iter_mut().zip(v.iter_mut()).zip(&g) {
                     *m = beta1 * *m + (1.0 - beta1) * g;
@@ -295,7 +305,10 @@ fn create_local(kind: OptimizerKind, mode: UpdateMode, params: &[RRef<Parameter>
         .map(|r| r.local_value().map(|p| (*p).clone()))
         .collect::<std::result::Result<Vec<_>, RpcError>>()?;
     let id = NEXT_OPTIMIZER.fetch_add(1, Ordering::Relaxed);
-    optimizers().lock().unwrap().insert(id, Arc::new(Optimizer::new(kind, params, mode)));
+    optimizers()
+        .lock()
+        .unwrap()
+        .insert(id, Arc::new(Optimizer::new(kind, params, mode)));
     Ok(id)
 }
 
@@ -313,11 +326,13 @@ fn step_local(id: u64, context: u64) -> Result<()> {
 pub(crate) fn install(registry: &mut Registry) {
     registry
         .handler(H_CREATE, |_cx, req: CreateRequest| {
-            create_local(req.kind, req.mode, &req.params).map_err(|e| HandlerError::new("OptimizerError", e.to_string()))
+            create_local(req.kind, req.mode, &req.params)
+                .map_err(|e| HandlerError::new("OptimizerError", e.to_string()))
         })
         .handler(H_STEP, |cx, (id, context): (u64, u64)| {
-            step_local(id, context)
-                .map_err(|e| HandlerError::new("OptimizerError", format!("error on worker {}: {e}", cx.agent.info().id)))
+            step_local(id, context).map_err(|e| {
+                HandlerError::new("OptimizerError", format!("error on worker {}: {e}", cx.agent.info().id))
+            })
         })
         .handler(H_DROP, |_cx, id: u64| {
             optimizers().lock().unwrap().remove(&id);

@@ -134,10 +134,17 @@ impl Tensor {
     /// Checked: every element the shape and strides reach must lie inside `data`.
     pub fn from_bytes(data: Bytes, dtype: DType, shape: &[usize], strides: &[usize], offset: usize) -> Result<Tensor> {
         if shape.len() != strides.len() {
-            return Err(Error::Wire(format!("{} dims but {} strides", shape.len(), strides.len())));
+            return Err(Error::Wire(format!(
+                "{} dims but {} strides",
+                shape.len(),
+                strides.len()
+            )));
         }
         if data.len() % dtype.size() != 0 {
-            return Err(Error::Wire(format!("{} bytes is not a whole number of {dtype}", data.len())));
+            return Err(Error::Wire(format!(
+                "{} bytes is not a whole number of {dtype}",
+                data.len()
+            )));
         }
         let elements = data.len() / dtype.size();
         let mut count: usize = 1;
@@ -359,13 +366,18 @@ impl Tensor {
             return Ok(Cow::Owned(storage[..].to_vec()));
         }
         let mut out = Vec::with_capacity(n);
-        walk(&self.inner.shape, [&self.inner.strides], [self.inner.offset], |[o], [s], len| {
-            if s == 1 {
-                out.extend_from_slice(&storage[o..o + len]);
-            } else {
-                out.extend((0..len).map(|i| storage[o + i * s]));
-            }
-        });
+        walk(
+            &self.inner.shape,
+            [&self.inner.strides],
+            [self.inner.offset],
+            |[o], [s], len| {
+                if s == 1 {
+                    out.extend_from_slice(&storage[o..o + len]);
+                } else {
+                    out.extend((0..len).map(|i| storage[o + i * s]));
+                }
+            },
+        );
         Ok(Cow::Owned(out))
     }
 
@@ -385,7 +397,10 @@ impl Tensor {
     /// The value of a one-element tensor.
     pub fn item(&self) -> Result<f64> {
         if self.numel() != 1 {
-            return Err(shape_err("item", format!("shape {:?} has {} elements", self.shape(), self.numel())));
+            return Err(shape_err(
+                "item",
+                format!("shape {:?} has {} elements", self.shape(), self.numel()),
+            ));
         }
         Ok(self.to_f64_vec()?[0])
     }
@@ -403,7 +418,11 @@ impl Tensor {
             .iter()
             .map(|&i| {
                 if i < 0 || i as usize >= bound {
-                    Err(Error::Index { op, index: i, size: bound })
+                    Err(Error::Index {
+                        op,
+                        index: i,
+                        size: bound,
+                    })
                 } else {
                     Ok(i as usize)
                 }
@@ -427,7 +446,9 @@ impl Tensor {
         let mut out = match dtype {
             DType::F32 => Tensor::from_vec_unchecked(v64.iter().map(|&x| x as f32).collect::<Vec<_>>(), shape),
             DType::F64 => Tensor::from_vec_unchecked(v64, shape),
-            DType::F16 => Tensor::from_vec_unchecked(v64.iter().map(|&x| half::f16::from_f64(x)).collect::<Vec<_>>(), shape),
+            DType::F16 => {
+                Tensor::from_vec_unchecked(v64.iter().map(|&x| half::f16::from_f64(x)).collect::<Vec<_>>(), shape)
+            }
             DType::BF16 => {
                 Tensor::from_vec_unchecked(v64.iter().map(|&x| half::bf16::from_f64(x)).collect::<Vec<_>>(), shape)
             }
@@ -519,7 +540,8 @@ impl Tensor {
     /// Whether the view reaches exactly every element of its storage once (a permutation of a
     /// contiguous layout, e.g. a transpose), so it can travel with its strides and no copy.
     pub(crate) fn is_dense_permutation(&self) -> bool {
-        if self.is_sparse() || self.inner.offset != 0 || self.numel() * self.inner.dtype.size() != self.inner.data.len() {
+        if self.is_sparse() || self.inner.offset != 0 || self.numel() * self.inner.dtype.size() != self.inner.data.len()
+        {
             return false;
         }
         let mut dims: Vec<(usize, usize)> = self

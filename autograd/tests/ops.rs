@@ -47,7 +47,11 @@ fn unary_ops() {
 fn matmul_linear_and_transposes() {
     let (a, b) = (rand(&[3, 4], 8), rand(&[4, 5], 9));
     check("matmul", |x| x[0].matmul(&x[1]), &[a.clone(), b.clone()]);
-    check("matmul of transposed views", |x| x[0].t()?.matmul(&x[1].t()?), &[rand(&[4, 3], 10), rand(&[5, 4], 11)]);
+    check(
+        "matmul of transposed views",
+        |x| x[0].t()?.matmul(&x[1].t()?),
+        &[rand(&[4, 3], 10), rand(&[5, 4], 11)],
+    );
     let (w, bias) = (rand(&[5, 4], 12), rand(&[5], 13));
     check("linear", |x| linear(&x[0], &x[1], Some(&x[2])), &[a, w, bias]);
 }
@@ -75,11 +79,19 @@ fn shape_ops() {
     check("reshape", |x| x[0].reshape(&[6, 4])?.mul_scalar(2.0), &[x.clone()]);
     check("transpose", |x| x[0].transpose(0, 2)?.reshape(&[24]), &[x.clone()]);
     check("narrow", |x| x[0].narrow(2, 1, 2), &[x.clone()]);
-    check("split", |x| {
-        let parts = x[0].split(&[1, 2], 1)?;
-        parts[0].sum_dim(1, true)?.add(&parts[1].mul_scalar(3.0)?)
-    }, &[x.clone()]);
-    check("cat", |x| cat(&[x[0].clone(), x[1].mul_scalar(2.0)?], 1), &[rand(&[2, 3], 16), rand(&[2, 5], 17)]);
+    check(
+        "split",
+        |x| {
+            let parts = x[0].split(&[1, 2], 1)?;
+            parts[0].sum_dim(1, true)?.add(&parts[1].mul_scalar(3.0)?)
+        },
+        &[x.clone()],
+    );
+    check(
+        "cat",
+        |x| cat(&[x[0].clone(), x[1].mul_scalar(2.0)?], 1),
+        &[rand(&[2, 3], 16), rand(&[2, 5], 17)],
+    );
     let idx = Tensor::indices(&[2, 0, 2, 1], &[4]).unwrap();
     check("index_rows", move |x| x[0].index_rows(&idx), &[rand(&[3, 4], 18)]);
 }
@@ -119,17 +131,35 @@ fn engine_accumulates_shared_subgraphs_and_leaves() {
 #[test]
 fn roots_must_be_scalar_and_need_grad() {
     let x = Tensor::ones(&[2], DType::F32).unwrap();
-    assert!(x.sum().unwrap().backward().unwrap_err().to_string().contains("requires_grad"));
+    assert!(x
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap_err()
+        .to_string()
+        .contains("requires_grad"));
     let x = x.requires_grad_();
-    assert!(x.mul_scalar(2.0).unwrap().backward().unwrap_err().to_string().contains("not a scalar"));
+    assert!(x
+        .mul_scalar(2.0)
+        .unwrap()
+        .backward()
+        .unwrap_err()
+        .to_string()
+        .contains("not a scalar"));
 }
 
 #[test]
 fn bad_shapes_and_dtypes_are_errors() {
     let a = Tensor::zeros(&[2, 3], DType::F32).unwrap();
-    assert!(matches!(a.add(&Tensor::zeros(&[4], DType::F32).unwrap()), Err(Error::Shape { .. })));
+    assert!(matches!(
+        a.add(&Tensor::zeros(&[4], DType::F32).unwrap()),
+        Err(Error::Shape { .. })
+    ));
     assert!(matches!(a.matmul(&a), Err(Error::Shape { .. })));
-    assert!(matches!(a.add(&Tensor::zeros(&[2, 3], DType::F64).unwrap()), Err(Error::Shape { .. })));
+    assert!(matches!(
+        a.add(&Tensor::zeros(&[2, 3], DType::F64).unwrap()),
+        Err(Error::Shape { .. })
+    ));
     let h = a.to_dtype(DType::F16).unwrap();
     assert!(matches!(h.exp(), Err(Error::DType { .. })));
     assert_eq!(h.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap(), vec![0.0; 6]);

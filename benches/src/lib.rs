@@ -5,13 +5,15 @@
 //! Layout: [`peer`] is the other side (a process this one spawns on localhost, or `--listen` on
 //! another host); [`raw`] holds the baselines (busy-poll ping-pong over a shared atomic, raw TCP
 //! ping-pong and stream with the same tokio waiting strategy as the TCP transport, memcpy);
-//! [`run`] drives the suites, [`rpc`] the RPC agent suite (two agent processes), and [`report`]
+//! [`run`] drives the suites, [`rpc`] the RPC agent suite (two agent processes), [`autograd`]
+//! the training-step suite (same two processes), and [`report`]
 //! prints the table and the JSON lines.
 //!
 //! Nothing here asserts a speed: targets are checked by reading the ratios.
 
 #![forbid(unsafe_code)]
 
+pub mod autograd;
 pub mod peer;
 pub mod raw;
 pub mod report;

@@ -91,12 +91,20 @@ impl Record {
         }
     }
 
+    /// A compute throughput in GFLOP/s (stored in `per_second`).
+    pub fn gflops(suite: &'static str, backend: impl Into<String>, gflops: f64, iterations: u64) -> Record {
+        Record {
+            metric: "gflops",
+            ..Record::rate(suite, backend, 0, gflops, iterations)
+        }
+    }
+
     /// Sets the baseline and the ratio against it.
     pub fn against(&mut self, baseline: &Record) {
         self.baseline = format!("{}/{}", baseline.suite, baseline.backend);
         self.ratio = match self.metric {
             "rtt" => Some(self.p50_ns.unwrap_or(0.0) / baseline.p50_ns.unwrap_or(f64::NAN)),
-            "rate" => Some(self.per_second.unwrap_or(0.0) / baseline.per_second.unwrap_or(f64::NAN)),
+            "rate" | "gflops" => Some(self.per_second.unwrap_or(0.0) / baseline.per_second.unwrap_or(f64::NAN)),
             _ => Some(self.gbps.unwrap_or(0.0) / baseline.gbps.unwrap_or(f64::NAN)),
         };
     }
@@ -144,6 +152,11 @@ pub fn table(records: &[Record]) -> String {
                 String::new(),
                 String::new(),
                 format!("{:.0}k/s", r.per_second.unwrap_or(0.0) / 1e3),
+            ),
+            "gflops" => (
+                String::new(),
+                String::new(),
+                format!("{:.1} GF/s", r.per_second.unwrap_or(0.0)),
             ),
             _ => (String::new(), String::new(), format!("{:.2}", r.gbps.unwrap_or(0.0))),
         };

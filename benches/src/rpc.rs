@@ -28,6 +28,7 @@ pub fn registry() -> Registry {
     r.handler("noop", |_, (): ()| Ok(()))
         .async_handler("noop_async", |_, (): ()| async { Ok(()) })
         .raw_handler("echo", |_, payload| Ok(payload));
+    crate::autograd::serve(&mut r);
     r
 }
 

@@ -9,8 +9,8 @@ use sluice_autograd::dist::{self, Context, DistOptions};
 use sluice_autograd::{
     linear, DType, DistributedOptimizer, Error, Optimizer, OptimizerKind, Parameter, Tensor, UpdateMode,
 };
-use sluice_tests::workers::{run_workers_with, Ending, WorkerEnv};
 use sluice_tests::worker_test;
+use sluice_tests::workers::{run_workers_with, Ending, WorkerEnv};
 
 const D: usize = 4;
 
@@ -41,7 +41,9 @@ fn he(e: impl std::fmt::Display) -> HandlerError {
 fn registry() -> Registry {
     let mut r = Registry::new();
     dist::install(&mut r);
-    dist::function(&mut r, "layer", |cx: &CallContext, x: Tensor| layer_with(&x, params(&cx.agent)).map_err(he));
+    dist::function(&mut r, "layer", |cx: &CallContext, x: Tensor| {
+        layer_with(&x, params(&cx.agent)).map_err(he)
+    });
     dist::function(&mut r, "chain", |cx: &CallContext, (x, rest): (Tensor, Vec<u32>)| {
         let y = layer_with(&x, params(&cx.agent)).map_err(he)?;
         match rest.split_first() {
@@ -49,13 +51,17 @@ fn registry() -> Registry {
             Some((next, rest)) => dist::rpc_sync(&cx.agent, *next, "chain", &(y, rest.to_vec())).map_err(he),
         }
     });
-    dist::function(&mut r, "fail_deep", |cx: &CallContext, (x, rest): (Tensor, Vec<u32>)| {
-        let y = layer_with(&x, params(&cx.agent)).map_err(he)?;
-        match rest.split_first() {
-            None => y.fail_in_backward("simulated failure in backward").map_err(he),
-            Some((next, rest)) => dist::rpc_sync(&cx.agent, *next, "fail_deep", &(y, rest.to_vec())).map_err(he),
-        }
-    });
+    dist::function(
+        &mut r,
+        "fail_deep",
+        |cx: &CallContext, (x, rest): (Tensor, Vec<u32>)| {
+            let y = layer_with(&x, params(&cx.agent)).map_err(he)?;
+            match rest.split_first() {
+                None => y.fail_in_backward("simulated failure in backward").map_err(he),
+                Some((next, rest)) => dist::rpc_sync(&cx.agent, *next, "fail_deep", &(y, rest.to_vec())).map_err(he),
+            }
+        },
+    );
     dist::function(&mut r, "grads", |cx: &CallContext, ctx: u64| {
         let grads = dist::get_gradients(ctx).map_err(he)?;
         Ok(params(&cx.agent)
@@ -69,9 +75,14 @@ fn registry() -> Registry {
     dist::function(&mut r, "describe", |_cx: &CallContext, t: Tensor| {
         Ok((t.strides().to_vec(), t.is_contiguous(), t.to_vec::<f64>().map_err(he)?))
     });
-    dist::function(&mut r, "total", |cx: &CallContext, (): ()| params(&cx.agent)[2].tensor().sum().map_err(he));
+    dist::function(&mut r, "total", |cx: &CallContext, (): ()| {
+        params(&cx.agent)[2].tensor().sum().map_err(he)
+    });
     r.handler("param_rrefs", |cx: &CallContext, (): ()| {
-        Ok(params(&cx.agent).iter().map(|p| cx.agent.rref(p.clone())).collect::<Vec<RRef<Parameter>>>())
+        Ok(params(&cx.agent)
+            .iter()
+            .map(|p| cx.agent.rref(p.clone()))
+            .collect::<Vec<RRef<Parameter>>>())
     })
     .handler("live", |_cx, (): ()| Ok(dist::live_contexts()));
     r
@@ -81,7 +92,10 @@ fn assert_close(what: &str, a: &Tensor, b: &Tensor) {
     let (a, b) = (a.to_f64_vec().unwrap(), b.to_f64_vec().unwrap());
     assert_eq!(a.len(), b.len(), "{what}");
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        assert!((x - y).abs() <= 1e-9 * (1.0 + x.abs()), "{what}[{i}]: distributed {x} vs local {y}");
+        assert!(
+            (x - y).abs() <= 1e-9 * (1.0 + x.abs()),
+            "{what}[{i}]: distributed {x} vs local {y}"
+        );
     }
 }
 
@@ -106,7 +120,11 @@ worker_test!(distributed_gradients_and_updates_match_local, 4, |env: WorkerEnv| 
         // Locally, with the same parameters.
         let xl = input().requires_grad_();
         let local: Vec<Vec<Parameter>> = (0..4).map(seeded).collect();
-        let al = layer_with(&layer_with(&layer_with(&xl, &local[1]).unwrap(), &local[2]).unwrap(), &local[3]).unwrap();
+        let al = layer_with(
+            &layer_with(&layer_with(&xl, &local[1]).unwrap(), &local[2]).unwrap(),
+            &local[3],
+        )
+        .unwrap();
         let bl = layer_with(&xl.mul_scalar(2.0).unwrap(), &local[3]).unwrap();
         let cl = layer_with(&al, &local[2]).unwrap();
         let l1 = al.mul(&bl).unwrap().sum().unwrap();
@@ -116,11 +134,22 @@ worker_test!(distributed_gradients_and_updates_match_local, 4, |env: WorkerEnv| 
         l1.add(&l2).unwrap().backward().unwrap();
 
         assert_close("dx", &ctx.gradient(&x).unwrap(), &xl.grad().unwrap());
-        assert!(x.grad().is_none(), "a distributed backward never writes a tensor's own grad");
+        assert!(
+            x.grad().is_none(),
+            "a distributed backward never writes a tensor's own grad"
+        );
         for w in 1..4u32 {
             let g: Vec<Option<Tensor>> = dist::rpc_sync(&agent, w, "grads", &ctx.id()).unwrap();
-            assert_close(&format!("dW on {w}"), g[0].as_ref().unwrap(), &local[w as usize][0].grad().unwrap());
-            assert_close(&format!("db on {w}"), g[1].as_ref().unwrap(), &local[w as usize][1].grad().unwrap());
+            assert_close(
+                &format!("dW on {w}"),
+                g[0].as_ref().unwrap(),
+                &local[w as usize][0].grad().unwrap(),
+            );
+            assert_close(
+                &format!("db on {w}"),
+                g[1].as_ref().unwrap(),
+                &local[w as usize][1].grad().unwrap(),
+            );
             assert!(g[2].is_none(), "U is unused, so it has no gradient");
         }
 
@@ -141,70 +170,89 @@ worker_test!(distributed_gradients_and_updates_match_local, 4, |env: WorkerEnv| 
             }
             assert_close("U unchanged", &v[2], &seeded(w)[2].data());
         }
-        drop(ctx);
+        ctx.release().unwrap();
         // Released on every worker that took part (and here).
         assert!(dist::live_contexts().is_empty());
         for w in 1..4u32 {
-            assert_eq!(agent.call::<_, Vec<u64>>(w, "live", &()).unwrap(), Vec::<u64>::new(), "worker {w}");
+            assert_eq!(
+                agent.call::<_, Vec<u64>>(w, "live", &()).unwrap(),
+                Vec::<u64>::new(),
+                "worker {w}"
+            );
         }
     }
     agent.shutdown().unwrap();
 });
 
-worker_test!(unused_rpc_output_finishes_and_retain_graph_accumulates, 3, |env: WorkerEnv| {
-    let agent = env.agent(registry());
-    if env.rank == 0 {
-        let x = input().requires_grad_();
-        let ctx = Context::new(&agent).unwrap();
-        assert!(dist::current_context() == Some(ctx.id()) && ctx.id() >> 48 == 0);
-        let used: Tensor = dist::rpc_sync(&agent, 1u32, "layer", &x).unwrap();
-        let _unused: Tensor = dist::rpc_sync(&agent, 2u32, "layer", &x).unwrap();
-        let loss = used.sum().unwrap();
-        // PyTorch's FAST mode hangs here; this returns.
-        ctx.backward(&[loss.clone()], true).unwrap();
-        let once = ctx.gradient(&x).unwrap();
-        let xl = input().requires_grad_();
-        layer_with(&xl, &seeded(1)).unwrap().sum().unwrap().backward().unwrap();
-        assert_close("dx", &once, &xl.grad().unwrap());
-        assert_eq!(ctx.unused_sends().len(), 1, "the call to worker2 never got a gradient");
-        // retain_graph: a second backward accumulates, a third after a non-retaining one fails.
-        ctx.backward(&[loss.clone()], false).unwrap();
-        assert_close("2·dx", &ctx.gradient(&x).unwrap(), &xl.grad().unwrap().mul_scalar(2.0).unwrap());
-        let e = ctx.backward(&[loss], false).unwrap_err();
-        assert!(e.to_string().contains("retain_graph"), "{e}");
-        // Contexts don't nest, and unknown ids are named.
-        assert!(matches!(Context::new(&agent), Err(Error::NestedContext(id)) if id == ctx.id()));
-        let e = dist::get_gradients(12345).unwrap_err();
-        assert!(e.to_string().contains("12345"), "{e}");
-        drop(ctx);
-        assert!(dist::current_context().is_none());
-        let e = dist::backward(&agent, 12345, &[], false).unwrap_err();
-        assert!(e.to_string().contains("12345"), "{e}");
-    }
-    agent.shutdown().unwrap();
-});
-
-worker_test!(error_deep_in_backward_names_the_worker_and_agent_goes_on, 4, |env: WorkerEnv| {
-    let agent = env.agent(registry());
-    if env.rank == 0 {
-        for _ in 0..3 {
+worker_test!(
+    unused_rpc_output_finishes_and_retain_graph_accumulates,
+    3,
+    |env: WorkerEnv| {
+        let agent = env.agent(registry());
+        if env.rank == 0 {
             let x = input().requires_grad_();
             let ctx = Context::new(&agent).unwrap();
-            let y: Tensor = dist::rpc_sync(&agent, 1u32, "fail_deep", &(x.clone(), vec![2u32, 3])).unwrap();
-            let e = ctx.backward(&[y.sum().unwrap()], false).unwrap_err();
-            assert!(matches!(&e, Error::OnWorker { worker: 3, .. }), "{e:?}");
-            let text = e.to_string();
-            assert!(text.starts_with("error on worker 3: ") && text.contains("simulated failure"), "{text}");
+            assert!(dist::current_context() == Some(ctx.id()) && ctx.id() >> 48 == 0);
+            let used: Tensor = dist::rpc_sync(&agent, 1u32, "layer", &x).unwrap();
+            let _unused: Tensor = dist::rpc_sync(&agent, 2u32, "layer", &x).unwrap();
+            let loss = used.sum().unwrap();
+            // PyTorch's FAST mode hangs here; this returns.
+            ctx.backward(&[loss.clone()], true).unwrap();
+            let once = ctx.gradient(&x).unwrap();
+            let xl = input().requires_grad_();
+            layer_with(&xl, &seeded(1)).unwrap().sum().unwrap().backward().unwrap();
+            assert_close("dx", &once, &xl.grad().unwrap());
+            assert_eq!(ctx.unused_sends().len(), 1, "the call to worker2 never got a gradient");
+            // retain_graph: a second backward accumulates, a third after a non-retaining one fails.
+            ctx.backward(&[loss.clone()], false).unwrap();
+            assert_close(
+                "2·dx",
+                &ctx.gradient(&x).unwrap(),
+                &xl.grad().unwrap().mul_scalar(2.0).unwrap(),
+            );
+            let e = ctx.backward(&[loss], false).unwrap_err();
+            assert!(e.to_string().contains("retain_graph"), "{e}");
+            // Contexts don't nest, and unknown ids are named.
+            assert!(matches!(Context::new(&agent), Err(Error::NestedContext(id)) if id == ctx.id()));
+            let e = dist::get_gradients(12345).unwrap_err();
+            assert!(e.to_string().contains("12345"), "{e}");
+            drop(ctx);
+            assert!(dist::current_context().is_none());
+            let e = dist::backward(&agent, 12345, &[], false).unwrap_err();
+            assert!(e.to_string().contains("12345"), "{e}");
         }
-        // A new context works.
-        let x = input().requires_grad_();
-        let ctx = Context::new(&agent).unwrap();
-        let y: Tensor = dist::rpc_sync(&agent, 1u32, "chain", &(x.clone(), vec![2u32, 3])).unwrap();
-        ctx.backward(&[y.sum().unwrap()], false).unwrap();
-        assert!(ctx.gradient(&x).is_some());
+        agent.shutdown().unwrap();
     }
-    agent.shutdown().unwrap();
-});
+);
+
+worker_test!(
+    error_deep_in_backward_names_the_worker_and_agent_goes_on,
+    4,
+    |env: WorkerEnv| {
+        let agent = env.agent(registry());
+        if env.rank == 0 {
+            for _ in 0..3 {
+                let x = input().requires_grad_();
+                let ctx = Context::new(&agent).unwrap();
+                let y: Tensor = dist::rpc_sync(&agent, 1u32, "fail_deep", &(x.clone(), vec![2u32, 3])).unwrap();
+                let e = ctx.backward(&[y.sum().unwrap()], false).unwrap_err();
+                assert!(matches!(&e, Error::OnWorker { worker: 3, .. }), "{e:?}");
+                let text = e.to_string();
+                assert!(
+                    text.starts_with("error on worker 3: ") && text.contains("simulated failure"),
+                    "{text}"
+                );
+            }
+            // A new context works.
+            let x = input().requires_grad_();
+            let ctx = Context::new(&agent).unwrap();
+            let y: Tensor = dist::rpc_sync(&agent, 1u32, "chain", &(x.clone(), vec![2u32, 3])).unwrap();
+            ctx.backward(&[y.sum().unwrap()], false).unwrap();
+            assert!(ctx.gradient(&x).is_some());
+        }
+        agent.shutdown().unwrap();
+    }
+);
 
 worker_test!(release_survives_lost_cleanup_messages, 4, |env: WorkerEnv| {
     dist::configure(DistOptions {
@@ -221,13 +269,20 @@ worker_test!(release_survives_lost_cleanup_messages, 4, |env: WorkerEnv| {
             let y: Tensor = dist::rpc_sync(&agent, 1u32, "chain", &(x.clone(), vec![2u32, 3])).unwrap();
             ctx.backward(&[y.sum().unwrap()], false).unwrap();
             for w in 1..4u32 {
-                assert_eq!(agent.call::<_, Vec<u64>>(w, "live", &()).unwrap(), vec![ctx.id()], "worker {w} took part");
+                assert_eq!(
+                    agent.call::<_, Vec<u64>>(w, "live", &()).unwrap(),
+                    vec![ctx.id()],
+                    "worker {w} took part"
+                );
             }
             // Each worker drops its first two release messages; retries get through, and the
             // release spreads 0→1→2→3 along the call tree.
             ctx.release().unwrap();
             for w in 1..4u32 {
-                assert!(agent.call::<_, Vec<u64>>(w, "live", &()).unwrap().is_empty(), "worker {w}");
+                assert!(
+                    agent.call::<_, Vec<u64>>(w, "live", &()).unwrap().is_empty(),
+                    "worker {w}"
+                );
             }
         }
     }
@@ -237,53 +292,58 @@ worker_test!(release_survives_lost_cleanup_messages, 4, |env: WorkerEnv| {
 #[test]
 fn dead_peer_fails_backward_and_its_contexts_are_reclaimed() {
     let name = "dead_peer_fails_backward_and_its_contexts_are_reclaimed";
-    run_workers_with(name, 3, |r| if r == 2 { Ending::Killed } else { Ending::Success }, |env| {
-        let agent = env.agent(registry());
-        match env.rank {
-            2 => {
-                // Drive a context that lives on worker 1, then die.
-                let ctx = Context::new(&agent).unwrap();
-                let _y: Tensor = dist::rpc_sync(&agent, 1u32, "layer", &input().requires_grad_()).unwrap();
-                std::mem::forget(ctx);
-                agent.barrier("ready").unwrap();
-                agent.barrier("got").unwrap();
-                std::thread::sleep(Duration::from_millis(200));
-                nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL).unwrap();
-                unreachable!();
-            }
-            1 => {
-                agent.barrier("ready").unwrap();
-                let orphan = dist::live_contexts();
-                assert_eq!(orphan.len(), 1);
-                assert_eq!(orphan[0] >> 48, 2, "driven by worker 2");
-                agent.barrier("got").unwrap();
-                // Once worker 2 is gone, the reaper reclaims its context.
-                let start = Instant::now();
-                while dist::live_contexts().contains(&orphan[0]) {
-                    dist::reap_now(&agent, Duration::ZERO);
-                    assert!(start.elapsed() < Duration::from_secs(60), "never reclaimed");
-                    std::thread::sleep(Duration::from_millis(50));
+    run_workers_with(
+        name,
+        3,
+        |r| if r == 2 { Ending::Killed } else { Ending::Success },
+        |env| {
+            let agent = env.agent(registry());
+            match env.rank {
+                2 => {
+                    // Drive a context that lives on worker 1, then die.
+                    let ctx = Context::new(&agent).unwrap();
+                    let _y: Tensor = dist::rpc_sync(&agent, 1u32, "layer", &input().requires_grad_()).unwrap();
+                    std::mem::forget(ctx);
+                    agent.barrier("ready").unwrap();
+                    agent.barrier("got").unwrap();
+                    std::thread::sleep(Duration::from_millis(200));
+                    nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL).unwrap();
+                    unreachable!();
+                }
+                1 => {
+                    agent.barrier("ready").unwrap();
+                    let orphan = dist::live_contexts();
+                    assert_eq!(orphan.len(), 1);
+                    assert_eq!(orphan[0] >> 48, 2, "driven by worker 2");
+                    agent.barrier("got").unwrap();
+                    // Once worker 2 is gone, the reaper reclaims its context.
+                    let start = Instant::now();
+                    while dist::live_contexts().contains(&orphan[0]) {
+                        dist::reap_now(&agent, Duration::ZERO);
+                        assert!(start.elapsed() < Duration::from_secs(60), "never reclaimed");
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                }
+                _ => {
+                    agent.barrier("ready").unwrap();
+                    let x = input().requires_grad_();
+                    let ctx = Context::new(&agent).unwrap();
+                    let y: Tensor = dist::rpc_sync(&agent, 2u32, "layer", &x).unwrap();
+                    agent.barrier("got").unwrap();
+                    std::thread::sleep(Duration::from_millis(500));
+                    let start = Instant::now();
+                    let e = ctx.backward(&[y.sum().unwrap()], false).unwrap_err();
+                    assert!(start.elapsed() < Duration::from_secs(60));
+                    assert!(e.to_string().contains("worker2"), "{e}");
                 }
             }
-            _ => {
-                agent.barrier("ready").unwrap();
-                let x = input().requires_grad_();
-                let ctx = Context::new(&agent).unwrap();
-                let y: Tensor = dist::rpc_sync(&agent, 2u32, "layer", &x).unwrap();
-                agent.barrier("got").unwrap();
-                std::thread::sleep(Duration::from_millis(500));
-                let start = Instant::now();
-                let e = ctx.backward(&[y.sum().unwrap()], false).unwrap_err();
-                assert!(start.elapsed() < Duration::from_secs(60));
-                assert!(e.to_string().contains("worker2"), "{e}");
+            if env.rank == 1 {
+                // Wait until rank 0 is done with its checks before it leaves.
+                std::thread::sleep(Duration::from_millis(200));
             }
-        }
-        if env.rank == 1 {
-            // Wait until rank 0 is done with its checks before it leaves.
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        agent.shutdown_now();
-    });
+            agent.shutdown_now();
+        },
+    );
 }
 
 worker_test!(views_travel_with_strides_or_contiguous, 2, |env: WorkerEnv| {
@@ -293,12 +353,20 @@ worker_test!(views_travel_with_strides_or_contiguous, 2, |env: WorkerEnv| {
         let t = base.t().unwrap();
         let (strides, contiguous, values): (Vec<usize>, bool, Vec<f64>) =
             dist::rpc_sync(&agent, 1u32, "describe", &t).unwrap();
-        assert_eq!((strides, contiguous), (vec![1, 4], false), "a transpose arrives with its strides");
+        assert_eq!(
+            (strides, contiguous),
+            (vec![1, 4], false),
+            "a transpose arrives with its strides"
+        );
         assert_eq!(values, t.to_vec::<f64>().unwrap());
         let window = base.narrow(1, 1, 2).unwrap();
         let (strides, contiguous, values): (Vec<usize>, bool, Vec<f64>) =
             dist::rpc_sync(&agent, 1u32, "describe", &window).unwrap();
-        assert_eq!((strides, contiguous), (vec![2, 1], true), "a strided window arrives contiguous");
+        assert_eq!(
+            (strides, contiguous),
+            (vec![2, 1], true),
+            "a strided window arrives contiguous"
+        );
         assert_eq!(values, vec![1.0, 2.0, 5.0, 6.0, 9.0, 10.0]);
     }
     agent.shutdown().unwrap();
@@ -317,7 +385,10 @@ fn shared_param_training(agent: &Agent, rank: u32, mode: UpdateMode, tag: &str) 
         }
         // An owner's error reaches the caller, naming the owner.
         let e = opt.step(999).unwrap_err();
-        assert!(matches!(&e, Error::OnWorker { worker: 0, detail } if detail.contains("999")), "{e:?}");
+        assert!(
+            matches!(&e, Error::OnWorker { worker: 0, detail } if detail.contains("999")),
+            "{e:?}"
+        );
     }
     agent.barrier(tag).unwrap();
     if rank == 0 {
@@ -327,16 +398,23 @@ fn shared_param_training(agent: &Agent, rank: u32, mode: UpdateMode, tag: &str) 
         let trainers = (agent.workers().len() - 1) as f64;
         for (now, was) in u.iter().zip(&start) {
             let moved = was - now;
-            assert!((moved - 0.5 * trainers * STEPS as f64).abs() < 1e-9, "{mode:?}: moved {moved}");
+            assert!(
+                (moved - 0.5 * trainers * STEPS as f64).abs() < 1e-9,
+                "{mode:?}: moved {moved}"
+            );
         }
         params(agent)[2].set(seeded(0)[2].data());
     }
     agent.barrier(&format!("{tag}-reset")).unwrap();
 }
 
-worker_test!(hogwild_and_locked_trainers_share_a_parameter_server, 4, |env: WorkerEnv| {
-    let agent = env.agent(registry());
-    shared_param_training(&agent, env.rank, UpdateMode::Hogwild, "hogwild");
-    shared_param_training(&agent, env.rank, UpdateMode::Locked, "locked");
-    agent.shutdown().unwrap();
-});
+worker_test!(
+    hogwild_and_locked_trainers_share_a_parameter_server,
+    4,
+    |env: WorkerEnv| {
+        let agent = env.agent(registry());
+        shared_param_training(&agent, env.rank, UpdateMode::Hogwild, "hogwild");
+        shared_param_training(&agent, env.rank, UpdateMode::Locked, "locked");
+        agent.shutdown().unwrap();
+    }
+);

@@ -7,7 +7,11 @@ fn check<T>(what: &str, (data, offset, rs, cs): (&[T], usize, isize, isize), row
     assert!(rs >= 0 && cs >= 0, "{what}: negative strides");
     if rows > 0 && cols > 0 {
         let last = offset + (rows - 1) * rs as usize + (cols - 1) * cs as usize;
-        assert!(last < data.len(), "{what}: element {last} outside {} elements", data.len());
+        assert!(
+            last < data.len(),
+            "{what}: element {last} outside {} elements",
+            data.len()
+        );
     }
 }
 

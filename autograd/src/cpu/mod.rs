@@ -14,13 +14,17 @@ use crate::tensor::{contiguous_strides, numel, walk, Tensor};
 /// Runs `$body` with `$T` bound to the tensor's float type.
 macro_rules! dispatch {
     ($t:expr, $op:expr, $T:ident => $body:expr) => {
-        $t.float_op($op, || {
-            type $T = f32;
-            $body
-        }, || {
-            type $T = f64;
-            $body
-        })
+        $t.float_op(
+            $op,
+            || {
+                type $T = f32;
+                $body
+            },
+            || {
+                type $T = f64;
+                $body
+            },
+        )
     };
 }
 pub(crate) use dispatch;
@@ -74,25 +78,33 @@ pub(crate) fn zip_map<T: Float>(op: &'static str, a: &Tensor, b: &Tensor, f: imp
     let (sa, sb) = (a.storage::<T>()?, b.storage::<T>()?);
     let (ast, bst) = (broadcast_strides(a, &shape), broadcast_strides(b, &shape));
     let mut out = Vec::with_capacity(numel(&shape));
-    walk(&shape, [&ast, &bst], [a.inner.offset, b.inner.offset], |[oa, ob], [xa, xb], len| match (xa, xb) {
-        (1, 1) => out.extend(sa[oa..oa + len].iter().zip(&sb[ob..ob + len]).map(|(&x, &y)| f(x, y))),
-        (1, 0) => {
-            let y = sb[ob];
-            out.extend(sa[oa..oa + len].iter().map(|&x| f(x, y)))
-        }
-        (0, 1) => {
-            let x = sa[oa];
-            out.extend(sb[ob..ob + len].iter().map(|&y| f(x, y)))
-        }
-        _ => out.extend((0..len).map(|i| f(sa[oa + i * xa], sb[ob + i * xb]))),
-    });
+    walk(
+        &shape,
+        [&ast, &bst],
+        [a.inner.offset, b.inner.offset],
+        |[oa, ob], [xa, xb], len| match (xa, xb) {
+            (1, 1) => out.extend(sa[oa..oa + len].iter().zip(&sb[ob..ob + len]).map(|(&x, &y)| f(x, y))),
+            (1, 0) => {
+                let y = sb[ob];
+                out.extend(sa[oa..oa + len].iter().map(|&x| f(x, y)))
+            }
+            (0, 1) => {
+                let x = sa[oa];
+                out.extend(sb[ob..ob + len].iter().map(|&y| f(x, y)))
+            }
+            _ => out.extend((0..len).map(|i| f(sa[oa + i * xa], sb[ob + i * xb]))),
+        },
+    );
     Ok(Tensor::from_vec_unchecked(out, shape))
 }
 
 /// `f(a)` elementwise.
 pub(crate) fn map<T: Float>(a: &Tensor, f: impl Fn(T) -> T) -> Result<Tensor> {
     let v = a.values::<T>()?;
-    Ok(Tensor::from_vec_unchecked(v.iter().map(|&x| f(x)).collect::<Vec<T>>(), a.shape().to_vec()))
+    Ok(Tensor::from_vec_unchecked(
+        v.iter().map(|&x| f(x)).collect::<Vec<T>>(),
+        a.shape().to_vec(),
+    ))
 }
 
 pub(crate) fn binary_add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -109,7 +121,12 @@ pub(crate) fn sum_dims(t: &Tensor, reduce: &[bool], keepdim: bool) -> Result<Ten
 }
 
 fn sum_dims_typed<T: Float>(t: &Tensor, reduce: &[bool], keepdim: bool) -> Result<Tensor> {
-    let kept: Vec<usize> = t.shape().iter().zip(reduce).map(|(&n, &r)| if r { 1 } else { n }).collect();
+    let kept: Vec<usize> = t
+        .shape()
+        .iter()
+        .zip(reduce)
+        .map(|(&n, &r)| if r { 1 } else { n })
+        .collect();
     let mut out_strides = contiguous_strides(&kept);
     for (s, &r) in out_strides.iter_mut().zip(reduce) {
         if r {
@@ -118,24 +135,34 @@ fn sum_dims_typed<T: Float>(t: &Tensor, reduce: &[bool], keepdim: bool) -> Resul
     }
     let x = t.storage::<T>()?;
     let mut out = vec![T::ZERO; numel(&kept)];
-    walk(t.shape(), [t.strides(), &out_strides], [t.inner.offset, 0], |[i, o], [si, so], len| {
-        if so == 0 {
-            let s: T = if si == 1 {
-                x[i..i + len].iter().copied().sum()
+    walk(
+        t.shape(),
+        [t.strides(), &out_strides],
+        [t.inner.offset, 0],
+        |[i, o], [si, so], len| {
+            if so == 0 {
+                let s: T = if si == 1 {
+                    x[i..i + len].iter().copied().sum()
+                } else {
+                    (0..len).map(|k| x[i + k * si]).sum()
+                };
+                out[o] += s;
             } else {
-                (0..len).map(|k| x[i + k * si]).sum()
-            };
-            out[o] += s;
-        } else {
-            for k in 0..len {
-                out[o + k * so] += x[i + k * si];
+                for k in 0..len {
+                    out[o + k * so] += x[i + k * si];
+                }
             }
-        }
-    });
+        },
+    );
     let shape = if keepdim {
         kept
     } else {
-        t.shape().iter().zip(reduce).filter(|(_, &r)| !r).map(|(&n, _)| n).collect()
+        t.shape()
+            .iter()
+            .zip(reduce)
+            .filter(|(_, &r)| !r)
+            .map(|(&n, _)| n)
+            .collect()
     };
     Ok(Tensor::from_vec_unchecked(out, shape))
 }
@@ -146,7 +173,9 @@ pub(crate) fn sum_to(g: &Tensor, shape: &[usize]) -> Result<Tensor> {
         return Ok(g.clone());
     }
     let lead = g.dims() - shape.len();
-    let reduce: Vec<bool> = (0..g.dims()).map(|d| d < lead || (shape[d - lead] == 1 && g.shape()[d] != 1)).collect();
+    let reduce: Vec<bool> = (0..g.dims())
+        .map(|d| d < lead || (shape[d - lead] == 1 && g.shape()[d] != 1))
+        .collect();
     let s = sum_dims(g, &reduce, true)?;
     Ok(s.view_raw(shape.to_vec(), contiguous_strides(shape), 0))
 }
@@ -155,7 +184,10 @@ pub(crate) fn sum_to(g: &Tensor, shape: &[usize]) -> Result<Tensor> {
 pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     same_dtype("matmul", a, b)?;
     if a.dims() != 2 || b.dims() != 2 || a.shape()[1] != b.shape()[0] {
-        return Err(shape_err("matmul", format!("cannot multiply {:?} by {:?}", a.shape(), b.shape())));
+        return Err(shape_err(
+            "matmul",
+            format!("cannot multiply {:?} by {:?}", a.shape(), b.shape()),
+        ));
     }
     let (m, k, n) = (a.shape()[0], a.shape()[1], b.shape()[1]);
     dispatch!(a, "matmul", T => {
@@ -252,7 +284,10 @@ pub(crate) fn index_rows(t: &Tensor, indices: &[usize]) -> Result<Tensor> {
 pub(crate) fn index_add_rows(base: &Tensor, indices: &[usize], rows: &Tensor) -> Result<Tensor> {
     let row: usize = base.shape()[1..].iter().product();
     if rows.numel() != indices.len() * row {
-        return Err(shape_err("index_add", format!("{} rows of {row} for {:?}", indices.len(), rows.shape())));
+        return Err(shape_err(
+            "index_add",
+            format!("{} rows of {row} for {:?}", indices.len(), rows.shape()),
+        ));
     }
     dispatch!(base, "index_add", T => {
         let mut out = base.values::<T>()?.into_owned();
@@ -287,15 +322,31 @@ fn cat_typed<T: Pod>(parts: &[Tensor], dim: usize, shape: Vec<usize>) -> Result<
 pub(crate) fn cat_raw(parts: &[Tensor], dim: usize) -> Result<Tensor> {
     let first = parts.first().ok_or_else(|| shape_err("cat", "no tensors"))?;
     if dim >= first.dims() {
-        return Err(shape_err("cat", format!("dimension {dim} of a {}-d tensor", first.dims())));
+        return Err(shape_err(
+            "cat",
+            format!("dimension {dim} of a {}-d tensor", first.dims()),
+        ));
     }
     let mut shape = first.shape().to_vec();
     shape[dim] = 0;
     for t in parts {
         let same_rest = t.dims() == first.dims()
-            && t.shape().iter().zip(first.shape()).enumerate().all(|(d, (a, b))| d == dim || a == b);
+            && t.shape()
+                .iter()
+                .zip(first.shape())
+                .enumerate()
+                .all(|(d, (a, b))| d == dim || a == b);
         if !same_rest || t.dtype() != first.dtype() {
-            return Err(shape_err("cat", format!("{:?} {} next to {:?} {}", t.shape(), t.dtype(), first.shape(), first.dtype())));
+            return Err(shape_err(
+                "cat",
+                format!(
+                    "{:?} {} next to {:?} {}",
+                    t.shape(),
+                    t.dtype(),
+                    first.shape(),
+                    first.dtype()
+                ),
+            ));
         }
         shape[dim] += t.shape()[dim];
     }

@@ -133,6 +133,7 @@ struct Container {
     options: Mutex<DistOptions>,
     dropped_releases: AtomicU32,
     reaper: OnceLock<()>,
+    release_jobs: OnceLock<Mutex<std::sync::mpsc::Sender<ReleaseJob>>>,
 }
 
 fn container() -> &'static Container {
@@ -147,6 +148,7 @@ fn container() -> &'static Container {
         options: Mutex::new(DistOptions::default()),
         dropped_releases: AtomicU32::new(0),
         reaper: OnceLock::new(),
+        release_jobs: OnceLock::new(),
     })
 }
 
@@ -178,7 +180,12 @@ impl Container {
     }
 
     fn get(&self, id: u64) -> Result<Arc<ContextState>> {
-        self.contexts.lock().unwrap().get(&id).cloned().ok_or(Error::UnknownContext(id))
+        self.contexts
+            .lock()
+            .unwrap()
+            .get(&id)
+            .cloned()
+            .ok_or(Error::UnknownContext(id))
     }
 
     /// The context a message names, created on first sight (unless already released here).
@@ -232,7 +239,8 @@ pub fn live_contexts() -> Vec<u64> {
 }
 
 /// One distributed training step, entered on the driving thread. Dropping it releases the
-/// context here and on every worker that took part.
+/// context here at once and sends the release to every worker that took part without waiting
+/// (retried in the background); [`Context::release`] does the same and waits for every answer.
 pub struct Context {
     state: Arc<ContextState>,
     agent: Agent,
@@ -290,7 +298,7 @@ impl Context {
     pub fn release(mut self) -> Result<()> {
         self.released = true;
         CURRENT.with(|c| c.set(None));
-        release_everywhere(&self.agent, self.state.id, None)
+        release_everywhere(&self.agent, self.state.id, None, true)
     }
 }
 
@@ -304,7 +312,7 @@ impl Drop for Context {
                 c.set(None)
             }
         });
-        if let Err(e) = release_everywhere(&self.agent, self.state.id, None) {
+        if let Err(e) = release_everywhere(&self.agent, self.state.id, None, false) {
             tracing::warn!(context = self.state.id, error = %e, "could not release a distributed autograd context everywhere");
         }
     }
@@ -435,7 +443,10 @@ fn run_pass(
 fn remote_error(e: RpcError) -> Error {
     if let RpcError::Remote { kind, message, .. } = &e {
         if kind == ERROR_KIND {
-            if let Some((n, detail)) = message.strip_prefix("error on worker ").and_then(|m| m.split_once(": ")) {
+            if let Some((n, detail)) = message
+                .strip_prefix("error on worker ")
+                .and_then(|m| m.split_once(": "))
+            {
                 if let Ok(worker) = n.parse() {
                     return Error::OnWorker {
                         worker,
@@ -526,7 +537,11 @@ fn recv_side(
     from: u32,
 ) -> Result<Vec<Tensor>> {
     if metas.len() != buffers.len() {
-        return Err(Error::Wire(format!("{} tensor descriptions for {} buffers", metas.len(), buffers.len())));
+        return Err(Error::Wire(format!(
+            "{} tensor descriptions for {} buffers",
+            metas.len(),
+            buffers.len()
+        )));
     }
     let mut out = Vec::with_capacity(metas.len());
     for (i, (w, b)) in metas.iter().zip(buffers).enumerate() {
@@ -589,9 +604,16 @@ where
             }
             None => None,
         };
-        let inputs = recv_side(&header.tensors, buffers, ctx.as_ref(), Some(header.message), cx.caller.id)
-            .map_err(|e| HandlerError::new("DecodeError", e.to_string()))?;
-        let arg: A = wire::decode(&header.value, inputs).map_err(|e| HandlerError::new("DecodeError", e.to_string()))?;
+        let inputs = recv_side(
+            &header.tensors,
+            buffers,
+            ctx.as_ref(),
+            Some(header.message),
+            cx.caller.id,
+        )
+        .map_err(|e| HandlerError::new("DecodeError", e.to_string()))?;
+        let arg: A =
+            wire::decode(&header.value, inputs).map_err(|e| HandlerError::new("DecodeError", e.to_string()))?;
         let result = with_current(header.context, || f(cx, arg))?;
         let (mut payload, metas, value, message) =
             send_side(&result, ctx.as_ref(), me).map_err(|e| HandlerError::new("EncodeError", e.to_string()))?;
@@ -696,8 +718,14 @@ pub fn install(registry: &mut Registry) {
                 grads.push(match g {
                     None => None,
                     Some(w) => {
-                        let b = buffers.next().ok_or_else(|| Error::Wire(format!("gradient {i} has no buffer")))?;
-                        let data = b.buffer.as_cpu().cloned().ok_or_else(|| Error::Wire("non-CPU gradient".into()))?;
+                        let b = buffers
+                            .next()
+                            .ok_or_else(|| Error::Wire(format!("gradient {i} has no buffer")))?;
+                        let data = b
+                            .buffer
+                            .as_cpu()
+                            .cloned()
+                            .ok_or_else(|| Error::Wire("non-CPU gradient".into()))?;
                         let mut w = w.clone();
                         w.buffer = 0;
                         Some(from_wire(&w, data)?)
@@ -705,7 +733,11 @@ pub fn install(registry: &mut Registry) {
                 });
             }
             if grads.len() != node.outputs {
-                return Err(Error::Wire(format!("{} gradients for {} sent tensors", grads.len(), node.outputs)));
+                return Err(Error::Wire(format!(
+                    "{} gradients for {} sent tensors",
+                    grads.len(),
+                    node.outputs
+                )));
             }
             run_pass(&cx.agent, &ctx, vec![(node, grads)], header.retain_graph)
         };
@@ -722,14 +754,19 @@ pub fn install(registry: &mut Registry) {
         if drop_it {
             return Err(HandlerError::new("Dropped", "release dropped by fault injection"));
         }
-        release_everywhere(&cx.agent, context, Some(cx.caller.id)).map_err(|e| HandlerError::new(ERROR_KIND, e.to_string()))
+        release_everywhere(&cx.agent, context, Some(cx.caller.id), true)
+            .map_err(|e| HandlerError::new(ERROR_KIND, e.to_string()))
     });
-    registry.handler(H_ALIVE, |_cx, context: u64| Ok(container().contexts.lock().unwrap().contains_key(&context)));
+    registry.handler(H_ALIVE, |_cx, context: u64| {
+        Ok(container().contexts.lock().unwrap().contains_key(&context))
+    });
     crate::optim::install(registry);
 }
 
-/// Releases `id` here and tells every worker it reached (except `from`), retrying each.
-fn release_everywhere(agent: &Agent, id: u64, from: Option<u32>) -> Result<()> {
+/// Releases `id` here and tells every worker it reached (except `from`): all first attempts
+/// go out at once, and each failed one is retried with backoff. With `wait`, returns once every
+/// worker answered (or gave up); without, the retries run on the release thread.
+fn release_everywhere(agent: &Agent, id: u64, from: Option<u32>, wait: bool) -> Result<()> {
     let c = container();
     let me = c.bind(agent);
     let Some(state) = c.remove(id) else {
@@ -744,33 +781,81 @@ fn release_everywhere(agent: &Agent, id: u64, from: Option<u32>) -> Result<()> {
         .filter(|&w| Some(w) != from && w != me)
         .collect();
     let options = c.options.lock().unwrap().clone();
-    let futures: Vec<(u32, std::thread::JoinHandle<Result<()>>)> = targets
+    let message = Payload::encode(&id)?;
+    let first: Vec<(u32, RpcFuture)> = targets
         .into_iter()
         .map(|w| {
-            let agent = agent.clone();
-            let options = options.clone();
-            (w, std::thread::spawn(move || send_release(&agent, w, id, &options)))
+            (
+                w,
+                agent.rpc_async_timeout(w, H_RELEASE, message.clone(), options.release_timeout),
+            )
         })
         .collect();
-    let mut failed = Vec::new();
-    for (w, h) in futures {
-        match h.join() {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => failed.push(format!("worker {w}: {e}")),
-            Err(_) => failed.push(format!("worker {w}: release thread panicked")),
-        }
+    let job = ReleaseJob {
+        agent: agent.clone(),
+        id,
+        first,
+        options,
+    };
+    if wait {
+        return job.finish();
     }
-    if failed.is_empty() {
-        Ok(())
-    } else {
-        Err(Error::Backward(format!("context {id} not released on {}", failed.join("; "))))
+    let sender = c.release_jobs.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<ReleaseJob>();
+        let _ = std::thread::Builder::new()
+            .name("sluice-autograd-release".into())
+            .spawn(move || {
+                for job in rx {
+                    if let Err(e) = job.finish() {
+                        tracing::warn!(error = %e, "could not release a distributed autograd context everywhere");
+                    }
+                }
+            });
+        Mutex::new(tx)
+    });
+    let _ = sender.lock().unwrap().send(job);
+    Ok(())
+}
+
+struct ReleaseJob {
+    agent: Agent,
+    id: u64,
+    first: Vec<(u32, RpcFuture)>,
+    options: DistOptions,
+}
+
+impl ReleaseJob {
+    fn finish(self) -> Result<()> {
+        let mut failed = Vec::new();
+        for (w, fut) in self.first {
+            let outcome = match fut.wait() {
+                Ok(_) => Ok(()),
+                Err(e @ (RpcError::Shutdown | RpcError::PeerLost { .. })) => Err(Error::Rpc(e)),
+                Err(_) => send_release(&self.agent, w, self.id, &self.options),
+            };
+            if let Err(e) = outcome {
+                failed.push(format!("worker {w}: {e}"));
+            }
+        }
+        if failed.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Backward(format!(
+                "context {} not released on {}",
+                self.id,
+                failed.join("; ")
+            )))
+        }
     }
 }
 
 fn send_release(agent: &Agent, worker: u32, id: u64, options: &DistOptions) -> Result<()> {
     let mut pause = options.release_backoff;
     let mut last = None;
-    for attempt in 0..options.release_attempts.max(1) {
+    // The first attempt already failed (see `ReleaseJob::finish`).
+    for attempt in 1..options.release_attempts.max(2) {
+        std::thread::sleep(pause);
+        pause = pause.mul_f64(1.5).min(Duration::from_secs(2));
         match agent.rpc_sync_timeout(worker, H_RELEASE, Payload::encode(&id)?, options.release_timeout) {
             Ok(_) => return Ok(()),
             Err(e @ (RpcError::Shutdown | RpcError::PeerLost { .. })) => return Err(e.into()),
@@ -779,8 +864,6 @@ fn send_release(agent: &Agent, worker: u32, id: u64, options: &DistOptions) -> R
                 last = Some(e);
             }
         }
-        std::thread::sleep(pause);
-        pause = pause.mul_f64(1.5).min(Duration::from_secs(2));
     }
     Err(last.map(Error::Rpc).unwrap_or(Error::NoContext))
 }

@@ -65,13 +65,25 @@ fn usize_of(v: u64, what: &str) -> Result<usize> {
 /// Rebuilds a tensor from its description and its received bytes (graph-free).
 pub(crate) fn from_wire(w: &WireTensor, data: Bytes) -> Result<Tensor> {
     if w.shape.len() > MAX_DIMS || w.shape.len() != w.strides.len() {
-        return Err(Error::Wire(format!("{} dims with {} strides", w.shape.len(), w.strides.len())));
+        return Err(Error::Wire(format!(
+            "{} dims with {} strides",
+            w.shape.len(),
+            w.strides.len()
+        )));
     }
     if w.dtype.is_float() == false && w.requires_grad {
         return Err(Error::Wire("an i64 tensor cannot require grad".into()));
     }
-    let shape: Vec<usize> = w.shape.iter().map(|&n| usize_of(n, "dimension")).collect::<Result<_>>()?;
-    let strides: Vec<usize> = w.strides.iter().map(|&n| usize_of(n, "stride")).collect::<Result<_>>()?;
+    let shape: Vec<usize> = w
+        .shape
+        .iter()
+        .map(|&n| usize_of(n, "dimension"))
+        .collect::<Result<_>>()?;
+    let strides: Vec<usize> = w
+        .strides
+        .iter()
+        .map(|&n| usize_of(n, "stride"))
+        .collect::<Result<_>>()?;
     match &w.sparse {
         None => Tensor::from_bytes(data, w.dtype, &shape, &strides, usize_of(w.offset, "offset")?),
         Some(indices) => {
@@ -105,7 +117,9 @@ thread_local! {
 pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<(Vec<u8>, Vec<Tensor>)> {
     let previous = ENCODING.with(|e| e.borrow_mut().replace(Vec::new()));
     let bytes = postcard::to_allocvec(value);
-    let tensors = ENCODING.with(|e| std::mem::replace(&mut *e.borrow_mut(), previous)).unwrap_or_default();
+    let tensors = ENCODING
+        .with(|e| std::mem::replace(&mut *e.borrow_mut(), previous))
+        .unwrap_or_default();
     let bytes = bytes.map_err(|e| Error::Wire(format!("encoding: {e}")))?;
     Ok((bytes, tensors))
 }
