@@ -4,9 +4,14 @@
 //! - [`transport`]: ordered, reliable connections (TCP, shared memory).
 //! - [`channel`]: devices, buffers, channels and the negotiated pipe.
 //! - [`agent`]: RPC over pipes (workers, calls, RRefs, timeouts, device maps, shutdown).
+//! - [`autograd`]: tensors, ops with backward, distributed autograd, the distributed optimizer.
+//! - [`demos`]: the training demos behind `sluice demo` and the examples.
 
 #![forbid(unsafe_code)]
 
+pub mod demos;
+
 pub use sluice_agent as agent;
+pub use sluice_autograd as autograd;
 pub use sluice_channel as channel;
 pub use sluice_transport as transport;

@@ -50,6 +50,11 @@ enum Commands {
         #[arg(long)]
         idle_seconds: Option<f64>,
     },
+    /// Training demos over distributed autograd (each starts its own worker processes).
+    Demo {
+        #[command(subcommand)]
+        demo: sluice::demos::DemoCommand,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -57,6 +62,13 @@ fn main() -> anyhow::Result<()> {
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .init();
+    if let Some(result) = sluice::demos::child_main() {
+        return result;
+    }
+    let command = Cli::parse().command;
+    if let Commands::Demo { demo } = command {
+        return sluice::demos::launch(demo.into());
+    }
     let Commands::Bench {
         only,
         quick,
@@ -66,7 +78,10 @@ fn main() -> anyhow::Result<()> {
         suites,
         idle_seconds,
         rpc_worker,
-    } = Cli::parse().command;
+    } = command
+    else {
+        unreachable!("handled above")
+    };
     if let Some(store) = rpc_worker {
         return sluice_benches::rpc::worker(&store);
     }

@@ -71,6 +71,7 @@ pub trait Float:
     + std::ops::Div<Output = Self>
     + std::ops::Neg<Output = Self>
     + std::ops::AddAssign
+    + std::ops::DivAssign
     + std::iter::Sum
 {
     const ZERO: Self;

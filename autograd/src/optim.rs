@@ -220,7 +220,7 @@ impl Optimizer {
             )));
         }
         match self.kind {
-            OptimizerKind::Sgd { lr, momentum } if momentum == 0.0 => {
+            OptimizerKind::Sgd { lr, momentum: 0.0 } => {
                 if let Some(idx) = g.sparse_indices() {
                     // Sparse SGD touches only the rows that were used.
                     let rows = crate::cpu::scale(&g.sparse_values(), -lr)?;
@@ -424,7 +424,7 @@ impl Drop for DistributedOptimizer {
                 optimizers().lock().unwrap().remove(&id);
             } else {
                 // Best effort: the owner forgets the optimizer's state.
-                let _ = self.agent.call_async(owner, H_DROP, &id);
+                drop(self.agent.call_async(owner, H_DROP, &id));
             }
         }
     }

@@ -140,7 +140,7 @@ impl Tensor {
                 strides.len()
             )));
         }
-        if data.len() % dtype.size() != 0 {
+        if !data.len().is_multiple_of(dtype.size()) {
             return Err(Error::Wire(format!(
                 "{} bytes is not a whole number of {dtype}",
                 data.len()

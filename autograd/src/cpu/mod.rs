@@ -225,7 +225,7 @@ pub(crate) fn softmax_last(x: &Tensor, log: bool) -> Result<Tensor> {
                 }
             } else {
                 for oi in o.iter_mut() {
-                    *oi = *oi / s;
+                    *oi /= s;
                 }
             }
         }

@@ -71,7 +71,7 @@ pub(crate) fn from_wire(w: &WireTensor, data: Bytes) -> Result<Tensor> {
             w.strides.len()
         )));
     }
-    if w.dtype.is_float() == false && w.requires_grad {
+    if !w.dtype.is_float() && w.requires_grad {
         return Err(Error::Wire("an i64 tensor cannot require grad".into()));
     }
     let shape: Vec<usize> = w

@@ -1,0 +1,163 @@
+//! The training demos behind `sluice demo …` and the examples: a parameter server, a pipeline,
+//! and an agent driving observers. Each starts its worker processes itself (this executable,
+//! re-run with the torchrun variables and `SLUICE_DEMO` set), so one command runs the group.
+
+pub mod data;
+pub mod pipeline;
+pub mod ps;
+pub mod rl;
+
+use std::process::{Child, Command, Stdio};
+
+use anyhow::Context as _;
+
+const ROLE_VAR: &str = "SLUICE_DEMO";
+const ARGS_VAR: &str = "SLUICE_DEMO_ARGS";
+
+/// Which demo and with which arguments (the same for every process of the group).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub enum Demo {
+    /// Parameter server: trainers, steps per trainer, synchronous reducer (None: Hogwild).
+    Ps {
+        trainers: u32,
+        epochs: u32,
+        reducer: Option<ps::Reducer>,
+    },
+    /// Pipeline: micro-batches per batch, epochs.
+    Pipeline { micro_batches: u32, epochs: u32 },
+    /// Agent and observers: observers, rounds.
+    Rl { observers: u32, rounds: u32 },
+}
+
+impl Demo {
+    fn world_size(&self) -> u32 {
+        match self {
+            Demo::Ps { trainers, .. } => trainers + 1,
+            Demo::Pipeline { .. } => 3,
+            Demo::Rl { observers, .. } => observers + 1,
+        }
+    }
+
+    fn run_rank(&self, rank: u32) -> anyhow::Result<()> {
+        match self {
+            Demo::Ps { .. } => ps::run(self, rank),
+            Demo::Pipeline { .. } => pipeline::run(self, rank),
+            Demo::Rl { .. } => rl::run(self, rank),
+        }
+    }
+}
+
+/// `sluice demo …` (and the examples): which demo, with what settings.
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum DemoCommand {
+    /// Parameter server: an MLP on rank 0, trainers driving it with distributed autograd.
+    Ps {
+        #[arg(long, default_value_t = 2)]
+        trainers: u32,
+        #[arg(long, default_value_t = 100)]
+        epochs: u32,
+        /// Synchronous training with this gradient reducer (mean or median); Hogwild without.
+        #[arg(long, value_name = "REDUCER")]
+        sync: Option<ps::Reducer>,
+    },
+    /// Pipeline parallelism: two stages, micro-batches in flight.
+    Pipeline {
+        #[arg(long, default_value_t = 4)]
+        micro_batches: u32,
+        #[arg(long, default_value_t = 30)]
+        epochs: u32,
+    },
+    /// An agent driving observers through RPC and RRefs (REINFORCE).
+    Rl {
+        #[arg(long, default_value_t = 4)]
+        observers: u32,
+        #[arg(long, default_value_t = 60)]
+        rounds: u32,
+    },
+}
+
+impl From<DemoCommand> for Demo {
+    fn from(c: DemoCommand) -> Demo {
+        match c {
+            DemoCommand::Ps { trainers, epochs, sync } => Demo::Ps {
+                trainers: trainers.max(1),
+                epochs,
+                reducer: sync,
+            },
+            DemoCommand::Pipeline { micro_batches, epochs } => Demo::Pipeline {
+                micro_batches: micro_batches.max(1),
+                epochs,
+            },
+            DemoCommand::Rl { observers, rounds } => Demo::Rl {
+                observers: observers.max(1),
+                rounds: rounds.max(1),
+            },
+        }
+    }
+}
+
+#[derive(clap::Parser)]
+struct ExampleCli {
+    #[command(subcommand)]
+    demo: DemoCommand,
+}
+
+/// The `main` of an example: `which` is the demo's subcommand name, the arguments follow.
+pub fn example_main(which: &str) -> anyhow::Result<()> {
+    if let Some(result) = child_main() {
+        return result;
+    }
+    use clap::Parser;
+    let mut args: Vec<String> = std::env::args().collect();
+    args.insert(1, which.to_owned());
+    launch(ExampleCli::parse_from(args).demo.into())
+}
+
+/// In a demo's worker process: runs its rank and returns `Some`; elsewhere `None`.
+pub fn child_main() -> Option<anyhow::Result<()>> {
+    std::env::var(ROLE_VAR).ok()?;
+    Some((|| {
+        let demo: Demo = serde_json::from_str(&std::env::var(ARGS_VAR)?)?;
+        let rank: u32 = std::env::var("RANK")?.parse()?;
+        demo.run_rank(rank)
+    })())
+}
+
+/// Runs `demo`: this process is rank 0; ranks 1.. are started as children.
+pub fn launch(demo: Demo) -> anyhow::Result<()> {
+    let n = demo.world_size();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let exe = std::env::current_exe()?;
+    let args = serde_json::to_string(&demo)?;
+    std::env::set_var("RANK", "0");
+    std::env::set_var("WORLD_SIZE", n.to_string());
+    std::env::set_var("MASTER_ADDR", "127.0.0.1");
+    std::env::set_var("MASTER_PORT", port.to_string());
+    let mut children: Vec<Child> = (1..n)
+        .map(|rank| {
+            Command::new(&exe)
+                .env(ROLE_VAR, "1")
+                .env(ARGS_VAR, &args)
+                .env("RANK", rank.to_string())
+                .stdin(Stdio::null())
+                .spawn()
+                .with_context(|| format!("starting rank {rank}"))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let result = demo.run_rank(0);
+    for (i, c) in children.iter_mut().enumerate() {
+        let status = c.wait()?;
+        anyhow::ensure!(status.success(), "rank {} failed: {status}", i + 1);
+    }
+    result
+}
+
+pub(crate) fn agent_options(name: String) -> sluice_agent::AgentOptions {
+    let mut o = sluice_agent::AgentOptions::new(name);
+    o.pool_threads = 8;
+    o
+}
+
+pub(crate) fn handler_error(e: impl std::fmt::Display) -> sluice_agent::HandlerError {
+    sluice_agent::HandlerError::new("Error", e.to_string())
+}
