@@ -197,14 +197,14 @@ worker_test!(
             let _unused: Tensor = dist::rpc_sync(&agent, 2u32, "layer", &x).unwrap();
             let loss = used.sum().unwrap();
             // PyTorch's FAST mode hangs here; this returns.
-            ctx.backward(&[loss.clone()], true).unwrap();
+            ctx.backward(std::slice::from_ref(&loss), true).unwrap();
             let once = ctx.gradient(&x).unwrap();
             let xl = input().requires_grad_();
             layer_with(&xl, &seeded(1)).unwrap().sum().unwrap().backward().unwrap();
             assert_close("dx", &once, &xl.grad().unwrap());
             assert_eq!(ctx.unused_sends().len(), 1, "the call to worker2 never got a gradient");
             // retain_graph: a second backward accumulates, a third after a non-retaining one fails.
-            ctx.backward(&[loss.clone()], false).unwrap();
+            ctx.backward(std::slice::from_ref(&loss), false).unwrap();
             assert_close(
                 "2·dx",
                 &ctx.gradient(&x).unwrap(),
