@@ -97,7 +97,7 @@ fn shape_ops() {
             let parts = x[0].split(&[1, 2], 1)?;
             parts[0].sum_dim(1, true)?.add(&parts[1].mul_scalar(3.0)?)
         },
-        &[x.clone()],
+        std::slice::from_ref(&x),
     );
     check(
         "cat",
