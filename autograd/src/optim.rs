@@ -396,19 +396,7 @@ impl DistributedOptimizer {
         }
         for fut in pending {
             if let Err(e) = fut.wait() {
-                let e = match e {
-                    RpcError::Remote { message, .. } if message.starts_with("error on worker ") => {
-                        let rest = &message["error on worker ".len()..];
-                        match rest.split_once(": ").and_then(|(n, d)| n.parse().ok().map(|n| (n, d))) {
-                            Some((worker, detail)) => Error::OnWorker {
-                                worker,
-                                detail: detail.to_string(),
-                            },
-                            None => Error::Optimizer(message),
-                        }
-                    }
-                    other => Error::Rpc(other),
-                };
+                let e = crate::dist::remote_error(e);
                 first.get_or_insert(e);
             }
         }

@@ -439,21 +439,17 @@ fn run_pass(
     first.map_or(Ok(()), Err)
 }
 
-/// An RPC failure as a backward error: a worker's own report keeps its worker number.
-fn remote_error(e: RpcError) -> Error {
-    if let RpcError::Remote { kind, message, .. } = &e {
-        if kind == ERROR_KIND {
-            if let Some((n, detail)) = message
-                .strip_prefix("error on worker ")
-                .and_then(|m| m.split_once(": "))
-            {
-                if let Ok(worker) = n.parse() {
-                    return Error::OnWorker {
-                        worker,
-                        detail: detail.to_string(),
-                    };
-                }
-            }
+/// An RPC failure as an error: a worker's own "error on worker N: …" report keeps its number.
+pub(crate) fn remote_error(e: RpcError) -> Error {
+    if let RpcError::Remote { message, .. } = &e {
+        let report = message
+            .strip_prefix("error on worker ")
+            .and_then(|m| m.split_once(": "));
+        if let Some((worker, detail)) = report.and_then(|(n, d)| Some((n.parse().ok()?, d))) {
+            return Error::OnWorker {
+                worker,
+                detail: detail.to_string(),
+            };
         }
     }
     Error::Rpc(e)
