@@ -5,31 +5,43 @@
 //! its requests there; the callee answers on the same pipe. So a pipe carries requests one way
 //! and responses the other, and a failed pipe fails exactly the calls that used it.
 //!
+//! Membership ([`crate::membership`]): the group is what the store says it is. A watcher task
+//! applies joins, leaves and losses as they happen; a worker restarted under its name gets a
+//! new id and is reached by name.
+//!
+//! Failure detection: a peer is declared lost when its pipe fails, when a pipe to it hears
+//! nothing for `heartbeat_misses` heartbeat intervals (a pipe that has heard no reply for an
+//! interval sends a ping, so pings cost nothing while replies flow), or when its membership
+//! vanishes without a graceful leave. Then its pending calls fail with `PeerLost`, the RRef
+//! forks it held are released here, subscribers hear [`MembershipEvent::Lost`], and while it
+//! is still a member a background task tries to reconnect (a restored link).
+//!
 //! Threads: a tokio runtime (`io_threads`) drives pipes, timers and async handlers; a pool
 //! (`pool_threads`) runs synchronous handlers. Callers on plain threads send on their own
 //! thread and wait for the reply by spinning briefly, then sleeping.
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use sluice_channel::{Allocation, Context, Descriptor, Device, Message, Pipe, PipeError, RecvBuffer, Tensor};
 
 use crate::completion::{Completion, Slot};
 use crate::device_map::{self, DeviceMap, WorkerDevices};
 use crate::error::{HandlerError, InitError, RpcError, ShutdownError};
 use crate::handler::{BoxFuture, CallContext, Handler, Registry};
+use crate::membership::{self, Announce, MembershipEvent, Subscribers};
 use crate::name::{validate_name, Dest, WorkerInfo};
 use crate::options::{self, AgentOptions, Connect};
 use crate::payload::{Payload, Value};
 use crate::pool::Pool;
 use crate::rref::{RRef, RRefState, RRefTable};
-use crate::store::{StoreClient, StoreServer};
+use crate::store::{Listing, Snapshot, Store, StoreError, StoreServer, StoreUrl};
 use crate::wire::{self, Body, Envelope, GlobalId, Request, Response, WireError, WireRRef, WireValue};
 
 /// The result of a call, awaitable or waitable any number of times.
@@ -45,24 +57,39 @@ const DOWN: u8 = 2;
 const POOL_MIN: usize = 256 << 10;
 const POOL_KEEP: usize = 8;
 
-/// What each worker publishes at rendezvous.
-#[derive(Serialize, Deserialize)]
-struct Announce {
-    version: u16,
-    name: String,
-    address: String,
-    devices: WorkerDevices,
-}
+/// The internal handler that takes over the embedded store from a leaving host.
+const H_TAKEOVER: &str = "sluice.store.takeover";
 
 struct Peer {
     info: WorkerInfo,
-    address: String,
-    pipe: tokio::sync::OnceCell<Pipe>,
-    /// Set once the peer is known to be gone; new calls fail at once with this detail.
-    lost: OnceLock<String>,
+    announce: Announce,
+    /// The open pipe: `None` before the first call and after a failure.
+    pipe: Mutex<Option<(u64, Pipe)>>,
+    /// Serializes opening a pipe.
+    connecting: tokio::sync::Mutex<()>,
+    /// Bumped for every new pipe, so a stale pipe's failure is not blamed on the new one.
+    generation: AtomicU64,
+    /// Set while the peer is lost and not reconnected; new calls fail at once with it.
+    down: Mutex<Option<String>>,
+    /// The peer said goodbye: its pipes closing is a leave, not a loss.
+    leaving: AtomicBool,
+    /// When a message last arrived on our pipe to it, and when we last wrote one (ms on the
+    /// agent's clock). Either silent for an interval sends a ping: the callee judges us by
+    /// what we send, we judge it by what it answers.
+    last_heard: AtomicU64,
+    last_sent: AtomicU64,
     /// My device map to this peer, and its map to me (for responses).
     map_to: Option<DeviceMap>,
     map_from: Option<DeviceMap>,
+}
+
+/// The group as this worker knows it.
+#[derive(Default)]
+struct Members {
+    by_id: HashMap<u32, Arc<Peer>>,
+    by_name: HashMap<String, u32>,
+    /// Ids that are gone, and why: errors about them still name the worker.
+    gone: HashMap<u32, (WorkerInfo, String)>,
 }
 
 struct Pending {
@@ -80,17 +107,21 @@ struct Calls {
 
 pub(crate) struct AgentInner {
     pub(crate) me: WorkerInfo,
-    peers: Vec<Peer>,
-    by_name: HashMap<String, u32>,
+    announce: Announce,
+    members: RwLock<Members>,
+    /// The fixed group's size (zero for an elastic join).
+    static_world: u32,
     pub(crate) options: AgentOptions,
-    world_size: u32,
     runtime: Mutex<Option<tokio::runtime::Runtime>>,
     pub(crate) handle: tokio::runtime::Handle,
     context: Context,
     registry: Registry,
     pool: Pool,
-    store: StoreClient,
+    store: Store,
+    store_url: StoreUrl,
     store_server: Mutex<Option<StoreServer>>,
+    subscribers: Subscribers,
+    clock: Instant,
     counter: AtomicU64,
     calls: Mutex<Calls>,
     timer: tokio::sync::Notify,
@@ -119,9 +150,9 @@ impl std::fmt::Debug for Agent {
 }
 
 impl Agent {
-    /// Joins the group: starts the store (on the store rank), publishes this worker, waits for
-    /// every other worker, validates names and device maps, and starts serving. Blocks; call it
-    /// from a plain thread.
+    /// Joins the group: starts the store (on the store rank of a fixed group), publishes this
+    /// worker, waits for the fixed group to be complete (an elastic join waits for nobody),
+    /// validates names and device maps, and starts serving. Blocks; call it from a plain thread.
     pub fn init(options: AgentOptions, registry: Registry) -> Result<Agent, InitError> {
         if RUNNING.swap(true, Ordering::AcqRel) {
             return Err(InitError::AlreadyInitialized);
@@ -137,15 +168,34 @@ impl Agent {
         &self.inner.me
     }
 
-    /// Every worker of the group, by rank.
+    /// The workers of the group now, by id.
     pub fn workers(&self) -> Vec<WorkerInfo> {
-        self.inner.peers.iter().map(|p| p.info.clone()).collect()
+        let m = self.inner.members.read().unwrap();
+        let mut w: Vec<WorkerInfo> = m.by_id.values().map(|p| p.info.clone()).collect();
+        w.sort_by_key(|w| w.id);
+        w
     }
 
     /// The worker `dest` names.
     pub fn worker(&self, dest: impl Into<Dest>) -> Result<WorkerInfo, RpcError> {
-        let rank = self.inner.resolve(&dest.into())?;
-        Ok(self.inner.peers[rank as usize].info.clone())
+        let id = self.inner.resolve(&dest.into())?;
+        self.inner.peer(id).map(|p| p.info.clone())
+    }
+
+    /// Membership changes from now on, as a channel (each call makes a new subscriber).
+    pub fn membership_events(&self) -> crossbeam_channel::Receiver<MembershipEvent> {
+        self.inner.subscribers.channel()
+    }
+
+    /// Calls `f` on every membership change from now on. It runs on the agent's I/O threads:
+    /// keep it short and never block in it.
+    pub fn on_membership(&self, f: impl Fn(&MembershipEvent) + Send + Sync + 'static) {
+        self.inner.subscribers.callback(Arc::new(f));
+    }
+
+    /// The store's address now (it moves when its host leaves).
+    pub fn store_address(&self) -> String {
+        self.inner.store.address()
     }
 
     /// Calls `handler` on `dest` and returns the reply's future at once. The deadline is the
@@ -248,14 +298,15 @@ impl Agent {
     }
 
     /// Waits until every worker of the group has called `barrier` with the same `key` (each key
-    /// once). Call it from a plain thread.
+    /// once). The group is the fixed world for a fixed group, else the members at each check.
+    /// Call it from a plain thread.
     pub fn barrier(&self, key: &str) -> Result<(), RpcError> {
         let inner = &self.inner;
         inner.check_running()?;
         let timeout = Duration::from_secs(365 * 24 * 3600);
         inner
             .handle
-            .block_on(inner.store.barrier(&format!("user/{key}"), inner.world_size, timeout))
+            .block_on(inner.group_barrier(&format!("user/{key}"), timeout))
             .map_err(|e| RpcError::Store(e.to_string()))
     }
 
@@ -281,6 +332,14 @@ impl Agent {
         self.inner.shutdown(Some(timeout))
     }
 
+    /// Leaves the group alone, while the others go on: announces the leave (peers see
+    /// [`MembershipEvent::Left`] and stop routing calls here), waits up to `timeout` for this
+    /// worker's own calls, handlers and control messages to finish, hands the embedded store to
+    /// another member if this worker serves it, says goodbye on every pipe and stops.
+    pub fn leave(&self, timeout: Duration) -> Result<(), ShutdownError> {
+        self.inner.leave(timeout)
+    }
+
     /// Ungraceful shutdown: fails pending calls, closes every pipe, stops at once.
     pub fn shutdown_now(&self) {
         self.inner.teardown();
@@ -288,17 +347,29 @@ impl Agent {
 
     /// Where this worker listens for pipes.
     pub fn address(&self) -> &str {
-        &self.inner.peers[self.inner.me.id as usize].address
+        &self.inner.announce.address
     }
 
     /// The pipe info of this worker's pipe to `dest`, if one is open.
     pub fn pipe_info(&self, dest: impl Into<Dest>) -> Option<sluice_channel::PipeInfo> {
-        let rank = self.inner.resolve(&dest.into()).ok()?;
-        self.inner.peers[rank as usize].pipe.get().map(|p| p.info().clone())
+        let id = self.inner.resolve(&dest.into()).ok()?;
+        let peer = self.inner.peer(id).ok()?;
+        let pipe = peer.pipe.lock().unwrap();
+        pipe.as_ref().map(|(_, p)| p.info().clone())
     }
 }
 
-fn init(options: AgentOptions, registry: Registry) -> Result<Agent, InitError> {
+fn store_error(e: StoreError) -> InitError {
+    match e {
+        StoreError::Timeout { key, timeout } => InitError::Timeout {
+            timeout,
+            waiting_for: format!("store key `{key}` (is every worker started?)"),
+        },
+        other => InitError::Store(other.to_string()),
+    }
+}
+
+fn init(options: AgentOptions, mut registry: Registry) -> Result<Agent, InitError> {
     validate_name(&options.name)?;
     let resolved = options::resolve(&options)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -309,27 +380,52 @@ fn init(options: AgentOptions, registry: Registry) -> Result<Agent, InitError> {
     let handle = runtime.handle().clone();
     let deadline = Instant::now() + options.init_timeout;
     let left = move || deadline.saturating_duration_since(Instant::now());
-    let store_error = |e: crate::store::StoreError| match e {
-        crate::store::StoreError::Timeout { key, timeout } => InitError::Timeout {
-            timeout,
-            waiting_for: format!("store key `{key}` (is every worker started?)"),
-        },
-        other => InitError::Store(other.to_string()),
-    };
+    registry.handler(H_TAKEOVER, |ctx: &CallContext, snapshot: Snapshot| {
+        ctx.agent
+            .inner
+            .take_over_store(snapshot)
+            .map_err(|e| HandlerError::new("StoreTakeover", e.to_string()))
+    });
 
-    let (store_server, store, context, mut listener, announces) = runtime.block_on(async {
-        let server = if resolved.rank == options.store_rank {
-            Some(
-                StoreServer::start(&resolved.store_addr)
-                    .await
-                    .map_err(|e| InitError::Store(e.to_string()))?,
-            )
-        } else {
-            None
+    let (store_server, store, context, mut listener, announce, listing, restart) = runtime.block_on(async {
+        let serves = matches!(resolved.store, StoreUrl::Tcp(_)) && resolved.rank == Some(options.store_rank);
+        let server = match (&resolved.store, serves) {
+            (StoreUrl::Tcp(addr), true) => match StoreServer::start(addr).await {
+                Ok(s) => Some(s),
+                Err(e) => return Err(InitError::Store(e.to_string())),
+            },
+            _ => None,
         };
-        let store = StoreClient::connect(&resolved.store_addr, left())
+        let store = Store::connect(&resolved.store, left()).await.map_err(store_error)?;
+        // A name seen before means a restart: this incarnation gets a fresh id.
+        let name_key = membership::name_key(&options.name);
+        let name_seen = store
+            .list(&name_key)
             .await
-            .map_err(store_error)?;
+            .map_err(store_error)?
+            .entries
+            .iter()
+            .any(|(k, _)| *k == name_key);
+        // In a fixed group a seen name is a restart only once the group has formed; before
+        // that it is a duplicate, which validation reports.
+        let restart = match resolved.rank {
+            Some(_) if name_seen => store.add("init", 0).await.map_err(store_error)? >= resolved.world_size as i64,
+            _ => name_seen,
+        };
+        let id = match resolved.rank {
+            Some(rank) if !restart => rank,
+            _ => {
+                let n = store.add("ids/next", 1).await.map_err(store_error)?;
+                let id = membership::ELASTIC_BASE as i64 + n - 1;
+                if id > membership::MAX_ID as i64 {
+                    return Err(InitError::Config(format!(
+                        "the group has handed out every worker id ({} joins)",
+                        n
+                    )));
+                }
+                id as u32
+            }
+        };
         let mut pipe_options = options.pipe.clone();
         pipe_options.name = options.name.clone();
         let context = Context::new(pipe_options)?;
@@ -337,6 +433,7 @@ fn init(options: AgentOptions, registry: Registry) -> Result<Agent, InitError> {
         let announce = Announce {
             version: wire::AGENT_VERSION,
             name: options.name.clone(),
+            id,
             address: listener.address().to_owned(),
             devices: WorkerDevices {
                 name: options.name.clone(),
@@ -344,37 +441,74 @@ fn init(options: AgentOptions, registry: Registry) -> Result<Agent, InitError> {
                 maps: options.device_maps.clone(),
             },
         };
+        // A live member with our name is either a duplicate or our own crashed incarnation
+        // whose membership has not expired yet: wait for it to go.
+        let mut listing = store.list("m/").await.map_err(store_error)?;
+        while restart || resolved.rank.is_none() {
+            let (live, _) = membership::parse_listing(&listing.entries);
+            let Some(other) = live.values().find(|a| a.name == options.name) else {
+                break;
+            };
+            if left().is_zero() {
+                return Err(InitError::DuplicateName {
+                    name: options.name.clone(),
+                    first: other.id,
+                    second: id,
+                });
+            }
+            if let Some(l) = store.watch("m/", listing.revision, left()).await.map_err(store_error)? {
+                listing = l;
+            }
+        }
         let bytes = postcard::to_allocvec(&announce).map_err(|e| InitError::Config(e.to_string()))?;
         store
-            .set(&format!("worker/{}", resolved.rank), bytes)
+            .set_ephemeral(&membership::live_key(id), bytes)
             .await
             .map_err(store_error)?;
-        let mut announces = Vec::with_capacity(resolved.world_size as usize);
-        for rank in 0..resolved.world_size {
-            let bytes = store
-                .get(&format!("worker/{rank}"), left())
-                .await
-                .map_err(store_error)?;
-            let a: Announce = postcard::from_bytes(&bytes)
-                .map_err(|e| InitError::Store(format!("rank {rank} published garbage: {e}")))?;
-            announces.push(a);
+        store
+            .set(&name_key, id.to_string().into_bytes())
+            .await
+            .map_err(store_error)?;
+        // A fixed group's first start waits for every rank.
+        let mut listing = store.list("m/").await.map_err(store_error)?;
+        if resolved.rank.is_some() && !restart {
+            loop {
+                let (live, _) = membership::parse_listing(&listing.entries);
+                if (0..resolved.world_size).all(|r| live.contains_key(&r)) {
+                    break;
+                }
+                let missing: Vec<u32> = (0..resolved.world_size).filter(|r| !live.contains_key(r)).collect();
+                match store.watch("m/", listing.revision, left()).await.map_err(store_error)? {
+                    Some(l) => listing = l,
+                    None => {
+                        return Err(InitError::Timeout {
+                            timeout: options.init_timeout,
+                            waiting_for: format!("ranks {missing:?} to join (is every worker started?)"),
+                        })
+                    }
+                }
+            }
         }
-        // The store's host stays until everyone has read everything, even when validation is
-        // about to fail (all workers then report the same error).
-        store.add("init/read", 1).await.map_err(store_error)?;
-        if resolved.rank == options.store_rank {
-            store
-                .wait_count("init/read", resolved.world_size as i64, left())
-                .await
-                .map_err(store_error)?;
+        if resolved.rank.is_some() && !restart {
+            // The store's host stays until everyone has read the complete group, even when
+            // validation is about to fail (all workers then report the same error).
+            store.add("init/read", 1).await.map_err(store_error)?;
+            if server.is_some() {
+                store
+                    .wait_count("init/read", resolved.world_size as i64, left())
+                    .await
+                    .map_err(store_error)?;
+            }
         }
-        Ok::<_, InitError>((server, store, context, listener, announces))
+        Ok::<_, InitError>((server, store, context, listener, announce, listing, restart))
     })?;
 
-    for (rank, a) in announces.iter().enumerate() {
+    let (live, _) = membership::parse_listing(&listing.entries);
+    for a in live.values() {
         if a.version != wire::AGENT_VERSION {
             return Err(InitError::Config(format!(
-                "rank {rank} ({}) speaks agent protocol version {}, this worker speaks {}",
+                "worker {} ({}) speaks agent protocol version {}, this worker speaks {}",
+                a.id,
                 a.name,
                 a.version,
                 wire::AGENT_VERSION
@@ -382,51 +516,44 @@ fn init(options: AgentOptions, registry: Registry) -> Result<Agent, InitError> {
         }
         validate_name(&a.name)?;
     }
-    let mut by_name = HashMap::new();
-    for (rank, a) in announces.iter().enumerate() {
-        if let Some(first) = by_name.insert(a.name.clone(), rank as u32) {
+    let mut names = HashMap::new();
+    for a in live.values() {
+        if let Some(first) = names.insert(a.name.clone(), a.id) {
             return Err(InitError::DuplicateName {
                 name: a.name.clone(),
                 first,
-                second: rank as u32,
+                second: a.id,
             });
         }
     }
-    let devices: Vec<WorkerDevices> = announces.iter().map(|a| a.devices.clone()).collect();
-    device_map::validate(&devices)?;
+    let devices: Vec<WorkerDevices> = live.values().map(|a| a.devices.clone()).collect();
+    if resolved.rank.is_some() && !restart {
+        device_map::validate(&devices)?;
+    } else {
+        // Peers named in maps may join later; what is here must still be consistent.
+        device_map::validate_present(&devices)?;
+    }
 
     let me = WorkerInfo {
         name: options.name.clone(),
-        id: resolved.rank,
+        id: announce.id,
     };
-    let peers = announces
-        .iter()
-        .enumerate()
-        .map(|(rank, a)| Peer {
-            info: WorkerInfo {
-                name: a.name.clone(),
-                id: rank as u32,
-            },
-            address: a.address.clone(),
-            pipe: tokio::sync::OnceCell::new(),
-            lost: OnceLock::new(),
-            map_to: options.device_maps.get(&a.name).cloned(),
-            map_from: a.devices.maps.get(&me.name).cloned(),
-        })
-        .collect();
     let pool = Pool::new(&format!("sluice-handler-{}", options.name), options.pool_threads);
     let inner = Arc::new(AgentInner {
         me,
-        peers,
-        by_name,
-        world_size: resolved.world_size,
+        announce: announce.clone(),
+        members: RwLock::new(Members::default()),
+        static_world: resolved.world_size,
         runtime: Mutex::new(None),
         handle: handle.clone(),
         context,
         registry,
         pool,
         store,
+        store_url: resolved.store.clone(),
         store_server: Mutex::new(store_server),
+        subscribers: Subscribers::default(),
+        clock: Instant::now(),
         counter: AtomicU64::new(0),
         calls: Mutex::new(Calls::default()),
         timer: tokio::sync::Notify::new(),
@@ -440,6 +567,12 @@ fn init(options: AgentOptions, registry: Registry) -> Result<Agent, InitError> {
         recv_pool: Mutex::new(Vec::new()),
         options,
     });
+    {
+        let mut m = inner.members.write().unwrap();
+        for a in live.values() {
+            inner.add_member(&mut m, a.clone());
+        }
+    }
 
     let weak = Arc::downgrade(&inner);
     handle.spawn(async move {
@@ -459,22 +592,24 @@ fn init(options: AgentOptions, registry: Registry) -> Result<Agent, InitError> {
         }
     });
     handle.spawn(run_timer(Arc::downgrade(&inner)));
+    handle.spawn(watch_members(Arc::downgrade(&inner), listing.revision));
     *inner.runtime.lock().unwrap() = Some(runtime);
 
     let agent = Agent { inner };
     let inner = &agent.inner;
+    let fixed_start = resolved.rank.is_some() && !restart;
     let result = handle.block_on(async {
-        inner
-            .store
-            .barrier("init", inner.world_size, left())
-            .await
-            .map_err(store_error)?;
+        if fixed_start {
+            inner
+                .store
+                .barrier("init", inner.static_world, left())
+                .await
+                .map_err(store_error)?;
+        }
         if inner.options.connect == Connect::Eager {
-            for rank in 0..inner.world_size {
-                inner
-                    .pipe_to(rank)
-                    .await
-                    .map_err(|e| InitError::Config(e.to_string()))?;
+            let ids: Vec<u32> = inner.members.read().unwrap().by_id.keys().copied().collect();
+            for id in ids {
+                inner.pipe_to(id).await.map_err(|e| InitError::Config(e.to_string()))?;
             }
         }
         Ok::<_, InitError>(())
@@ -483,8 +618,66 @@ fn init(options: AgentOptions, registry: Registry) -> Result<Agent, InitError> {
         agent.inner.teardown();
         return Err(e);
     }
-    tracing::debug!(worker = %agent.inner.me, "agent ready");
+    tracing::debug!(worker = %agent.inner.me, restart, "agent ready");
     Ok(agent)
+}
+
+/// Applies membership changes from the store as they happen.
+async fn watch_members(weak: std::sync::Weak<AgentInner>, mut revision: u64) {
+    let url = match weak.upgrade() {
+        Some(inner) => inner.store_url.clone(),
+        None => return,
+    };
+    // Its own connection: a watch is a long poll.
+    let mut watcher: Option<Store> = None;
+    let mut pause = Duration::from_millis(50);
+    loop {
+        let Some(inner) = weak.upgrade() else { return };
+        if inner.is_down() {
+            return;
+        }
+        drop(inner);
+        if watcher.is_none() {
+            let Some(inner) = weak.upgrade() else { return };
+            // Follow the main client's view of where the store is.
+            let url = match &url {
+                StoreUrl::Tcp(_) => StoreUrl::Tcp(inner.store.address()),
+                other => other.clone(),
+            };
+            drop(inner);
+            match Store::connect(&url, Duration::from_secs(2)).await {
+                Ok(s) => watcher = Some(s),
+                Err(e) => {
+                    tracing::debug!(error = %e, "membership watcher cannot reach the store; retrying");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(2));
+                    continue;
+                }
+            }
+        }
+        let w = watcher.as_ref().expect("connected above");
+        match w.watch("m/", revision, Duration::from_secs(5)).await {
+            Ok(Some(listing)) => {
+                pause = Duration::from_millis(50);
+                revision = listing.revision;
+                let Some(inner) = weak.upgrade() else { return };
+                if w.address() != inner.store.address() {
+                    // The store moved (hand-off): take the main client along and re-assert
+                    // our membership there at once.
+                    inner.store.follow(&w.address()).await;
+                    let _ = inner.store.list("m/live/").await;
+                }
+                inner.apply_listing(&listing).await;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::debug!(error = %e, "membership watch failed; reconnecting");
+                watcher = None;
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
 }
 
 impl AgentInner {
@@ -500,23 +693,242 @@ impl AgentInner {
         }
     }
 
-    pub(crate) fn resolve(&self, dest: &Dest) -> Result<u32, RpcError> {
-        let rank = match dest {
-            Dest::Name(n) => self.by_name.get(n).copied(),
-            Dest::Rank(r) => (*r < self.world_size).then_some(*r),
+    fn now_ms(&self) -> u64 {
+        self.clock.elapsed().as_millis() as u64
+    }
+
+    /// Notes a write to `id` (the heartbeat pings only pipes quiet both ways).
+    fn sent_to(&self, id: u32) {
+        if let Some(p) = self.members.read().unwrap().by_id.get(&id) {
+            p.last_sent.store(self.now_ms(), Ordering::Relaxed);
+        }
+    }
+
+    fn member_count(&self) -> u32 {
+        self.members.read().unwrap().by_id.len() as u32
+    }
+
+    fn add_member(&self, m: &mut Members, a: Announce) -> Arc<Peer> {
+        let info = WorkerInfo {
+            name: a.name.clone(),
+            id: a.id,
         };
-        rank.ok_or_else(|| RpcError::UnknownWorker {
+        let peer = Arc::new(Peer {
+            info: info.clone(),
+            pipe: Mutex::new(None),
+            connecting: tokio::sync::Mutex::new(()),
+            generation: AtomicU64::new(0),
+            down: Mutex::new(None),
+            leaving: AtomicBool::new(false),
+            last_heard: AtomicU64::new(0),
+            last_sent: AtomicU64::new(0),
+            map_to: self.options.device_maps.get(&a.name).cloned(),
+            map_from: a.devices.maps.get(&self.me.name).cloned(),
+            announce: a,
+        });
+        // The newest incarnation owns the name.
+        let newer = m.by_name.get(&info.name).is_none_or(|&old| old <= info.id);
+        if newer {
+            m.by_name.insert(info.name.clone(), info.id);
+        }
+        m.by_id.insert(info.id, peer.clone());
+        peer
+    }
+
+    /// Diffs a listing of `m/` against the members known here and applies the changes.
+    async fn apply_listing(self: &Arc<Self>, listing: &Listing) {
+        let (live, left) = membership::parse_listing(&listing.entries);
+        let known: HashMap<u32, Announce> = self
+            .members
+            .read()
+            .unwrap()
+            .by_id
+            .iter()
+            .map(|(id, p)| (*id, p.announce.clone()))
+            .collect();
+        let changes = membership::diff(&known, &live, &left);
+        for a in changes.joined {
+            if a.version != wire::AGENT_VERSION {
+                tracing::warn!(worker = %a.name, version = a.version, "a worker with another protocol version joined; ignored");
+                continue;
+            }
+            let info = {
+                let mut m = self.members.write().unwrap();
+                self.add_member(&mut m, a).info.clone()
+            };
+            self.subscribers.publish(MembershipEvent::Joined(info));
+        }
+        for (id, graceful) in changes.removed {
+            if id == self.me.id {
+                if self.is_down() {
+                    continue;
+                }
+                // Our own membership vanished (an expired lease, a store that moved without
+                // us): we are still here, so say so again.
+                tracing::warn!(worker = %self.me, "this worker's membership vanished from the store; re-announcing");
+                if let Ok(bytes) = postcard::to_allocvec(&self.announce) {
+                    let _ = self.store.set_ephemeral(&membership::live_key(id), bytes).await;
+                }
+                continue;
+            }
+            let detail = if graceful {
+                "left the group".to_owned()
+            } else {
+                "its membership expired without a goodbye (crashed, killed or cut off)".to_owned()
+            };
+            self.remove_member(id, graceful, detail);
+        }
+    }
+
+    /// A member is gone for good (left, or its membership expired).
+    fn remove_member(self: &Arc<Self>, id: u32, graceful: bool, detail: String) {
+        let peer = {
+            let mut m = self.members.write().unwrap();
+            let Some(peer) = m.by_id.remove(&id) else { return };
+            if m.by_name.get(&peer.info.name) == Some(&id) {
+                m.by_name.remove(&peer.info.name);
+                // An older incarnation still listed takes the name back only if it is alive.
+                if let Some(other) = m
+                    .by_id
+                    .values()
+                    .filter(|p| p.info.name == peer.info.name)
+                    .map(|p| p.info.id)
+                    .max()
+                {
+                    m.by_name.insert(peer.info.name.clone(), other);
+                }
+            }
+            m.gone.insert(id, (peer.info.clone(), detail.clone()));
+            peer
+        };
+        let was_down = peer.down.lock().unwrap().replace(detail.clone()).is_some();
+        self.drop_peer_state(&peer, &detail);
+        if graceful || peer.leaving.load(Ordering::Acquire) {
+            self.subscribers.publish(MembershipEvent::Left(peer.info.clone()));
+        } else if !was_down {
+            self.subscribers.publish(MembershipEvent::Lost {
+                worker: peer.info.clone(),
+                detail,
+            });
+        }
+    }
+
+    /// Closes the peer's pipe, fails its calls and releases what it held here.
+    fn drop_peer_state(&self, peer: &Peer, detail: &str) {
+        if let Some((_, pipe)) = peer.pipe.lock().unwrap().take() {
+            pipe.close();
+        }
+        let name = peer.info.name.clone();
+        self.fail_calls(Some(peer.info.id), |_| RpcError::PeerLost {
+            worker: name.clone(),
+            detail: detail.to_owned(),
+        });
+        self.rrefs.peer_lost(peer.info.id);
+    }
+
+    /// Declares `id` lost (if `generation` is still its pipe's, or always with `None`). While
+    /// it stays a member, a background task tries to reconnect.
+    fn declare_lost(self: &Arc<Self>, id: u32, generation: Option<u64>, detail: String) {
+        if self.is_down() {
+            return;
+        }
+        let Ok(peer) = self.peer(id) else { return };
+        if generation.is_some_and(|g| g != peer.generation.load(Ordering::Acquire)) {
+            return;
+        }
+        {
+            let mut down = peer.down.lock().unwrap();
+            if down.is_some() {
+                return;
+            }
+            *down = Some(detail.clone());
+        }
+        let leaving = peer.leaving.load(Ordering::Acquire);
+        let detail = if leaving {
+            format!("{detail} (it is leaving the group)")
+        } else {
+            detail
+        };
+        tracing::info!(worker = %self.me, peer = %peer.info, %detail, "peer lost");
+        self.drop_peer_state(&peer, &detail);
+        if leaving {
+            return;
+        }
+        self.subscribers.publish(MembershipEvent::Lost {
+            worker: peer.info.clone(),
+            detail,
+        });
+        if id != self.me.id {
+            self.handle.spawn(reconnect(Arc::downgrade(self), peer));
+        }
+    }
+
+    pub(crate) fn resolve(&self, dest: &Dest) -> Result<u32, RpcError> {
+        let find = |m: &Members| match dest {
+            Dest::Name(n) => m.by_name.get(n).copied(),
+            Dest::Rank(r) => (m.by_id.contains_key(r) || m.gone.contains_key(r)).then_some(*r),
+        };
+        if let Some(id) = find(&self.members.read().unwrap()) {
+            return Ok(id);
+        }
+        // The watcher may not have seen a fresh join yet: ask the store (from plain threads).
+        if tokio::runtime::Handle::try_current().is_err() && !self.is_down() {
+            if let Ok(Ok(listing)) = self
+                .handle
+                .block_on(async { tokio::time::timeout(Duration::from_secs(5), self.store.list("m/")).await })
+            {
+                let (live, _) = membership::parse_listing(&listing.entries);
+                let mut m = self.members.write().unwrap();
+                for a in live.into_values() {
+                    if !m.by_id.contains_key(&a.id) && !m.gone.contains_key(&a.id) && a.version == wire::AGENT_VERSION {
+                        self.add_member(&mut m, a);
+                    }
+                }
+                if let Some(id) = find(&m) {
+                    return Ok(id);
+                }
+            }
+        }
+        Err(RpcError::UnknownWorker {
             dest: dest.to_string(),
-            world_size: self.world_size,
+            world_size: self.member_count(),
         })
     }
 
-    pub(crate) fn name_of(&self, rank: u32) -> &str {
-        &self.peers[rank as usize].info.name
+    /// The live member `id`, or the error that says why there is none.
+    fn peer(&self, id: u32) -> Result<Arc<Peer>, RpcError> {
+        let m = self.members.read().unwrap();
+        if let Some(p) = m.by_id.get(&id) {
+            return Ok(p.clone());
+        }
+        match m.gone.get(&id) {
+            Some((info, detail)) => Err(RpcError::PeerLost {
+                worker: info.name.clone(),
+                detail: format!("{} {detail}", info),
+            }),
+            None => Err(RpcError::UnknownWorker {
+                dest: format!("id {id}"),
+                world_size: m.by_id.len() as u32,
+            }),
+        }
     }
 
-    pub(crate) fn worker_info(&self, rank: u32) -> WorkerInfo {
-        self.peers[rank as usize].info.clone()
+    pub(crate) fn name_of(&self, id: u32) -> String {
+        self.worker_info(id).name
+    }
+
+    pub(crate) fn worker_info(&self, id: u32) -> WorkerInfo {
+        let m = self.members.read().unwrap();
+        if let Some(p) = m.by_id.get(&id) {
+            return p.info.clone();
+        }
+        match m.gone.get(&id) {
+            Some((info, _)) => info.clone(),
+            None => WorkerInfo {
+                name: format!("worker-{id}"),
+                id,
+            },
+        }
     }
 
     /// A fresh `worker << 48 | counter` id.
@@ -531,6 +943,159 @@ impl AgentInner {
         }
     }
 
+    /// A barrier over the group: the fixed world, or (elastic) the members at each check.
+    async fn group_barrier(&self, key: &str, timeout: Duration) -> Result<(), StoreError> {
+        let start = Instant::now();
+        self.store.add(key, 1).await?;
+        loop {
+            let world = if self.static_world > 0 {
+                self.static_world.min(self.member_count())
+            } else {
+                self.member_count()
+            };
+            let step = Duration::from_millis(250).min(timeout.saturating_sub(start.elapsed()));
+            match self.store.wait_count(key, world as i64, step).await {
+                Ok(_) => return Ok(()),
+                Err(StoreError::Timeout { .. }) if start.elapsed() < timeout => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Serves the embedded store from here, from a leaving host's snapshot.
+    fn take_over_store(&self, snapshot: Snapshot) -> Result<String, StoreError> {
+        let addr = match &self.options.store_listen {
+            Some(a) => a.clone(),
+            None => {
+                let host = self.announce.address.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
+                format!("{host}:0")
+            }
+        };
+        let server = self.handle.block_on(StoreServer::start_with(&addr, snapshot))?;
+        let address = server.address().to_owned();
+        tracing::info!(worker = %self.me, %address, "took over the store");
+        *self.store_server.lock().unwrap() = Some(server);
+        Ok(address)
+    }
+
+    fn leave(self: &Arc<Self>, timeout: Duration) -> Result<(), ShutdownError> {
+        if self.is_down() {
+            return Err(ShutdownError::AlreadyShutDown);
+        }
+        let start = Instant::now();
+        let id = self.me.id;
+        let result = self.handle.block_on(async {
+            self.store.set(&membership::left_key(id), Vec::new()).await?;
+            self.store.delete(&membership::live_key(id)).await?;
+            Ok::<_, StoreError>(())
+        });
+        if let Err(e) = result {
+            self.teardown();
+            return Err(ShutdownError::Store(e.to_string()));
+        }
+        // Our own work drains (replies to us, handlers we run, control messages).
+        let mut last = self.outstanding();
+        while last > 0 && start.elapsed() < timeout {
+            std::thread::sleep(Duration::from_millis(2));
+            last = self.outstanding();
+        }
+        let handed = self.hand_off_store();
+        // Goodbye on every pipe, so peers take the closing for a leave.
+        let goodbye = Message {
+            metadata: wire::encode(&Envelope::Goodbye),
+            ..Message::default()
+        };
+        let pipes: Vec<Pipe> = {
+            let m = self.members.read().unwrap();
+            let mut p: Vec<Pipe> = m
+                .by_id
+                .values()
+                .filter_map(|peer| peer.pipe.lock().unwrap().as_ref().map(|(_, p)| p.clone()))
+                .collect();
+            p.extend(self.incoming.lock().unwrap().iter().cloned());
+            p
+        };
+        self.handle.block_on(async {
+            for p in pipes {
+                let _ = tokio::time::timeout(Duration::from_millis(500), p.write(&goodbye)).await;
+            }
+        });
+        self.handle.block_on(self.store.close());
+        self.teardown();
+        handed?;
+        if last > 0 {
+            return Err(ShutdownError::Timeout {
+                timeout,
+                outstanding: last,
+            });
+        }
+        Ok(())
+    }
+
+    /// If this worker serves the embedded store, hands it to the member with the lowest id.
+    fn hand_off_store(self: &Arc<Self>) -> Result<(), ShutdownError> {
+        let guard = self.store_server.lock().unwrap();
+        let Some(server) = guard.as_ref() else { return Ok(()) };
+        let successor = {
+            let m = self.members.read().unwrap();
+            m.by_id
+                .values()
+                .filter(|p| p.info.id != self.me.id && p.down.lock().unwrap().is_none())
+                .map(|p| p.info.id)
+                .min()
+        };
+        let Some(successor) = successor else {
+            tracing::info!(worker = %self.me, "last member leaving; the store goes with it");
+            return Ok(());
+        };
+        server.freeze();
+        let snapshot = server.snapshot();
+        let payload = match Payload::encode(&snapshot) {
+            Ok(p) => p,
+            Err(e) => return Err(ShutdownError::Store(e.to_string())),
+        };
+        let body = Body::Call {
+            handler: H_TAKEOVER.to_owned(),
+        };
+        let reply = self
+            .start_call(successor, body, payload, Duration::from_secs(30))
+            .wait();
+        match reply.and_then(|p| p.decode::<String>()) {
+            Ok(addr) => {
+                server.moved_to(&addr);
+                tracing::info!(worker = %self.me, to = successor, %addr, "store handed off");
+                drop(guard);
+                // Long polls hear `Moved` at once; give them a moment to read it.
+                std::thread::sleep(Duration::from_millis(200));
+                Ok(())
+            }
+            Err(e) => {
+                server.unfreeze();
+                Err(ShutdownError::Store(format!(
+                    "could not hand the store to worker {successor}: {e}"
+                )))
+            }
+        }
+    }
+
+    /// True if `id` is a member, asking the store when the watcher has not seen it yet.
+    async fn known_or_refreshed(&self, id: u32) -> bool {
+        if self.members.read().unwrap().by_id.contains_key(&id) {
+            return true;
+        }
+        if let Ok(Ok(listing)) = tokio::time::timeout(Duration::from_secs(5), self.store.list("m/")).await {
+            let (live, _) = membership::parse_listing(&listing.entries);
+            if let Some(a) = live.get(&id) {
+                let mut m = self.members.write().unwrap();
+                if !m.by_id.contains_key(&id) && !m.gone.contains_key(&id) && a.version == wire::AGENT_VERSION {
+                    self.add_member(&mut m, a.clone());
+                }
+                return m.by_id.contains_key(&id);
+            }
+        }
+        false
+    }
+
     /// Registers a call and sends it; the returned completion gets the reply or an error.
     pub(crate) fn start_call(
         self: &Arc<Self>,
@@ -542,11 +1107,14 @@ impl AgentInner {
         if let Err(e) = self.check_running() {
             return Completion::ready(Err(e));
         }
-        let peer = &self.peers[dest as usize];
-        if let Some(detail) = peer.lost.get() {
+        let peer = match self.peer(dest) {
+            Ok(p) => p,
+            Err(e) => return Completion::ready(Err(e)),
+        };
+        if let Some(detail) = peer.down.lock().unwrap().clone() {
             return Completion::ready(Err(RpcError::PeerLost {
                 worker: peer.info.name.clone(),
-                detail: detail.clone(),
+                detail,
             }));
         }
         let control = body.is_control();
@@ -594,12 +1162,13 @@ impl AgentInner {
                 let pipe = inner.pipe_to(dest).await?;
                 pipe.write(&message)
                     .await
-                    .map_err(|e| RpcError::from_pipe(inner.name_of(dest), e))?;
+                    .map_err(|e| RpcError::from_pipe(&inner.name_of(dest), e))?;
+                inner.sent_to(dest);
                 if duplicate {
                     // Same id: the second reply finds no pending call and is dropped.
                     pipe.write(&message)
                         .await
-                        .map_err(|e| RpcError::from_pipe(inner.name_of(dest), e))?;
+                        .map_err(|e| RpcError::from_pipe(&inner.name_of(dest), e))?;
                 }
                 Ok::<_, RpcError>(())
             }
@@ -671,39 +1240,58 @@ impl AgentInner {
         }
     }
 
-    /// The pipe to `rank`, opened on first use; its reader task delivers replies.
-    async fn pipe_to(self: &Arc<Self>, rank: u32) -> Result<Pipe, RpcError> {
-        let peer = &self.peers[rank as usize];
-        if let Some(p) = peer.pipe.get() {
+    /// The pipe to `id`, opened on first use; its reader task delivers replies and its
+    /// heartbeat task watches it.
+    async fn pipe_to(self: &Arc<Self>, id: u32) -> Result<Pipe, RpcError> {
+        let peer = self.peer(id)?;
+        if let Some((_, p)) = peer.pipe.lock().unwrap().as_ref() {
             return Ok(p.clone());
         }
+        let _connecting = peer.connecting.lock().await;
+        if let Some(detail) = peer.down.lock().unwrap().clone() {
+            return Err(RpcError::PeerLost {
+                worker: peer.info.name.clone(),
+                detail,
+            });
+        }
+        if let Some((_, p)) = peer.pipe.lock().unwrap().as_ref() {
+            return Ok(p.clone());
+        }
+        self.open_pipe(&peer).await
+    }
+
+    /// Opens a new pipe to `peer` and starts its reader and heartbeat.
+    async fn open_pipe(self: &Arc<Self>, peer: &Arc<Peer>) -> Result<Pipe, RpcError> {
         let name = peer.info.name.clone();
-        let pipe = peer
-            .pipe
-            .get_or_try_init(|| async {
-                let pipe = self.context.connect(&peer.address).await.map_err(|e| match e {
-                    PipeError::Transport(_) | PipeError::Timeout { .. } => RpcError::PeerLost {
-                        worker: name.clone(),
-                        detail: format!("cannot open a pipe to {}: {e}", peer.address),
-                    },
-                    other => RpcError::Pipe {
-                        worker: name.clone(),
-                        error: other,
-                    },
-                })?;
-                let hello = Message {
-                    metadata: wire::encode(&Envelope::Hello {
-                        rank: self.me.id,
-                        version: wire::AGENT_VERSION,
-                    }),
-                    ..Message::default()
-                };
-                pipe.write(&hello).await.map_err(|e| RpcError::from_pipe(&name, e))?;
-                tokio::spawn(read_replies(self.clone(), rank, pipe.clone()));
-                Ok::<_, RpcError>(pipe)
-            })
-            .await?;
-        Ok(pipe.clone())
+        let address = &peer.announce.address;
+        let pipe = self.context.connect(address).await.map_err(|e| match e {
+            PipeError::Transport(_) | PipeError::Timeout { .. } => RpcError::PeerLost {
+                worker: name.clone(),
+                detail: format!("cannot open a pipe to {address}: {e}"),
+            },
+            other => RpcError::Pipe {
+                worker: name.clone(),
+                error: other,
+            },
+        })?;
+        let hello = Message {
+            metadata: wire::encode(&Envelope::Hello {
+                rank: self.me.id,
+                version: wire::AGENT_VERSION,
+                heartbeat_ms: self.options.heartbeat_interval.as_millis() as u64,
+            }),
+            ..Message::default()
+        };
+        pipe.write(&hello).await.map_err(|e| RpcError::from_pipe(&name, e))?;
+        let generation = peer.generation.fetch_add(1, Ordering::AcqRel) + 1;
+        peer.last_heard.store(self.now_ms(), Ordering::Release);
+        peer.last_sent.store(self.now_ms(), Ordering::Release);
+        *peer.pipe.lock().unwrap() = Some((generation, pipe.clone()));
+        tokio::spawn(read_replies(self.clone(), peer.clone(), generation, pipe.clone()));
+        if !self.options.heartbeat_interval.is_zero() {
+            tokio::spawn(heartbeat(Arc::downgrade(self), peer.clone(), generation, pipe.clone()));
+        }
+        Ok(pipe)
     }
 
     /// Prepares a value for `dest`: RRef forks, tensor placement (`reverse` for replies).
@@ -714,7 +1302,7 @@ impl AgentInner {
         map: Option<&DeviceMap>,
         reverse: bool,
     ) -> Result<Outgoing, RpcError> {
-        let dest_name = self.name_of(dest);
+        let dest_name = &self.name_of(dest);
         let mut tensors = Vec::with_capacity(payload.tensors.len());
         for t in &payload.tensors {
             let device = t.buffer.device();
@@ -858,16 +1446,6 @@ impl AgentInner {
         Ok((envelope, payload))
     }
 
-    fn mark_lost(&self, rank: u32, detail: String) {
-        let peer = &self.peers[rank as usize];
-        let _ = peer.lost.set(detail.clone());
-        let name = peer.info.name.clone();
-        self.fail_calls(Some(rank), |_| RpcError::PeerLost {
-            worker: name.clone(),
-            detail: detail.clone(),
-        });
-    }
-
     /// Starts the request's work. Work that runs on this task (async handlers, RRef fetches,
     /// control replies) comes back as a future for the reader to poll at once, so a handler
     /// that finishes without waiting replies with no task switch; the reader spawns whatever is
@@ -888,7 +1466,7 @@ impl AgentInner {
             Body::Call { handler } => self.run_handler(ctx, pipe, id, &handler, payload, None),
             Body::Remote { handler, rref, fork } => {
                 if let Some(fork) = fork {
-                    self.rrefs.add_fork(rref, fork);
+                    self.rrefs.add_fork_held(rref, fork, caller);
                 }
                 self.run_handler(ctx, pipe, id, &handler, payload, Some(rref))
             }
@@ -931,8 +1509,9 @@ impl AgentInner {
                     }
                 }))
             }
+            Body::Ping => Some(self.reply_later(pipe, caller, id, Ok(Payload::empty()))),
             Body::ForkRequest { rref, fork } => {
-                self.rrefs.add_fork(rref, fork);
+                self.rrefs.add_fork_held(rref, fork, caller);
                 Some(self.reply_later(pipe, caller, id, Ok(Payload::empty())))
             }
             Body::ChildAccept { fork } => {
@@ -1030,7 +1609,8 @@ impl AgentInner {
 
     /// Sends the reply to request `id` back on `pipe`.
     async fn reply(self: &Arc<Self>, pipe: &Pipe, caller: u32, id: u64, result: Result<Payload, WireError>) {
-        let map = self.peers[caller as usize].map_from.as_ref();
+        let peer = self.peer(caller).ok();
+        let map = peer.as_ref().and_then(|p| p.map_from.as_ref());
         let (result, frames, tensors, forks) = match result {
             Ok(payload) => match self.outgoing_value(&payload, caller, map, true) {
                 Ok(o) => (Ok(o.value), o.frames, o.tensors, o.forks),
@@ -1051,7 +1631,7 @@ impl AgentInner {
     }
 
     pub(crate) fn rpc_error(&self, rank: u32, e: WireError) -> RpcError {
-        let worker = self.name_of(rank).to_owned();
+        let worker = self.name_of(rank);
         match e {
             WireError::Handler(h) => RpcError::Remote {
                 worker,
@@ -1068,11 +1648,13 @@ impl AgentInner {
     }
 
     /// Sends a control message and retries it until it is acknowledged (or the peer is gone).
+    /// `then` runs once with the outcome: acknowledged, or abandoned with the error (the peer
+    /// is gone).
     pub(crate) fn send_control(
         self: &Arc<Self>,
         dest: u32,
         body: Body,
-        then: impl FnOnce(&Arc<AgentInner>) + Send + 'static,
+        then: impl FnOnce(&Arc<AgentInner>, Result<(), RpcError>) + Send + 'static,
     ) {
         self.control_in_flight.fetch_add(1, Ordering::AcqRel);
         let inner = self.clone();
@@ -1082,7 +1664,7 @@ impl AgentInner {
                 let attempt = inner.start_call(dest, body.clone(), Payload::empty(), inner.options.control_retry);
                 match attempt.await {
                     Ok(_) => {
-                        then(&inner);
+                        then(&inner, Ok(()));
                         break;
                     }
                     Err(RpcError::Timeout { .. }) => {
@@ -1092,6 +1674,7 @@ impl AgentInner {
                     }
                     Err(e) => {
                         tracing::debug!(worker = %inner.me, ?body, error = %e, "control message abandoned");
+                        then(&inner, Err(e));
                         break;
                     }
                 }
@@ -1115,7 +1698,6 @@ impl AgentInner {
             None => Duration::from_secs(365 * 24 * 3600),
             Some(t) => t.saturating_sub(start.elapsed()),
         };
-        let world = self.world_size;
         let result = self.handle.block_on(async {
             let mut round = 0u64;
             let mut last = 0;
@@ -1130,9 +1712,7 @@ impl AgentInner {
                 let sum_key = format!("shutdown/{round}/sum");
                 let r = async {
                     self.store.add(&sum_key, report as i64).await?;
-                    self.store
-                        .barrier(&format!("shutdown/{round}/arrive"), world, left())
-                        .await?;
+                    self.group_barrier(&format!("shutdown/{round}/arrive"), left()).await?;
                     self.store.add(&sum_key, 0).await
                 }
                 .await;
@@ -1155,7 +1735,8 @@ impl AgentInner {
             }
             // Everyone saw the quiet round; the store's host waits until all have read it.
             let _ = self.store.add("shutdown/left", 1).await;
-            if self.me.id == self.options.store_rank {
+            if self.store_server.lock().unwrap().is_some() {
+                let world = self.member_count();
                 let _ = self
                     .store
                     .wait_count("shutdown/left", world as i64, left().min(Duration::from_secs(10)))
@@ -1181,8 +1762,9 @@ impl AgentInner {
             return;
         }
         self.fail_calls(None, |_| RpcError::Shutdown);
-        for p in &self.peers {
-            if let Some(pipe) = p.pipe.get() {
+        let peers: Vec<Arc<Peer>> = self.members.read().unwrap().by_id.values().cloned().collect();
+        for p in peers {
+            if let Some((_, pipe)) = p.pipe.lock().unwrap().take() {
                 pipe.close();
             }
         }
@@ -1225,13 +1807,23 @@ async fn read_message(pipe: &Pipe, inner: &AgentInner) -> Result<(Descriptor, Al
     Ok((d, allocation))
 }
 
-/// Serves one incoming pipe: requests in, replies out.
+/// Serves one incoming pipe: requests in, replies out. A caller that heartbeats and then
+/// falls silent for `heartbeat_misses` of its intervals is declared lost.
 async fn serve_pipe(inner: Arc<AgentInner>, pipe: Pipe) {
-    let caller = match read_message(&pipe, &inner).await {
+    let (caller, silence) = match read_message(&pipe, &inner).await {
         Ok((d, _)) => match wire::decode(&d.metadata) {
-            Ok(Envelope::Hello { rank, version }) if rank < inner.world_size && version == wire::AGENT_VERSION => rank,
+            Ok(Envelope::Hello {
+                rank,
+                version,
+                heartbeat_ms,
+            }) if version == wire::AGENT_VERSION && inner.known_or_refreshed(rank).await => {
+                let silence = (heartbeat_ms > 0).then(|| {
+                    Duration::from_millis(heartbeat_ms.min(3_600_000)) * inner.options.heartbeat_misses.max(1)
+                });
+                (rank, silence)
+            }
             Ok(other) => {
-                tracing::warn!(worker = %inner.me, peer = %pipe.info().peer, ?other, "pipe did not start with a valid hello; closing it");
+                tracing::warn!(worker = %inner.me, peer = %pipe.info().peer, ?other, "pipe did not start with a valid hello from a member; closing it");
                 pipe.close();
                 return;
             }
@@ -1244,7 +1836,23 @@ async fn serve_pipe(inner: Arc<AgentInner>, pipe: Pipe) {
         Err(_) => return,
     };
     loop {
-        let (d, allocation) = match read_message(&pipe, &inner).await {
+        let next = read_message(&pipe, &inner);
+        let message = match silence {
+            Some(limit) => match tokio::time::timeout(limit, next).await {
+                Ok(m) => m,
+                Err(_) => {
+                    pipe.close();
+                    inner.declare_lost(
+                        caller,
+                        None,
+                        format!("its pipe to this worker was silent for {limit:?}"),
+                    );
+                    return;
+                }
+            },
+            None => next.await,
+        };
+        let (d, allocation) = match message {
             Ok(m) => m,
             Err(e) => {
                 tracing::debug!(worker = %inner.me, caller, error = %e, "incoming pipe ended");
@@ -1253,7 +1861,9 @@ async fn serve_pipe(inner: Arc<AgentInner>, pipe: Pipe) {
         };
         match inner.receive(caller, &d, allocation) {
             Ok((Envelope::Request(request), Some(payload))) => {
-                inner.activity.fetch_add(1, Ordering::Relaxed);
+                if !matches!(request.body, Body::Ping) {
+                    inner.activity.fetch_add(1, Ordering::Relaxed);
+                }
                 if let Some(mut work) = inner.dispatch(caller, pipe.clone(), request, payload) {
                     // Poll once here; what must wait continues as its own task (which polls it
                     // again at once, so its waker is the task's own).
@@ -1261,6 +1871,11 @@ async fn serve_pipe(inner: Arc<AgentInner>, pipe: Pipe) {
                     if !done {
                         tokio::spawn(work);
                     }
+                }
+            }
+            Ok((Envelope::Goodbye, _)) => {
+                if let Ok(p) = inner.peer(caller) {
+                    p.leaving.store(true, Ordering::Release);
                 }
             }
             Ok((other, _)) => {
@@ -1277,40 +1892,123 @@ async fn serve_pipe(inner: Arc<AgentInner>, pipe: Pipe) {
     }
 }
 
-/// Reads the replies on this worker's pipe to `rank`.
-async fn read_replies(inner: Arc<AgentInner>, rank: u32, pipe: Pipe) {
+/// Reads the replies on this worker's pipe to `peer`.
+async fn read_replies(inner: Arc<AgentInner>, peer: Arc<Peer>, generation: u64, pipe: Pipe) {
+    let id = peer.info.id;
     loop {
         let (d, allocation) = match read_message(&pipe, &inner).await {
             Ok(m) => m,
             Err(e) => {
                 let detail = e.to_string();
-                tracing::debug!(worker = %inner.me, peer = rank, error = %detail, "pipe to peer failed");
-                inner.mark_lost(rank, detail);
+                tracing::debug!(worker = %inner.me, peer = id, error = %detail, "pipe to peer failed");
+                inner.declare_lost(id, Some(generation), detail);
                 return;
             }
         };
-        match inner.receive(rank, &d, allocation) {
-            Ok((Envelope::Response(Response { id, result }), payload)) => {
-                inner.activity.fetch_add(1, Ordering::Relaxed);
+        peer.last_heard.store(inner.now_ms(), Ordering::Release);
+        match inner.receive(id, &d, allocation) {
+            Ok((Envelope::Response(Response { id: call, result }), payload)) => {
                 let result = match result {
                     Ok(_) => Ok(payload.unwrap_or_default()),
-                    Err(e) => Err(inner.rpc_error(rank, e)),
+                    Err(e) => Err(inner.rpc_error(id, e)),
                 };
-                inner.finish_call(id, result);
+                if inner.finish_call(call, result) {
+                    inner.activity.fetch_add(1, Ordering::Relaxed);
+                }
             }
+            Ok((Envelope::Goodbye, _)) => peer.leaving.store(true, Ordering::Release),
             Ok((other, _)) => {
                 let detail = format!("protocol error: unexpected {other:?} on a reply pipe");
                 pipe.close();
-                inner.mark_lost(rank, detail);
+                inner.declare_lost(id, Some(generation), detail);
                 return;
             }
             Err(e) => {
                 pipe.close();
-                inner.mark_lost(rank, format!("protocol error: {e}"));
+                inner.declare_lost(id, Some(generation), format!("protocol error: {e}"));
                 return;
             }
         }
         tokio::task::yield_now().await;
+    }
+}
+
+/// Pings `peer` on `pipe` whenever the pipe has heard nothing for an interval, and declares the
+/// peer lost after `heartbeat_misses` silent intervals. Ends with the pipe.
+async fn heartbeat(weak: std::sync::Weak<AgentInner>, peer: Arc<Peer>, generation: u64, pipe: Pipe) {
+    let (interval, misses) = match weak.upgrade() {
+        Some(inner) => (inner.options.heartbeat_interval, inner.options.heartbeat_misses.max(1)),
+        None => return,
+    };
+    let limit = interval * misses;
+    loop {
+        tokio::time::sleep(interval / 2).await;
+        let Some(inner) = weak.upgrade() else { return };
+        if inner.is_down()
+            || peer.generation.load(Ordering::Acquire) != generation
+            || peer.down.lock().unwrap().is_some()
+        {
+            return;
+        }
+        let now = inner.now_ms();
+        let silent = Duration::from_millis(now.saturating_sub(peer.last_heard.load(Ordering::Acquire)));
+        let quiet = Duration::from_millis(now.saturating_sub(peer.last_sent.load(Ordering::Acquire)));
+        if silent >= limit {
+            pipe.close();
+            inner.declare_lost(
+                peer.info.id,
+                Some(generation),
+                format!("no reply to heartbeats for {silent:?}"),
+            );
+            return;
+        }
+        if silent >= interval || quiet >= interval {
+            peer.last_sent.store(now, Ordering::Release);
+            let ping = Message {
+                metadata: wire::encode(&Envelope::Request(Request {
+                    id: inner.next_id(),
+                    body: Body::Ping,
+                    value: WireValue::default(),
+                })),
+                ..Message::default()
+            };
+            let write = tokio::time::timeout(limit, pipe.write(&ping));
+            if let Ok(Err(e)) = write.await {
+                inner.declare_lost(peer.info.id, Some(generation), format!("heartbeat failed: {e}"));
+                return;
+            }
+        }
+    }
+}
+
+/// While `peer` is lost but still a member, tries to open a new pipe to it now and then.
+async fn reconnect(weak: std::sync::Weak<AgentInner>, peer: Arc<Peer>) {
+    let mut pause = Duration::from_millis(200);
+    loop {
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(2));
+        let Some(inner) = weak.upgrade() else { return };
+        if inner.is_down()
+            || !inner
+                .members
+                .read()
+                .unwrap()
+                .by_id
+                .get(&peer.info.id)
+                .is_some_and(|p| Arc::ptr_eq(p, &peer))
+        {
+            return;
+        }
+        let _connecting = peer.connecting.lock().await;
+        let attempt = tokio::time::timeout(Duration::from_secs(5), inner.open_pipe(&peer)).await;
+        if let Ok(Ok(_)) = attempt {
+            *peer.down.lock().unwrap() = None;
+            tracing::info!(worker = %inner.me, peer = %peer.info, "reconnected");
+            inner
+                .subscribers
+                .publish(MembershipEvent::Reconnected(peer.info.clone()));
+            return;
+        }
     }
 }
 
@@ -1337,7 +2035,7 @@ async fn run_timer(weak: std::sync::Weak<AgentInner>) {
             calls.deadlines.first().map(|(d, _)| *d)
         };
         for p in expired {
-            let worker = inner.name_of(p.peer).to_owned();
+            let worker = inner.name_of(p.peer);
             p.slot.complete(Err(RpcError::Timeout {
                 worker,
                 timeout: p.timeout,

@@ -17,7 +17,7 @@ use crate::error::{InitError, RpcError};
 pub type DeviceMap = BTreeMap<Device, Device>;
 
 /// What each worker publishes at rendezvous about its devices.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WorkerDevices {
     pub name: String,
     pub devices: Vec<Device>,
@@ -27,9 +27,22 @@ pub struct WorkerDevices {
 
 /// Checks every worker's maps: peers that exist, devices that exist on both ends, one-to-one.
 pub fn validate(workers: &[WorkerDevices]) -> Result<(), InitError> {
+    check(workers, true)
+}
+
+/// As [`validate`], for a group that workers may still join: a map naming a peer not here
+/// (yet) is accepted; everything else is checked.
+pub fn validate_present(workers: &[WorkerDevices]) -> Result<(), InitError> {
+    check(workers, false)
+}
+
+fn check(workers: &[WorkerDevices], complete: bool) -> Result<(), InitError> {
     for w in workers {
         for (peer, map) in &w.maps {
             let Some(p) = workers.iter().find(|x| &x.name == peer) else {
+                if !complete {
+                    continue;
+                }
                 return Err(InitError::UnknownPeer {
                     worker: w.name.clone(),
                     peer: peer.clone(),

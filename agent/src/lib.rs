@@ -17,9 +17,14 @@
 //! Start with [`agent`] (init, calls, serving, shutdown), then [`rref`] (references and their
 //! counting protocol), [`handler`] (what a handler may be) and [`store`] (rendezvous).
 //!
+//! Groups are elastic ([`membership`]): workers join ([`AgentOptions::join`]) and leave
+//! ([`Agent::leave`]) at any time, lost peers are detected (pipe errors, heartbeats, expired
+//! membership) and reported ([`MembershipEvent`]), and the rendezvous is the embedded store or
+//! etcd ([`store`]).
+//!
 //! What it does not do (yet): move CUDA tensors (device maps are validated and applied, and a
-//! CUDA tensor without a map is refused, but the CUDA channels come later); survive the loss of
-//! the store's host; let workers join or leave a running group.
+//! CUDA tensor without a map is refused, but the CUDA channels come later); survive the *crash*
+//! of the embedded store's host (a graceful leave hands the store over; use etcd for crashes).
 
 #![forbid(unsafe_code)]
 
@@ -28,6 +33,7 @@ pub mod completion;
 pub mod device_map;
 pub mod error;
 pub mod handler;
+pub mod membership;
 pub mod name;
 pub mod options;
 pub mod payload;
@@ -41,6 +47,7 @@ pub use completion::Completion;
 pub use device_map::DeviceMap;
 pub use error::{HandlerError, InitError, RpcError, ShutdownError};
 pub use handler::{CallContext, Registry};
+pub use membership::MembershipEvent;
 pub use name::{Dest, WorkerInfo};
 pub use options::{AgentOptions, Connect, Faults};
 pub use payload::{Payload, Value};

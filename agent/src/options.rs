@@ -1,5 +1,15 @@
-//! Agent options, and the environment variables that fill the gaps (`MASTER_ADDR`,
-//! `MASTER_PORT`, `RANK`, `WORLD_SIZE`), so jobs start the way torchrun starts them.
+//! Agent options, and the environment variables that fill the gaps, so jobs start the way
+//! their launcher starts them:
+//!
+//! - torchrun: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`;
+//! - Slurm (`srun`): `SLURM_PROCID`, `SLURM_NTASKS`;
+//! - Open MPI / MPICH / Intel MPI (`mpirun`): `OMPI_COMM_WORLD_RANK`/`_SIZE`, `PMI_RANK`/`PMI_SIZE`,
+//!   `PMIX_RANK`;
+//! - `SLUICE_STORE`: a store URL (`tcp://host:port` or `etcd://host:port/prefix`), which wins
+//!   over `MASTER_ADDR`/`MASTER_PORT`.
+//!
+//! Under Slurm or MPI, `MASTER_ADDR` must still name the store's host (or `SLUICE_STORE` the
+//! store); the launcher gives ranks, not a rendezvous.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -8,6 +18,7 @@ use sluice_channel::{ContextOptions, Device};
 
 use crate::device_map::DeviceMap;
 use crate::error::InitError;
+use crate::store::StoreUrl;
 
 /// When pipes to peers are opened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,8 +48,19 @@ pub struct AgentOptions {
     pub rank: Option<u32>,
     /// Size of the group; `None` reads `WORLD_SIZE`.
     pub world_size: Option<u32>,
-    /// Store address `host:port`; `None` builds it from `MASTER_ADDR` and `MASTER_PORT`.
+    /// Store URL: `host:port` or `tcp://host:port` (the embedded store), or
+    /// `etcd://host:port/prefix`. `None` reads `SLUICE_STORE`, then `MASTER_ADDR`/`MASTER_PORT`.
     pub store_addr: Option<String>,
+    /// Join a running group instead of forming a fixed one: no rank or world size, an id
+    /// handed out by the store, and no waiting for anyone.
+    pub elastic: bool,
+    /// A pipe with no reply for this long gets a heartbeat (zero: no heartbeats).
+    pub heartbeat_interval: Duration,
+    /// A peer silent for this many intervals is declared lost.
+    pub heartbeat_misses: u32,
+    /// Where this worker serves the embedded store if it takes it over from a leaving host
+    /// (port 0 picks one). `None`: the host of `listen`.
+    pub store_listen: Option<String>,
     /// The rank that serves the store.
     pub store_rank: u32,
     /// Where this worker listens for pipes (`host:port`, port 0 picks one). The host is what
@@ -75,6 +97,10 @@ impl AgentOptions {
             world_size: None,
             store_addr: None,
             store_rank: 0,
+            elastic: false,
+            heartbeat_interval: Duration::from_secs(1),
+            heartbeat_misses: 5,
+            store_listen: None,
             listen: "127.0.0.1:0".into(),
             pool_threads: 4,
             io_threads: 2,
@@ -101,6 +127,13 @@ impl AgentOptions {
         self
     }
 
+    /// Joins a running group through the store at `url` (see [`AgentOptions::elastic`]).
+    pub fn join(mut self, url: impl Into<String>) -> Self {
+        self.store_addr = Some(url.into());
+        self.elastic = true;
+        self
+    }
+
     /// Adds `local → remote` to the device map for `peer`.
     pub fn map_device(mut self, peer: &str, local: Device, remote: Device) -> Self {
         self.device_maps
@@ -113,9 +146,10 @@ impl AgentOptions {
 
 /// Options with every gap filled.
 pub(crate) struct Resolved {
-    pub rank: u32,
+    /// `None` for an elastic join.
+    pub rank: Option<u32>,
     pub world_size: u32,
-    pub store_addr: String,
+    pub store: StoreUrl,
 }
 
 fn env_number(var: &'static str) -> Result<Option<u32>, InitError> {
@@ -129,17 +163,49 @@ fn env_number(var: &'static str) -> Result<Option<u32>, InitError> {
     }
 }
 
+/// The first of `vars` that is set.
+fn env_first(vars: &[&'static str]) -> Result<Option<u32>, InitError> {
+    for v in vars {
+        if let Some(n) = env_number(v)? {
+            return Ok(Some(n));
+        }
+    }
+    Ok(None)
+}
+
+/// Rank variables, in the order they are read: torchrun, Slurm, Open MPI, PMI (MPICH, Intel
+/// MPI), PMIx.
+pub const RANK_VARS: &[&str] = &["RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"];
+/// World-size variables, likewise.
+pub const WORLD_VARS: &[&str] = &["WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"];
+
 pub(crate) fn resolve(o: &AgentOptions) -> Result<Resolved, InitError> {
+    let store = resolve_store(o)?;
+    if o.pool_threads == 0 || o.io_threads == 0 {
+        return Err(InitError::Config(
+            "pool_threads and io_threads must be at least 1".into(),
+        ));
+    }
+    if o.heartbeat_interval > Duration::ZERO && o.heartbeat_misses == 0 {
+        return Err(InitError::Config("heartbeat_misses must be at least 1".into()));
+    }
+    if o.elastic {
+        return Ok(Resolved {
+            rank: None,
+            world_size: 0,
+            store,
+        });
+    }
     let rank = match o.rank {
         Some(r) => r,
-        None => env_number("RANK")?.ok_or(InitError::Missing {
+        None => env_first(RANK_VARS)?.ok_or(InitError::Missing {
             what: "the rank",
             env: "RANK",
         })?,
     };
     let world_size = match o.world_size {
         Some(w) => w,
-        None => env_number("WORLD_SIZE")?.ok_or(InitError::Missing {
+        None => env_first(WORLD_VARS)?.ok_or(InitError::Missing {
             what: "the world size",
             env: "WORLD_SIZE",
         })?,
@@ -147,18 +213,33 @@ pub(crate) fn resolve(o: &AgentOptions) -> Result<Resolved, InitError> {
     if world_size == 0 || rank >= world_size {
         return Err(InitError::BadRank { rank, world_size });
     }
+    if world_size > crate::membership::ELASTIC_BASE {
+        return Err(InitError::Config(format!(
+            "a fixed group has at most {} ranks; use elastic joins beyond that",
+            crate::membership::ELASTIC_BASE
+        )));
+    }
     if o.store_rank >= world_size {
         return Err(InitError::Config(format!(
             "store rank {} is outside a world of {world_size}",
             o.store_rank
         )));
     }
-    let store_addr = match &o.store_addr {
-        Some(a) => a.clone(),
-        None => {
+    Ok(Resolved {
+        rank: Some(rank),
+        world_size,
+        store,
+    })
+}
+
+fn resolve_store(o: &AgentOptions) -> Result<StoreUrl, InitError> {
+    let url = match (&o.store_addr, std::env::var("SLUICE_STORE")) {
+        (Some(a), _) => a.clone(),
+        (None, Ok(u)) => u,
+        (None, Err(_)) => {
             let host = std::env::var("MASTER_ADDR").map_err(|_| InitError::Missing {
                 what: "the store address",
-                env: "MASTER_ADDR",
+                env: "MASTER_ADDR (or SLUICE_STORE)",
             })?;
             let port = env_number("MASTER_PORT")?.ok_or(InitError::Missing {
                 what: "the store port",
@@ -178,14 +259,5 @@ pub(crate) fn resolve(o: &AgentOptions) -> Result<Resolved, InitError> {
             }
         }
     };
-    if o.pool_threads == 0 || o.io_threads == 0 {
-        return Err(InitError::Config(
-            "pool_threads and io_threads must be at least 1".into(),
-        ));
-    }
-    Ok(Resolved {
-        rank,
-        world_size,
-        store_addr,
-    })
+    StoreUrl::parse(&url).map_err(|e| InitError::Store(e.to_string()))
 }

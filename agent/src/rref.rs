@@ -33,7 +33,8 @@ type ValueSlot = Arc<Slot<Result<Value, RpcError>>>;
 
 struct OwnerEntry {
     value: ValueSlot,
-    forks: HashSet<GlobalId>,
+    /// User references, each with the worker that holds it.
+    forks: HashMap<GlobalId, u32>,
     /// Owner handles held in this process.
     local: usize,
 }
@@ -42,7 +43,7 @@ impl OwnerEntry {
     fn new() -> Self {
         OwnerEntry {
             value: Slot::new(),
-            forks: HashSet::new(),
+            forks: HashMap::new(),
             local: 0,
         }
     }
@@ -54,9 +55,9 @@ pub(crate) struct RRefTable {
     owned: Mutex<HashMap<GlobalId, OwnerEntry>>,
     /// Forks the owner deleted: a late or repeated fork request for one is ignored.
     deleted: Mutex<HashSet<GlobalId>>,
-    /// Children forked by this worker's user references, kept until their owner confirmed
-    /// them; holding the parent here keeps it alive.
-    pending_children: Mutex<HashMap<GlobalId, Arc<RRefState>>>,
+    /// Children forked by this worker's references, kept until their owner confirmed them;
+    /// holding the parent here keeps it alive. With the worker the child went to.
+    pending_children: Mutex<HashMap<GlobalId, (u32, Arc<RRefState>)>>,
     users: AtomicI64,
 }
 
@@ -95,7 +96,8 @@ impl RRefTable {
         Completion::new(slot)
     }
 
-    pub(crate) fn add_fork(&self, id: GlobalId, fork: GlobalId) {
+    /// A user reference `fork` to the owned value `id`, held by worker `holder`.
+    pub(crate) fn add_fork_held(&self, id: GlobalId, fork: GlobalId, holder: u32) {
         if self.deleted.lock().unwrap().contains(&fork) {
             return;
         }
@@ -105,7 +107,47 @@ impl RRefTable {
             .entry(id)
             .or_insert_with(OwnerEntry::new)
             .forks
-            .insert(fork);
+            .insert(fork, holder);
+    }
+
+    /// `worker` is lost: the references it held are released here, and children forked for it
+    /// will never be confirmed.
+    pub(crate) fn peer_lost(&self, worker: u32) {
+        let children: Vec<_> = {
+            let mut pending = self.pending_children.lock().unwrap();
+            let ids: Vec<GlobalId> = pending
+                .iter()
+                .filter(|(_, (d, _))| *d == worker)
+                .map(|(f, _)| *f)
+                .collect();
+            ids.into_iter().filter_map(|f| pending.remove(&f)).collect()
+        };
+        drop(children);
+        let released: Vec<OwnerEntry> = {
+            let mut owned = self.owned.lock().unwrap();
+            let mut deleted = self.deleted.lock().unwrap();
+            let mut empty = Vec::new();
+            for (id, e) in owned.iter_mut() {
+                e.forks.retain(|fork, holder| {
+                    let keep = *holder != worker;
+                    if !keep {
+                        deleted.insert(*fork);
+                    }
+                    keep
+                });
+                if e.forks.is_empty() && e.local == 0 {
+                    empty.push(*id);
+                }
+            }
+            empty.into_iter().filter_map(|id| owned.remove(&id)).collect()
+        };
+        if !released.is_empty() {
+            tracing::info!(
+                worker,
+                values = released.len(),
+                "released the RRef values a lost worker held"
+            );
+        }
     }
 
     pub(crate) fn delete_fork(&self, id: GlobalId, fork: GlobalId) {
@@ -141,13 +183,13 @@ impl RRefTable {
         let fork = inner.global_id();
         if r.owner == inner.me.id {
             if dest != inner.me.id {
-                self.add_fork(r.id, fork);
+                self.add_fork_held(r.id, fork, dest);
             } else {
                 // To ourselves: the receiving side takes an owner handle; keep one meanwhile.
-                self.pending_children.lock().unwrap().insert(fork, r.clone());
+                self.pending_children.lock().unwrap().insert(fork, (dest, r.clone()));
             }
         } else {
-            self.pending_children.lock().unwrap().insert(fork, r.clone());
+            self.pending_children.lock().unwrap().insert(fork, (dest, r.clone()));
         }
         fork
     }
@@ -173,7 +215,7 @@ impl RRefTable {
                 self.child_accepted(w.fork);
             } else {
                 // The sender holds its reference until we confirm we hold ours.
-                inner.send_control(sender, Body::ChildAccept { fork: w.fork }, |_| {});
+                inner.send_control(sender, Body::ChildAccept { fork: w.fork }, |_, _| {});
             }
             return state;
         }
@@ -183,14 +225,23 @@ impl RRefTable {
             let parent = w.parent;
             let fork = w.fork;
             let st = state.clone();
-            inner.send_control(w.owner, Body::ForkRequest { rref: w.id, fork }, move |inner| {
-                st.confirm();
-                if parent == inner.me.id {
-                    inner.rrefs.child_accepted(fork);
-                } else {
-                    inner.send_control(parent, Body::ChildAccept { fork }, |_| {});
-                }
-            });
+            inner.send_control(
+                w.owner,
+                Body::ForkRequest { rref: w.id, fork },
+                move |inner, outcome| {
+                    // Also when the owner is gone: nothing will confirm this reference, and its
+                    // delete must not wait forever (it fails fast instead).
+                    st.confirm();
+                    if outcome.is_err() {
+                        return;
+                    }
+                    if parent == inner.me.id {
+                        inner.rrefs.child_accepted(fork);
+                    } else {
+                        inner.send_control(parent, Body::ChildAccept { fork }, |_, _| {});
+                    }
+                },
+            );
         }
         state
     }
@@ -293,14 +344,14 @@ impl Drop for RRefState {
                 let (owner, id) = (self.owner, self.id);
                 let confirmed = Completion::new(self.confirmed.clone());
                 if confirmed.is_done() {
-                    inner.send_control(owner, Body::Delete { rref: id, fork }, |_| {});
+                    inner.send_control(owner, Body::Delete { rref: id, fork }, |_, _| {});
                 } else {
                     // The owner must know the fork before it hears that it is gone.
                     inner.control_in_flight.fetch_add(1, Ordering::AcqRel);
                     let handle = inner.handle.clone();
                     handle.spawn(async move {
                         confirmed.await;
-                        inner.send_control(owner, Body::Delete { rref: id, fork }, |_| {});
+                        inner.send_control(owner, Body::Delete { rref: id, fork }, |_, _| {});
                         inner.control_in_flight.fetch_sub(1, Ordering::AcqRel);
                     });
                 }

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::HandlerError;
 
 /// Bumped on any incompatible change; compared at rendezvous.
-pub const AGENT_VERSION: u16 = 1;
+pub const AGENT_VERSION: u16 = 2;
 
 /// Values up to this size travel inside the envelope; larger ones as a separate payload.
 pub const INLINE_LIMIT: usize = 4096;
@@ -49,11 +49,15 @@ pub struct WireValue {
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum Envelope {
-    /// First message on every pipe a worker opens: who is calling.
+    /// First message on every pipe a worker opens: who is calling, and how often it will
+    /// ping an idle pipe (zero: never), so the callee knows how long silence may last.
     Hello {
         rank: u32,
         version: u16,
+        heartbeat_ms: u64,
     },
+    /// The sender is leaving the group: the pipe closing next is not a failure.
+    Goodbye,
     Request(Request),
     Response(Response),
 }
@@ -87,6 +91,8 @@ pub enum Body {
     ChildAccept { fork: GlobalId },
     /// Control (idempotent, retried): a user reference is gone.
     Delete { rref: GlobalId, fork: GlobalId },
+    /// A heartbeat on an idle pipe; answered at once, never counted as activity.
+    Ping,
 }
 
 impl Body {

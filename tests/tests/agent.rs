@@ -544,7 +544,14 @@ fn hostile_pipes_are_closed_and_the_agent_keeps_serving() {
         Bytes::from_static(b"\xff\xff\xff\xff"),
         Bytes::new(),
         // A well-formed hello from a rank that does not exist.
-        Bytes::from(postcard::to_allocvec(&sluice_agent::wire::Envelope::Hello { rank: 99, version: 1 }).unwrap()),
+        Bytes::from(
+            postcard::to_allocvec(&sluice_agent::wire::Envelope::Hello {
+                rank: 99,
+                version: sluice_agent::wire::AGENT_VERSION,
+                heartbeat_ms: 0,
+            })
+            .unwrap(),
+        ),
         // A request before any hello.
         Bytes::from(
             postcard::to_allocvec(&sluice_agent::wire::Envelope::Request(sluice_agent::wire::Request {
