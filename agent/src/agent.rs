@@ -984,12 +984,14 @@ impl AgentInner {
         }
         let start = Instant::now();
         let id = self.me.id;
-        let result = self.handle.block_on(async {
-            self.store.set(&membership::left_key(id), Vec::new()).await?;
-            self.store.delete(&membership::live_key(id)).await?;
-            Ok::<_, StoreError>(())
-        });
-        if let Err(e) = result {
+        // The marker first: whoever sees our key go also sees that we left. The store moves
+        // (if we serve it) before our key goes, so the successor hears of the leave as a leave.
+        if let Err(e) = self.handle.block_on(self.store.set(&membership::left_key(id), Vec::new())) {
+            self.teardown();
+            return Err(ShutdownError::Store(e.to_string()));
+        }
+        let handed = self.hand_off_store();
+        if let Err(e) = self.handle.block_on(self.store.delete(&membership::live_key(id))) {
             self.teardown();
             return Err(ShutdownError::Store(e.to_string()));
         }
@@ -999,7 +1001,6 @@ impl AgentInner {
             std::thread::sleep(Duration::from_millis(2));
             last = self.outstanding();
         }
-        let handed = self.hand_off_store();
         // Goodbye on every pipe, so peers take the closing for a leave.
         let goodbye = Message {
             metadata: wire::encode(&Envelope::Goodbye),
@@ -1078,10 +1079,14 @@ impl AgentInner {
         }
     }
 
-    /// True if `id` is a member, asking the store when the watcher has not seen it yet.
+    /// True if `id` is (or was: a leaving worker finishing its work) a member, asking the
+    /// store when the watcher has not seen it yet.
     async fn known_or_refreshed(&self, id: u32) -> bool {
-        if self.members.read().unwrap().by_id.contains_key(&id) {
-            return true;
+        {
+            let m = self.members.read().unwrap();
+            if m.by_id.contains_key(&id) || m.gone.contains_key(&id) {
+                return true;
+            }
         }
         if let Ok(Ok(listing)) = tokio::time::timeout(Duration::from_secs(5), self.store.list("m/")).await {
             let (live, _) = membership::parse_listing(&listing.entries);

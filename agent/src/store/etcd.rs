@@ -33,24 +33,45 @@ impl Drop for EtcdStore {
 }
 
 impl EtcdStore {
-    /// Connects to `endpoint` (`host:port`), takes a lease and starts renewing it.
+    /// Connects to `endpoint` (`host:port`), takes a lease and starts renewing it. Retries
+    /// until `timeout` passes (etcd may start after the workers).
     pub async fn connect(endpoint: &str, prefix: &str, timeout: Duration) -> Result<EtcdStore, StoreError> {
         let unreachable = |detail: String| StoreError::Unreachable {
             addr: format!("etcd://{endpoint}"),
             detail,
         };
-        let options = etcd_client::ConnectOptions::new()
-            .with_connect_timeout(timeout)
-            .with_timeout(Duration::from_secs(30));
-        let mut client = tokio::time::timeout(timeout, Client::connect([endpoint], Some(options)))
+        let start = tokio::time::Instant::now();
+        let mut pause = Duration::from_millis(20);
+        let (mut client, lease) = loop {
+            let attempt = async {
+                let options = etcd_client::ConnectOptions::new()
+                    .with_connect_timeout(timeout.max(Duration::from_secs(1)))
+                    .with_timeout(Duration::from_secs(30));
+                let mut client = Client::connect([endpoint], Some(options))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let lease = client
+                    .lease_grant(LEASE_TTL_SECS, None)
+                    .await
+                    .map_err(|e| format!("cannot take a lease: {e}"))?
+                    .id();
+                Ok::<_, String>((client, lease))
+            };
+            match tokio::time::timeout(
+                timeout.saturating_sub(start.elapsed()).max(Duration::from_millis(100)),
+                attempt,
+            )
             .await
-            .map_err(|_| unreachable(format!("no answer within {timeout:?}")))?
-            .map_err(|e| unreachable(e.to_string()))?;
-        let lease = client
-            .lease_grant(LEASE_TTL_SECS, None)
-            .await
-            .map_err(|e| unreachable(format!("cannot take a lease: {e}")))?
-            .id();
+            {
+                Ok(Ok(c)) => break c,
+                Ok(Err(e)) if start.elapsed() >= timeout => return Err(unreachable(e)),
+                Err(_) => return Err(unreachable(format!("no answer within {timeout:?}"))),
+                Ok(Err(_)) => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(500));
+                }
+            }
+        };
         let (mut keeper, mut responses) = client
             .lease_keep_alive(lease)
             .await

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use sluice_agent::{Agent, CallContext, Dest, HandlerError, Payload, Registry, RpcError, RpcFuture};
+use sluice_agent::{Agent, CallContext, Dest, HandlerError, MembershipEvent, Payload, Registry, RpcError, RpcFuture};
 
 use crate::engine::{self, add_grads, Sink};
 use crate::error::{Error, Result};
@@ -104,6 +104,8 @@ pub(crate) struct ContextState {
     known: Mutex<BTreeSet<u32>>,
     last_used: Mutex<Instant>,
     graph_freed: AtomicBool,
+    /// A worker this context involves was lost: its backward cannot complete.
+    lost: Mutex<Option<String>>,
 }
 
 impl ContextState {
@@ -115,6 +117,7 @@ impl ContextState {
             known: Mutex::default(),
             last_used: Mutex::new(Instant::now()),
             graph_freed: AtomicBool::new(false),
+            lost: Mutex::new(None),
         }
     }
 
@@ -169,6 +172,15 @@ impl Container {
             let _ = std::thread::Builder::new()
                 .name("sluice-autograd-reaper".into())
                 .spawn(reap_loop);
+            agent.on_membership(|e| match e {
+                MembershipEvent::Lost { worker, detail } => {
+                    container().worker_lost(worker.id, &format!("{worker} was lost: {detail}"))
+                }
+                MembershipEvent::Left(worker) => {
+                    container().worker_lost(worker.id, &format!("{worker} left the group"))
+                }
+                _ => {}
+            });
         });
         me
     }
@@ -202,6 +214,33 @@ impl Container {
             .clone();
         ctx.touch();
         Ok(ctx)
+    }
+
+    /// A worker is gone: contexts it drove are reclaimed now (nobody will release them), and
+    /// contexts it took part in are marked so their backward fails at once, naming it. Those
+    /// are released by their driver as usual (a release to the lost worker fails fast).
+    fn worker_lost(&self, worker: u32, detail: &str) {
+        let (driven, involved): (Vec<u64>, Vec<Arc<ContextState>>) = {
+            let contexts = self.contexts.lock().unwrap();
+            let driven = contexts
+                .keys()
+                .filter(|id| (*id >> ID_BITS) as u32 == worker)
+                .copied()
+                .collect();
+            let involved = contexts
+                .values()
+                .filter(|c| c.known.lock().unwrap().contains(&worker))
+                .cloned()
+                .collect();
+            (driven, involved)
+        };
+        for c in involved {
+            c.lost.lock().unwrap().get_or_insert_with(|| detail.to_owned());
+        }
+        let reclaimed = driven.into_iter().filter(|id| self.remove(*id).is_some()).count();
+        if reclaimed > 0 {
+            tracing::info!(worker, reclaimed, "reclaimed the autograd contexts a lost worker drove");
+        }
     }
 
     fn remove(&self, id: u64) -> Option<Arc<ContextState>> {
@@ -346,6 +385,9 @@ fn backward_in(agent: &Agent, state: &Arc<ContextState>, roots: &[Tensor], retai
     }
     if state.graph_freed.load(Ordering::Acquire) {
         return Err(Error::GraphFreed("an earlier distributed backward in this context"));
+    }
+    if let Some(detail) = state.lost.lock().unwrap().clone() {
+        return Err(Error::Backward(format!("context {} cannot run: {detail}", state.id)));
     }
     let starts = roots
         .iter()
