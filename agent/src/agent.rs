@@ -986,7 +986,10 @@ impl AgentInner {
         let id = self.me.id;
         // The marker first: whoever sees our key go also sees that we left. The store moves
         // (if we serve it) before our key goes, so the successor hears of the leave as a leave.
-        if let Err(e) = self.handle.block_on(self.store.set(&membership::left_key(id), Vec::new())) {
+        if let Err(e) = self
+            .handle
+            .block_on(self.store.set(&membership::left_key(id), Vec::new()))
+        {
             self.teardown();
             return Err(ShutdownError::Store(e.to_string()));
         }

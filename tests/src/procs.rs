@@ -98,8 +98,8 @@ impl Role {
     }
 
     /// Waits (under the watchdog) for the process to exit; panics with its output unless it
-    /// succeeded.
-    pub fn expect_success(&mut self) {
+    /// succeeded, else returns the output.
+    pub fn expect_success(&mut self) -> String {
         let start = Instant::now();
         while self.status.is_none() && start.elapsed() < WATCHDOG {
             self.status = self.child.try_wait().expect("wait for a role");
@@ -114,6 +114,7 @@ impl Role {
             let out = self.output();
             panic!("role {} failed ({:?})\n{out}", self.name, self.status);
         }
+        self.output()
     }
 
     /// Everything it printed (once it has exited).
