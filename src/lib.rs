@@ -10,6 +10,7 @@
 #![forbid(unsafe_code)]
 
 pub mod demos;
+pub mod launch;
 
 pub use sluice_agent as agent;
 pub use sluice_autograd as autograd;

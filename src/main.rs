@@ -50,6 +50,9 @@ enum Commands {
         #[arg(long)]
         idle_seconds: Option<f64>,
     },
+    /// Starts a job's workers on this host: `sluice launch --nproc 4 -- CMD`, or roles with
+    /// `--role ps=1 --role trainer=4 -- CMD`.
+    Launch(sluice::launch::LaunchArgs),
     /// Training demos over distributed autograd (each starts its own worker processes).
     Demo {
         #[command(subcommand)]
@@ -66,6 +69,10 @@ fn main() -> anyhow::Result<()> {
         return result;
     }
     let command = Cli::parse().command;
+    if let Commands::Launch(args) = command {
+        let code = sluice::launch::launch(args)?;
+        std::process::exit(code);
+    }
     if let Commands::Demo { demo } = command {
         return sluice::demos::launch(demo.into());
     }

@@ -388,7 +388,10 @@ fn init(options: AgentOptions, mut registry: Registry) -> Result<Agent, InitErro
     });
 
     let (store_server, store, context, mut listener, announce, listing, restart) = runtime.block_on(async {
-        let serves = matches!(resolved.store, StoreUrl::Tcp(_)) && resolved.rank == Some(options.store_rank);
+        // A launcher that serves the store itself says so (`SLUICE_STORE_SERVED`).
+        let serves = matches!(resolved.store, StoreUrl::Tcp(_))
+            && resolved.rank == Some(options.store_rank)
+            && std::env::var_os("SLUICE_STORE_SERVED").is_none();
         let server = match (&resolved.store, serves) {
             (StoreUrl::Tcp(addr), true) => match StoreServer::start(addr).await {
                 Ok(s) => Some(s),

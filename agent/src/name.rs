@@ -41,7 +41,8 @@ pub fn validate_name(name: &str) -> Result<(), NameError> {
     Ok(())
 }
 
-/// A worker of the group: its name and its id (the rank it was started with).
+/// A worker of the group: its name and its id. The id is the rank for a fixed group's first
+/// start; joins and restarts get fresh ids from the store (ids are never reused).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct WorkerInfo {
     pub name: String,
@@ -50,7 +51,7 @@ pub struct WorkerInfo {
 
 impl std::fmt::Display for WorkerInfo {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} (rank {})", self.name, self.id)
+        write!(f, "{} (id {})", self.name, self.id)
     }
 }
 

@@ -116,6 +116,19 @@ impl AgentOptions {
         }
     }
 
+    /// Options named from the environment: `SLUICE_WORKER_NAME` (set by `sluice launch`), else
+    /// `worker<RANK>` with the rank from any launcher's variables.
+    pub fn from_env() -> Result<AgentOptions, InitError> {
+        if let Ok(name) = std::env::var("SLUICE_WORKER_NAME") {
+            return Ok(AgentOptions::new(name));
+        }
+        let rank = env_first(RANK_VARS)?.ok_or(InitError::Missing {
+            what: "the worker name",
+            env: "SLUICE_WORKER_NAME (or RANK)",
+        })?;
+        Ok(AgentOptions::new(format!("worker{rank}")))
+    }
+
     pub fn rank(mut self, rank: u32, world_size: u32) -> Self {
         self.rank = Some(rank);
         self.world_size = Some(world_size);
