@@ -168,8 +168,8 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<i32> {
             done: None,
         })
         .collect();
-    for i in 0..workers.len() {
-        start(&args, &mut workers[i], i, world, &store, &tx)?;
+    for (i, w) in workers.iter_mut().enumerate() {
+        start(&args, w, i, world, &store, &tx)?;
     }
     eprintln!(
         "sluice launch: {} workers ({}), store {store}",
