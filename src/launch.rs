@@ -149,8 +149,14 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<i32> {
     let (_server, store) = match &args.store {
         Some(url) => (None, url.clone()),
         None => {
+            // Workers inherit SLUICE_SECRET / SLUICE_SECRET_FILE, and so does this store.
+            let secret = sluice_channel::Secret::from_env().context("reading the shared secret")?;
             let server = runtime
-                .block_on(sluice_agent::store::StoreServer::start("127.0.0.1:0"))
+                .block_on(sluice_agent::store::StoreServer::start_with(
+                    "127.0.0.1:0",
+                    Default::default(),
+                    secret,
+                ))
                 .context("cannot start the store")?;
             let url = format!("tcp://{}", server.address());
             (Some(server), url)

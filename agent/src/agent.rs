@@ -119,6 +119,7 @@ pub(crate) struct AgentInner {
     pool: Pool,
     store: Store,
     store_url: StoreUrl,
+    secret: Option<sluice_channel::Secret>,
     store_server: Mutex<Option<StoreServer>>,
     subscribers: Subscribers,
     clock: Instant,
@@ -133,6 +134,8 @@ pub(crate) struct AgentInner {
     activity: AtomicU64,
     pub(crate) rrefs: RRefTable,
     incoming: Mutex<Vec<Pipe>>,
+    /// Requests being served: their caller's budget and size, released by the reply.
+    held: Mutex<HashMap<(u32, u64), (Arc<Budget>, u64)>>,
     drop_control: AtomicUsize,
     recv_pool: Mutex<Vec<Bytes>>,
 }
@@ -393,13 +396,17 @@ fn init(options: AgentOptions, mut registry: Registry) -> Result<Agent, InitErro
             && resolved.rank == Some(options.store_rank)
             && std::env::var_os("SLUICE_STORE_SERVED").is_none();
         let server = match (&resolved.store, serves) {
-            (StoreUrl::Tcp(addr), true) => match StoreServer::start(addr).await {
-                Ok(s) => Some(s),
-                Err(e) => return Err(InitError::Store(e.to_string())),
-            },
+            (StoreUrl::Tcp(addr), true) => {
+                match StoreServer::start_with(addr, Snapshot::default(), resolved.secret.clone()).await {
+                    Ok(s) => Some(s),
+                    Err(e) => return Err(InitError::Store(e.to_string())),
+                }
+            }
             _ => None,
         };
-        let store = Store::connect(&resolved.store, left()).await.map_err(store_error)?;
+        let store = Store::connect(&resolved.store, left(), resolved.secret.clone())
+            .await
+            .map_err(store_error)?;
         // A name seen before means a restart: this incarnation gets a fresh id.
         let name_key = membership::name_key(&options.name);
         let name_seen = store
@@ -431,6 +438,7 @@ fn init(options: AgentOptions, mut registry: Registry) -> Result<Agent, InitErro
         };
         let mut pipe_options = options.pipe.clone();
         pipe_options.name = options.name.clone();
+        pipe_options.secret = resolved.secret.clone();
         let context = Context::new(pipe_options)?;
         let listener = context.listen(&options.listen).await?;
         let announce = Announce {
@@ -554,6 +562,7 @@ fn init(options: AgentOptions, mut registry: Registry) -> Result<Agent, InitErro
         pool,
         store,
         store_url: resolved.store.clone(),
+        secret: resolved.secret.clone(),
         store_server: Mutex::new(store_server),
         subscribers: Subscribers::default(),
         clock: Instant::now(),
@@ -566,6 +575,7 @@ fn init(options: AgentOptions, mut registry: Registry) -> Result<Agent, InitErro
         activity: AtomicU64::new(0),
         rrefs: RRefTable::default(),
         incoming: Mutex::new(Vec::new()),
+        held: Mutex::new(HashMap::new()),
         drop_control: AtomicUsize::new(options.faults.drop_control),
         recv_pool: Mutex::new(Vec::new()),
         options,
@@ -627,8 +637,8 @@ fn init(options: AgentOptions, mut registry: Registry) -> Result<Agent, InitErro
 
 /// Applies membership changes from the store as they happen.
 async fn watch_members(weak: std::sync::Weak<AgentInner>, mut revision: u64) {
-    let url = match weak.upgrade() {
-        Some(inner) => inner.store_url.clone(),
+    let (url, secret) = match weak.upgrade() {
+        Some(inner) => (inner.store_url.clone(), inner.secret.clone()),
         None => return,
     };
     // Its own connection: a watch is a long poll.
@@ -648,7 +658,7 @@ async fn watch_members(weak: std::sync::Weak<AgentInner>, mut revision: u64) {
                 other => other.clone(),
             };
             drop(inner);
-            match Store::connect(&url, Duration::from_secs(2)).await {
+            match Store::connect(&url, Duration::from_secs(2), secret.clone()).await {
                 Ok(s) => watcher = Some(s),
                 Err(e) => {
                     tracing::debug!(error = %e, "membership watcher cannot reach the store; retrying");
@@ -974,7 +984,9 @@ impl AgentInner {
                 format!("{host}:0")
             }
         };
-        let server = self.handle.block_on(StoreServer::start_with(&addr, snapshot))?;
+        let server = self
+            .handle
+            .block_on(StoreServer::start_with(&addr, snapshot, self.secret.clone()))?;
         let address = server.address().to_owned();
         tracing::info!(worker = %self.me, %address, "took over the store");
         *self.store_server.lock().unwrap() = Some(server);
@@ -1620,6 +1632,10 @@ impl AgentInner {
 
     /// Sends the reply to request `id` back on `pipe`.
     async fn reply(self: &Arc<Self>, pipe: &Pipe, caller: u32, id: u64, result: Result<Payload, WireError>) {
+        let held = self.held.lock().unwrap().remove(&(caller, id));
+        if let Some((budget, size)) = held {
+            budget.release(size);
+        }
         let peer = self.peer(caller).ok();
         let map = peer.as_ref().and_then(|p| p.map_from.as_ref());
         let (result, frames, tensors, forks) = match result {
@@ -1810,12 +1826,96 @@ fn build_message(envelope: Envelope, payloads: Vec<Bytes>, tensors: Vec<Tensor>)
     }
 }
 
-/// Reads one whole message from `pipe`.
+/// Bytes a message will occupy once received.
+fn message_bytes(d: &Descriptor) -> u64 {
+    let payloads: u64 = d.payload_lengths.iter().fold(0u64, |a, &l| a.saturating_add(l));
+    d.tensors
+        .iter()
+        .fold(payloads, |a, t| a.saturating_add(t.length))
+        .saturating_add(d.metadata.len() as u64)
+}
+
+/// Reads one whole message from `pipe`, refusing one larger than `max_message_bytes` before
+/// allocating anything for it.
 async fn read_message(pipe: &Pipe, inner: &AgentInner) -> Result<(Descriptor, Allocation), PipeError> {
     let d = pipe.read_descriptor().await?;
+    finish_read(pipe, inner, d, None).await
+}
+
+async fn finish_read(
+    pipe: &Pipe,
+    inner: &AgentInner,
+    d: Descriptor,
+    budget: Option<(&Budget, u64)>,
+) -> Result<(Descriptor, Allocation), PipeError> {
+    let size = message_bytes(&d);
+    if size > inner.options.max_message_bytes {
+        pipe.close();
+        return Err(PipeError::Protocol {
+            peer: pipe.info().peer.clone(),
+            detail: format!(
+                "a message of {size} bytes exceeds this worker's limit of {} bytes (max_message_bytes)",
+                inner.options.max_message_bytes
+            ),
+        });
+    }
+    if let Some((b, size)) = budget {
+        b.acquire(size).await;
+    }
     let allocation = inner.allocate(&d);
-    let allocation = pipe.read(allocation).await.map_err(|e| e.error)?;
+    let allocation = match pipe.read(allocation).await {
+        Ok(a) => a,
+        Err(e) => {
+            if let Some((b, size)) = budget {
+                b.release(size);
+            }
+            return Err(e.error);
+        }
+    };
     Ok((d, allocation))
+}
+
+/// Bytes of one caller's requests held in memory (received, not yet answered). Reading from
+/// the caller waits while a new request would push it past the limit, so a peer cannot make
+/// this worker hold more than that (one request over the limit is let through when nothing
+/// else is held, as the message limit already bounds it).
+pub(crate) struct Budget {
+    limit: u64,
+    used: Mutex<u64>,
+    freed: tokio::sync::Notify,
+}
+
+impl Budget {
+    fn new(limit: u64) -> Budget {
+        Budget {
+            limit,
+            used: Mutex::new(0),
+            freed: tokio::sync::Notify::new(),
+        }
+    }
+
+    async fn acquire(&self, n: u64) {
+        loop {
+            let freed = self.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            {
+                let mut used = self.used.lock().unwrap();
+                if *used == 0 || used.saturating_add(n) <= self.limit {
+                    *used += n;
+                    return;
+                }
+            }
+            freed.await;
+        }
+    }
+
+    fn release(&self, n: u64) {
+        let mut used = self.used.lock().unwrap();
+        *used = used.saturating_sub(n);
+        drop(used);
+        self.freed.notify_waiters();
+    }
 }
 
 /// Serves one incoming pipe: requests in, replies out. A caller that heartbeats and then
@@ -1846,9 +1946,10 @@ async fn serve_pipe(inner: Arc<AgentInner>, pipe: Pipe) {
         },
         Err(_) => return,
     };
+    let budget = Arc::new(Budget::new(inner.options.max_in_flight_bytes));
     loop {
-        let next = read_message(&pipe, &inner);
-        let message = match silence {
+        let next = pipe.read_descriptor();
+        let descriptor = match silence {
             Some(limit) => match tokio::time::timeout(limit, next).await {
                 Ok(m) => m,
                 Err(_) => {
@@ -1863,6 +1964,11 @@ async fn serve_pipe(inner: Arc<AgentInner>, pipe: Pipe) {
             },
             None => next.await,
         };
+        let size = descriptor.as_ref().map_or(0, message_bytes);
+        let message = match descriptor {
+            Ok(d) => finish_read(&pipe, &inner, d, Some((&budget, size))).await,
+            Err(e) => Err(e),
+        };
         let (d, allocation) = match message {
             Ok(m) => m,
             Err(e) => {
@@ -1870,11 +1976,21 @@ async fn serve_pipe(inner: Arc<AgentInner>, pipe: Pipe) {
                 return;
             }
         };
-        match inner.receive(caller, &d, allocation) {
+        let received = inner.receive(caller, &d, allocation);
+        if !matches!(&received, Ok((Envelope::Request(_), Some(_)))) {
+            budget.release(size);
+        }
+        match received {
             Ok((Envelope::Request(request), Some(payload))) => {
                 if !matches!(request.body, Body::Ping) {
                     inner.activity.fetch_add(1, Ordering::Relaxed);
                 }
+                // Held until the reply goes out (`reply` releases it).
+                inner
+                    .held
+                    .lock()
+                    .unwrap()
+                    .insert((caller, request.id), (budget.clone(), size));
                 if let Some(mut work) = inner.dispatch(caller, pipe.clone(), request, payload) {
                     // Poll once here; what must wait continues as its own task (which polls it
                     // again at once, so its waker is the task's own).

@@ -14,7 +14,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use sluice_channel::{ContextOptions, Device};
+use sluice_channel::{ContextOptions, Device, Secret};
 
 use crate::device_map::DeviceMap;
 use crate::error::InitError;
@@ -84,6 +84,15 @@ pub struct AgentOptions {
     pub leak_check: bool,
     /// How long a control message waits for its acknowledgement before it is sent again.
     pub control_retry: Duration,
+    /// A shared secret that every pipe and store connection must prove (HMAC challenge–response)
+    /// before anything else is accepted. `None` reads `SLUICE_SECRET` or `SLUICE_SECRET_FILE`.
+    pub secret: Option<Secret>,
+    /// Largest message (payloads and tensors together) accepted from a peer; a larger one
+    /// closes that peer's pipe.
+    pub max_message_bytes: u64,
+    /// Bytes of requests from one peer that may be in memory at once (received, not yet
+    /// answered); beyond it this worker stops reading that peer's pipe until replies go out.
+    pub max_in_flight_bytes: u64,
     /// Transports and channels for pipes (the name is set from `name`).
     pub pipe: ContextOptions,
     pub faults: Faults,
@@ -111,6 +120,9 @@ impl AgentOptions {
             connect: Connect::Lazy,
             leak_check: false,
             control_retry: Duration::from_millis(500),
+            secret: None,
+            max_message_bytes: 4 << 30,
+            max_in_flight_bytes: 8 << 30,
             pipe: ContextOptions::default(),
             faults: Faults::default(),
         }
@@ -159,6 +171,7 @@ impl AgentOptions {
 
 /// Options with every gap filled.
 pub(crate) struct Resolved {
+    pub secret: Option<Secret>,
     /// `None` for an elastic join.
     pub rank: Option<u32>,
     pub world_size: u32,
@@ -194,6 +207,19 @@ pub const WORLD_VARS: &[&str] = &["WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD
 
 pub(crate) fn resolve(o: &AgentOptions) -> Result<Resolved, InitError> {
     let store = resolve_store(o)?;
+    let secret = match &o.secret {
+        Some(s) => Some(s.clone()),
+        None => Secret::from_env().map_err(|e| InitError::BadEnv {
+            var: "SLUICE_SECRET_FILE",
+            value: std::env::var("SLUICE_SECRET_FILE").unwrap_or_default(),
+            why: e.to_string(),
+        })?,
+    };
+    if o.max_message_bytes == 0 || o.max_in_flight_bytes < o.max_message_bytes {
+        return Err(InitError::Config(
+            "max_in_flight_bytes must be at least max_message_bytes, which must be positive".into(),
+        ));
+    }
     if o.pool_threads == 0 || o.io_threads == 0 {
         return Err(InitError::Config(
             "pool_threads and io_threads must be at least 1".into(),
@@ -204,6 +230,7 @@ pub(crate) fn resolve(o: &AgentOptions) -> Result<Resolved, InitError> {
     }
     if o.elastic {
         return Ok(Resolved {
+            secret,
             rank: None,
             world_size: 0,
             store,
@@ -239,6 +266,7 @@ pub(crate) fn resolve(o: &AgentOptions) -> Result<Resolved, InitError> {
         )));
     }
     Ok(Resolved {
+        secret,
         rank: Some(rank),
         world_size,
         store,

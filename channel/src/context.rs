@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sluice_transport::any::{AnyConnection, AnyReader, AnyWriter};
+use sluice_transport::auth::{self, Secret};
 use sluice_transport::shm::{ShmListener, ShmOptions, ShmTransport};
 use sluice_transport::tcp::{TcpListener, TcpOptions, TcpTransport};
 use sluice_transport::{Connection, FrameReader, FrameWriter, Listener, Transport};
@@ -77,6 +78,9 @@ pub struct ContextOptions {
     pub setup_timeout: Duration,
     /// Largest message descriptor accepted from a peer (metadata included).
     pub max_descriptor_bytes: usize,
+    /// A shared secret every connection must prove (both ways) before anything else is
+    /// accepted on it. `None`: no authentication.
+    pub secret: Option<Secret>,
 }
 
 impl Default for ContextOptions {
@@ -91,6 +95,7 @@ impl Default for ContextOptions {
             lanes: cores.clamp(2, 4),
             setup_timeout: Duration::from_secs(10),
             max_descriptor_bytes: 64 << 20,
+            secret: None,
         }
     }
 }
@@ -210,6 +215,7 @@ impl Context {
         let peer = addr.to_string();
         let staged = async {
             let (mut r, mut w) = AnyConnection::from(conn).split();
+            self.authenticate(&mut r, &mut w, &peer).await?;
             w.write(&[&wire::encode_setup(&Hello::Pipe(self.brochure()))]).await?;
             let reply = r.read_vec(wire::MAX_SETUP_BYTES).await?;
             let answer = match wire::decode_setup::<Reply>(&reply, &peer)? {
@@ -229,6 +235,14 @@ impl Context {
                 peer: addr.to_owned(),
                 stage: "connect",
             })?
+    }
+
+    /// Proves the shared secret on a fresh outgoing connection (nothing without one).
+    async fn authenticate(&self, r: &mut AnyReader, w: &mut AnyWriter, peer: &str) -> Result<()> {
+        if let Some(secret) = &self.inner.options.secret {
+            auth::connect(r, w, secret, peer).await?;
+        }
+        Ok(())
     }
 
     fn brochure(&self) -> Brochure {
@@ -334,7 +348,8 @@ impl Context {
                     .await?
                     .into(),
             };
-            let (r, mut w) = conn.split();
+            let (mut r, mut w) = conn.split();
+            self.authenticate(&mut r, &mut w, peer).await?;
             w.write(&[&wire::encode_setup(&Hello::Join { token })]).await?;
             Ok::<_, PipeError>((r, w))
         };
@@ -346,7 +361,8 @@ impl Context {
         let mut lanes = Vec::new();
         for &token in &answer.lane_tokens {
             let conn: AnyConnection = self.inner.tcp.connect(addr).await?.into();
-            let (r, mut w) = conn.split();
+            let (mut r, mut w) = conn.split();
+            self.authenticate(&mut r, &mut w, peer).await?;
             w.write(&[&wire::encode_setup(&Hello::Join { token })]).await?;
             lanes.push((r, w));
         }
@@ -454,6 +470,23 @@ async fn handle_incoming(conn: AnyConnection, shared: Arc<ListenerShared>, tx: m
     let peer = conn.peer().to_owned();
     let timeout = shared.ctx.inner.options.setup_timeout;
     let (mut r, mut w) = conn.split();
+    if let Some(secret) = &shared.ctx.inner.options.secret {
+        // Nothing else is read from a connection that has not proved the secret.
+        let proved = tokio::time::timeout(timeout, auth::accept(&mut r, &mut w, secret, &peer)).await;
+        if !matches!(proved, Ok(Ok(()))) {
+            r.close();
+            let e: PipeError = match proved {
+                Ok(Err(e)) => e.into(),
+                _ => PipeError::Timeout {
+                    peer: peer.clone(),
+                    stage: "authentication",
+                },
+            };
+            tracing::warn!(peer = %peer, "incoming connection refused: {e}");
+            let _ = tx.send(Err(e)).await;
+            return;
+        }
+    }
     let hello = match tokio::time::timeout(timeout, r.read_vec(wire::MAX_SETUP_BYTES)).await {
         Err(_) => Err(PipeError::Timeout {
             peer: peer.clone(),

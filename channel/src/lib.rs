@@ -28,3 +28,4 @@ pub use device::{BadDevice, Device, RecvBuffer, SendBuffer};
 pub use error::PipeError;
 pub use message::{Allocation, Descriptor, Message, Tensor, TensorDescriptor};
 pub use pipe::{Pipe, PipeInfo, ReadError};
+pub use sluice_transport::auth::Secret;

@@ -36,6 +36,9 @@ pub enum TransportError {
         #[source]
         source: Arc<io::Error>,
     },
+    /// The peer failed the shared-secret challenge (or we failed its).
+    #[error("authentication with {peer} failed: {reason}")]
+    Auth { peer: String, reason: String },
     /// The peer broke the transport's own setup protocol (shared-memory handshake).
     #[error("handshake with {peer} failed: {reason}")]
     Handshake { peer: String, reason: String },
@@ -68,7 +71,8 @@ impl TransportError {
             | TransportError::FrameTooLarge { peer, .. }
             | TransportError::Poisoned { peer, .. }
             | TransportError::Io { peer, .. }
-            | TransportError::Handshake { peer, .. } => Some(peer),
+            | TransportError::Handshake { peer, .. }
+            | TransportError::Auth { peer, .. } => Some(peer),
             TransportError::BadAddress { .. } | TransportError::NotViable { .. } => None,
         }
     }

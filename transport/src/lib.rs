@@ -27,6 +27,7 @@
 //! offered; nothing in this crate panics on a missing kernel feature.
 
 pub mod any;
+pub mod auth;
 mod closing;
 mod error;
 mod frame;

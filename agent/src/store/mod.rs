@@ -14,6 +14,8 @@ pub mod tcp;
 
 use std::time::Duration;
 
+use sluice_transport::auth::Secret;
+
 pub use tcp::{Snapshot, StoreClient, StoreServer};
 
 /// A store error: the server is unreachable, went away, or answered nonsense.
@@ -95,9 +97,11 @@ macro_rules! both {
 }
 
 impl Store {
-    pub async fn connect(url: &StoreUrl, timeout: Duration) -> Result<Store, StoreError> {
+    /// Connects; `secret` authenticates connections to the embedded store (etcd has its own
+    /// authentication and TLS, configured on the etcd side).
+    pub async fn connect(url: &StoreUrl, timeout: Duration, secret: Option<Secret>) -> Result<Store, StoreError> {
         Ok(match url {
-            StoreUrl::Tcp(addr) => Store::Tcp(StoreClient::connect(addr, timeout).await?),
+            StoreUrl::Tcp(addr) => Store::Tcp(StoreClient::connect_with(addr, timeout, secret).await?),
             StoreUrl::Etcd { endpoint, prefix } => {
                 Store::Etcd(Box::new(etcd::EtcdStore::connect(endpoint, prefix, timeout).await?))
             }

@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
+use sluice_transport::auth::{self, Secret};
 use sluice_transport::tcp::{TcpOptions, TcpTransport};
 use sluice_transport::{Connection, FrameReader, FrameWriter, Listener, Transport};
 use tokio::sync::Notify;
@@ -159,11 +160,12 @@ pub struct StoreServer {
 impl StoreServer {
     /// Binds `addr` (port 0 picks one) and serves until dropped.
     pub async fn start(addr: &str) -> Result<StoreServer, StoreError> {
-        Self::start_with(addr, Snapshot::default()).await
+        Self::start_with(addr, Snapshot::default(), None).await
     }
 
-    /// Serves `snapshot` (a hand-off from another server).
-    pub async fn start_with(addr: &str, snapshot: Snapshot) -> Result<StoreServer, StoreError> {
+    /// Serves `snapshot` (empty, or a hand-off from another server); with a `secret`, every
+    /// connection must prove it before its first request is read.
+    pub async fn start_with(addr: &str, snapshot: Snapshot, secret: Option<Secret>) -> Result<StoreServer, StoreError> {
         let tcp = TcpTransport::new(TcpOptions::default());
         let mut listener = tcp.listen(addr).await.map_err(|e| StoreError::Unreachable {
             addr: addr.to_owned(),
@@ -208,7 +210,7 @@ impl StoreServer {
             loop {
                 match listener.accept().await {
                     Ok(conn) => {
-                        tokio::spawn(serve(conn, accept_shared.clone()));
+                        tokio::spawn(serve(conn, accept_shared.clone(), secret.clone()));
                     }
                     Err(e) => {
                         tracing::debug!(error = %e, "store accept failed");
@@ -259,10 +261,22 @@ impl Drop for StoreServer {
     }
 }
 
-async fn serve(conn: impl Connection, shared: Arc<Shared>) {
+async fn serve(conn: impl Connection, shared: Arc<Shared>, secret: Option<Secret>) {
     let peer = conn.peer().to_owned();
     let me = shared.next_conn.fetch_add(1, Ordering::Relaxed);
     let (mut reader, mut writer) = conn.split();
+    if let Some(secret) = &secret {
+        let proved = tokio::time::timeout(
+            Duration::from_secs(10),
+            auth::accept(&mut reader, &mut writer, secret, &peer),
+        )
+        .await;
+        if !matches!(proved, Ok(Ok(()))) {
+            tracing::warn!(%peer, "store: connection failed authentication; closed");
+            reader.close();
+            return;
+        }
+    }
     loop {
         let frame = match reader.read_vec(MAX_FRAME).await {
             Ok(f) => f,
@@ -426,6 +440,7 @@ type Link = (
 /// (`Moved`) and re-asserts its ephemeral keys on the new server.
 pub struct StoreClient {
     addr: Mutex<String>,
+    secret: Option<Secret>,
     link: tokio::sync::Mutex<Option<Link>>,
     ephemeral: Mutex<BTreeMap<String, Vec<u8>>>,
     connect_timeout: Duration,
@@ -434,9 +449,19 @@ pub struct StoreClient {
 impl StoreClient {
     /// Connects to `addr`, retrying until `timeout` passes (the server may start later).
     pub async fn connect(addr: &str, timeout: Duration) -> Result<StoreClient, StoreError> {
-        let link = open(addr, timeout).await?;
+        Self::connect_with(addr, timeout, None).await
+    }
+
+    /// [`connect`](Self::connect), proving `secret` on every connection.
+    pub async fn connect_with(
+        addr: &str,
+        timeout: Duration,
+        secret: Option<Secret>,
+    ) -> Result<StoreClient, StoreError> {
+        let link = open(addr, timeout, secret.as_ref()).await?;
         Ok(StoreClient {
             addr: Mutex::new(addr.to_owned()),
+            secret,
             link: tokio::sync::Mutex::new(Some(link)),
             ephemeral: Mutex::new(BTreeMap::new()),
             connect_timeout: timeout.max(Duration::from_secs(5)),
@@ -461,7 +486,7 @@ impl StoreClient {
             let mut link = self.link.lock().await;
             if link.is_none() {
                 let addr = self.address();
-                let mut fresh = open(&addr, self.connect_timeout).await?;
+                let mut fresh = open(&addr, self.connect_timeout, self.secret.as_ref()).await?;
                 // Re-assert our ephemeral keys on the (new) server before anything else.
                 let keys: Vec<(String, Vec<u8>)> = self
                     .ephemeral
@@ -604,13 +629,24 @@ impl StoreClient {
     }
 }
 
-async fn open(addr: &str, timeout: Duration) -> Result<Link, StoreError> {
+async fn open(addr: &str, timeout: Duration, secret: Option<&Secret>) -> Result<Link, StoreError> {
     let tcp = TcpTransport::new(TcpOptions::default());
     let start = Instant::now();
     let mut delay = Duration::from_millis(5);
     loop {
         match tcp.connect(addr).await {
-            Ok(conn) => return Ok(conn.split()),
+            Ok(conn) => {
+                let (mut r, mut w) = conn.split();
+                if let Some(s) = secret {
+                    auth::connect(&mut r, &mut w, s, addr)
+                        .await
+                        .map_err(|e| StoreError::Unreachable {
+                            addr: addr.to_owned(),
+                            detail: e.to_string(),
+                        })?;
+                }
+                return Ok((r, w));
+            }
             Err(e) if start.elapsed() >= timeout => {
                 return Err(StoreError::Unreachable {
                     addr: addr.to_owned(),
@@ -679,6 +715,24 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_secret_store_refuses_clients_without_it() {
+        let secret = Secret::new("s3cret");
+        let server = StoreServer::start_with("127.0.0.1:0", Snapshot::default(), secret.clone())
+            .await
+            .unwrap();
+        let good = StoreClient::connect_with(server.address(), Duration::from_secs(5), secret)
+            .await
+            .unwrap();
+        good.set("k", vec![7]).await.unwrap();
+        let wrong = StoreClient::connect_with(server.address(), Duration::from_secs(5), Secret::new("nope")).await;
+        assert!(wrong.is_err());
+        // Without a secret the first request is never read: the connection is closed.
+        let none = client(server.address()).await;
+        assert!(none.get("k", Duration::from_secs(1)).await.is_err());
+        assert_eq!(good.get("k", Duration::from_secs(1)).await.unwrap(), vec![7]);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn ephemeral_keys_leave_with_their_connection_and_watch_sees_it() {
         let server = StoreServer::start("127.0.0.1:0").await.unwrap();
         let watcher = client(server.address()).await;
@@ -724,7 +778,9 @@ mod tests {
             (a, r)
         });
         tokio::time::sleep(Duration::from_millis(20)).await;
-        let new = StoreServer::start_with("127.0.0.1:0", old.snapshot()).await.unwrap();
+        let new = StoreServer::start_with("127.0.0.1:0", old.snapshot(), None)
+            .await
+            .unwrap();
         old.moved_to(new.address());
         // `b` leaves for good (its key is not re-asserted) while `a` follows the move.
         drop(b);
