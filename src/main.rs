@@ -53,6 +53,24 @@ enum Commands {
     /// Starts a job's workers on this host: `sluice launch --nproc 4 -- CMD`, or roles with
     /// `--role ps=1 --role trainer=4 -- CMD`.
     Launch(sluice::launch::LaunchArgs),
+    /// Load soak: N workers on this host calling each other with many calls in flight, mixed
+    /// sizes, with sequence accounting (no reply lost, duplicated or misdelivered) and memory
+    /// sampling. A benchmark, not a test.
+    Soak {
+        #[arg(long, default_value_t = 16)]
+        workers: u32,
+        /// Calls in flight across the whole group.
+        #[arg(long, default_value_t = 10_000)]
+        in_flight: u32,
+        #[arg(long, default_value_t = 60.0)]
+        seconds: f64,
+        /// Append the summary as one JSON object to FILE.
+        #[arg(long, value_name = "FILE")]
+        json: Option<std::path::PathBuf>,
+        /// Internal: run as one of the soak's workers.
+        #[arg(long, hide = true)]
+        worker: bool,
+    },
     /// Training demos over distributed autograd (each starts its own worker processes).
     Demo {
         #[command(subcommand)]
@@ -69,6 +87,44 @@ fn main() -> anyhow::Result<()> {
         return result;
     }
     let command = Cli::parse().command;
+    if let Commands::Soak {
+        workers,
+        in_flight,
+        seconds,
+        json,
+        worker,
+    } = command
+    {
+        anyhow::ensure!(workers >= 2, "a soak needs at least two workers");
+        let options = sluice_benches::soak::SoakOptions {
+            workers,
+            in_flight,
+            seconds,
+        };
+        if worker {
+            return sluice_benches::soak::worker(&options);
+        }
+        eprintln!("soak: {workers} workers, {in_flight} calls in flight, {seconds} s");
+        let summary = sluice_benches::soak::run(&options, |rank, store| {
+            Ok(Command::new(std::env::current_exe()?)
+                .args(["soak", "--worker", "--workers", &workers.to_string()])
+                .args(["--in-flight", &in_flight.to_string(), "--seconds", &seconds.to_string()])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", workers.to_string())
+                .env("MASTER_ADDR", store.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h))
+                .env("MASTER_PORT", store.rsplit_once(':').map_or("0", |(_, p)| p))
+                .stdin(Stdio::null())
+                .spawn()?)
+        })?;
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+        if let Some(path) = json {
+            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+            writeln!(f, "{}", serde_json::to_string(&summary)?)?;
+        }
+        let clean = summary.errors == 0 && summary.bad_replies == 0 && summary.duplicates == 0 && summary.lost == 0;
+        anyhow::ensure!(clean, "the soak saw errors, bad, duplicated or lost replies");
+        return Ok(());
+    }
     if let Commands::Launch(args) = command {
         let code = sluice::launch::launch(args)?;
         std::process::exit(code);

@@ -135,7 +135,7 @@ pub(crate) struct AgentInner {
     pub(crate) rrefs: RRefTable,
     incoming: Mutex<Vec<Pipe>>,
     /// Requests being served: their caller's budget and size, released by the reply.
-    held: Mutex<HashMap<(u32, u64), (Arc<Budget>, u64)>>,
+    held: Mutex<HashMap<(u32, u64), Held>>,
     drop_control: AtomicUsize,
     recv_pool: Mutex<Vec<Bytes>>,
 }
@@ -1825,6 +1825,9 @@ fn build_message(envelope: Envelope, payloads: Vec<Bytes>, tensors: Vec<Tensor>)
         tensors,
     }
 }
+
+/// A request being served: its caller's budget and its size.
+type Held = (Arc<Budget>, u64);
 
 /// Bytes a message will occupy once received.
 fn message_bytes(d: &Descriptor) -> u64 {

@@ -108,6 +108,20 @@ pub(crate) fn diff(known: &HashMap<u32, Announce>, live: &BTreeMap<u32, Announce
     c
 }
 
+/// Parses store entries built from arbitrary bytes (key ‖ 0 ‖ value, repeated): the fuzz
+/// target's entry. Never panics, whatever the bytes.
+#[doc(hidden)]
+pub fn fuzz_listing(bytes: &[u8]) {
+    let mut entries = Vec::new();
+    let mut parts = bytes.split(|b| *b == 0);
+    while let (Some(k), Some(v)) = (parts.next(), parts.next()) {
+        entries.push((format!("m/{}", String::from_utf8_lossy(k)), v.to_vec()));
+    }
+    let (live, left) = parse_listing(&entries);
+    let known = live.iter().map(|(id, a)| (*id ^ 1, a.clone())).collect();
+    let _ = diff(&known, &live, &left);
+}
+
 type Callback = Arc<dyn Fn(&MembershipEvent) + Send + Sync>;
 
 /// Subscribers to membership events.

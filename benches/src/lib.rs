@@ -19,6 +19,7 @@ pub mod raw;
 pub mod report;
 pub mod rpc;
 pub mod run;
+pub mod soak;
 
 pub use report::Record;
 pub use run::{run, BenchOptions};

@@ -24,7 +24,7 @@ fn registry() -> Registry {
             MOST_BYTES.fetch_max(now, Ordering::SeqCst);
             std::thread::sleep(Duration::from_millis(40));
             RUNNING_BYTES.fetch_sub(n, Ordering::SeqCst);
-            Ok(Payload::empty().into())
+            Ok(Payload::empty())
         })
         .handler("most", |_, (): ()| Ok(MOST_BYTES.load(Ordering::SeqCst)));
     r

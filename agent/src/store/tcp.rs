@@ -431,6 +431,44 @@ pub fn fuzz_request(frame: &[u8]) {
     let _ = postcard::to_allocvec(&response);
 }
 
+/// Valid request frames, as seeds for the fuzz target.
+#[doc(hidden)]
+pub fn fuzz_seeds() -> Vec<Vec<u8>> {
+    [
+        Request::Set {
+            key: "k".into(),
+            value: b"v".to_vec(),
+        },
+        Request::Get {
+            key: "k".into(),
+            timeout_ms: 10,
+        },
+        Request::Add {
+            key: "c".into(),
+            delta: -3,
+        },
+        Request::WaitCount {
+            key: "c".into(),
+            at_least: 2,
+            timeout_ms: 10,
+        },
+        Request::SetEphemeral {
+            key: "m/live/00001".into(),
+            value: vec![1, 2, 3],
+        },
+        Request::Delete { key: "k".into() },
+        Request::List { prefix: "m/".into() },
+        Request::Watch {
+            prefix: "m/".into(),
+            after: 3,
+            timeout_ms: 10,
+        },
+    ]
+    .iter()
+    .map(|r| postcard::to_allocvec(r).expect("requests encode"))
+    .collect()
+}
+
 type Link = (
     <sluice_transport::tcp::TcpConnection as Connection>::Reader,
     <sluice_transport::tcp::TcpConnection as Connection>::Writer,

@@ -185,3 +185,29 @@ impl<'de> Deserialize<'de> for Tensor {
         }
     }
 }
+
+/// Decodes a tensor description as a peer would send it, followed by its data, and validates
+/// it: the fuzz target's entry. Never panics, whatever the bytes.
+#[doc(hidden)]
+pub fn fuzz_from_wire(bytes: &[u8]) {
+    if let Ok((w, rest)) = postcard::take_from_bytes::<WireTensor>(bytes) {
+        if let Ok(t) = from_wire(&w, Bytes::copy_from_slice(rest)) {
+            // A tensor that passed validation must be fully readable.
+            let _ = t.contiguous_raw();
+        }
+    }
+}
+
+/// Valid descriptions with their data, as seeds for the fuzz target.
+#[doc(hidden)]
+pub fn fuzz_seeds() -> Vec<Vec<u8>> {
+    let dense = Tensor::from_vec((0..12).map(|i| i as f32).collect::<Vec<f32>>(), &[3, 4]).expect("a 3x4 tensor");
+    let mut out = Vec::new();
+    for t in [dense.clone(), dense.transpose(0, 1).expect("a transpose")] {
+        let (w, data) = to_wire(&t, 0);
+        let mut seed = postcard::to_allocvec(&w).expect("descriptions encode");
+        seed.extend_from_slice(&data);
+        out.push(seed);
+    }
+    out
+}

@@ -1,0 +1,341 @@
+//! The soak: many workers on this host, every one calling random others with a fixed number of
+//! calls in flight, mixed sizes, for a fixed time. A load benchmark, not a test; it proves with
+//! sequence accounting that no reply was lost, duplicated or misdelivered, and samples every
+//! worker's resident memory to show it stays flat.
+//!
+//! Each call carries (caller, sequence number, destination, a checksum of its bytes); the
+//! handler echoes them with its own name and the bytes. The caller checks that the reply
+//! belongs to the very call it completes (same sequence, same destination, same checksum) and
+//! that each sequence number completes exactly once. At the end every worker reports to rank 0:
+//! calls sent and completed, errors, bad replies, latencies, and its memory over time.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use sluice_agent::{Agent, AgentOptions, CallContext, HandlerError, Payload, Registry, Tensor};
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct SoakOptions {
+    pub workers: u32,
+    pub in_flight: u32,
+    pub seconds: f64,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct WorkerReport {
+    pub name: String,
+    pub sent: u64,
+    pub completed: u64,
+    pub errors: u64,
+    pub bad_replies: u64,
+    pub duplicates: u64,
+    pub outstanding_at_end: u64,
+    pub bytes: u64,
+    /// Round-trip latencies in microseconds (a sample: every call's, capped).
+    pub latencies_us: Vec<u32>,
+    /// Resident memory in KiB, sampled every second.
+    pub rss_kib: Vec<u64>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Call {
+    caller: u32,
+    seq: u64,
+    dest: String,
+    checksum: u64,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Echo {
+    caller: u32,
+    seq: u64,
+    responder: String,
+    checksum: u64,
+}
+
+fn checksum(b: &[u8]) -> u64 {
+    // FNV-1a over a stride of the bytes (every byte for small messages).
+    let step = (b.len() / 4096).max(1);
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for x in b.iter().step_by(step) {
+        h ^= *x as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h ^ b.len() as u64
+}
+
+/// 70% 64 B, 20% 4 KiB, 9% 64 KiB, 1% 1 MiB.
+fn size_for(r: u64) -> usize {
+    match r % 100 {
+        0 => 1 << 20,
+        1..=9 => 64 << 10,
+        10..=29 => 4 << 10,
+        _ => 64,
+    }
+}
+
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map(|pages| pages * 4)
+        .unwrap_or(0)
+}
+
+fn registry(reports: Arc<Mutex<Vec<WorkerReport>>>) -> Registry {
+    let mut r = Registry::new();
+    r.raw_handler("soak.echo", |cx: &CallContext, mut payload: Payload| {
+        let call: Call = payload
+            .decode()
+            .map_err(|e| HandlerError::new("Decode", e.to_string()))?;
+        let data = payload.take_tensors();
+        let echo = Echo {
+            caller: call.caller,
+            seq: call.seq,
+            responder: cx.agent.info().name.clone(),
+            checksum: call.checksum,
+        };
+        let reply = Payload::encode(&echo).map_err(|e| HandlerError::new("Encode", e.to_string()))?;
+        Ok(reply.with_tensors(data))
+    });
+    r.handler("soak.report", move |_, report: WorkerReport| {
+        reports.lock().unwrap().push(report);
+        Ok(())
+    });
+    r
+}
+
+/// One worker's load: `in_flight` concurrent call loops to random peers until `stop`.
+fn drive(agent: &Agent, in_flight: u32, stop: Arc<AtomicBool>, peers: Vec<String>) -> WorkerReport {
+    let me = agent.info().clone();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let next_seq = Arc::new(AtomicU64::new(0));
+    let done = Arc::new(Mutex::new(HashSet::<u64>::new()));
+    let report = Arc::new(Mutex::new(WorkerReport {
+        name: me.name.clone(),
+        ..WorkerReport::default()
+    }));
+    let sampler = {
+        let (stop, report) = (stop.clone(), report.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Acquire) {
+                report.lock().unwrap().rss_kib.push(rss_kib());
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        })
+    };
+    runtime.block_on(async {
+        let mut tasks = Vec::new();
+        for lane in 0..in_flight {
+            let (agent, stop, peers) = (agent.clone(), stop.clone(), peers.clone());
+            let (next_seq, done, report) = (next_seq.clone(), done.clone(), report.clone());
+            let id = me.id;
+            tasks.push(tokio::spawn(async move {
+                let mut r = (lane as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ id as u64;
+                let data: Vec<Bytes> = [64usize, 4 << 10, 64 << 10, 1 << 20]
+                    .iter()
+                    .map(|&n| Bytes::from((0..n).map(|i| (i as u64 ^ r) as u8).collect::<Vec<u8>>()))
+                    .collect();
+                while !stop.load(Ordering::Acquire) {
+                    r ^= r << 13;
+                    r ^= r >> 7;
+                    r ^= r << 17;
+                    let dest = &peers[(r % peers.len() as u64) as usize];
+                    let size = size_for(r >> 8);
+                    let bytes = data.iter().find(|b| b.len() == size).cloned().unwrap_or_default();
+                    let seq = next_seq.fetch_add(1, Ordering::Relaxed);
+                    let call = Call {
+                        caller: id,
+                        seq,
+                        dest: dest.clone(),
+                        checksum: checksum(&bytes),
+                    };
+                    let payload = Payload::encode(&call)
+                        .unwrap()
+                        .with_tensors(vec![Tensor::cpu(bytes.clone())]);
+                    let start = Instant::now();
+                    report.lock().unwrap().sent += 1;
+                    let result = agent.rpc_async(dest.as_str(), "soak.echo", payload).await;
+                    let us = start.elapsed().as_micros().min(u32::MAX as u128) as u32;
+                    let mut rep = report.lock().unwrap();
+                    match result {
+                        Ok(mut reply) => {
+                            let echo: Option<Echo> = reply.decode().ok();
+                            let back = reply.take_tensors();
+                            let ok = echo.is_some_and(|e| {
+                                e.caller == id && e.seq == seq && &e.responder == dest && e.checksum == call.checksum
+                            }) && back.len() == 1
+                                && back[0].buffer.as_cpu().is_some_and(|b| checksum(b) == call.checksum);
+                            if !ok {
+                                rep.bad_replies += 1;
+                            }
+                            if !done.lock().unwrap().insert(seq) {
+                                rep.duplicates += 1;
+                            }
+                            rep.completed += 1;
+                            rep.bytes += 2 * size as u64;
+                            if rep.latencies_us.len() < 2_000_000 {
+                                rep.latencies_us.push(us);
+                            }
+                        }
+                        Err(e) => {
+                            if rep.errors < 5 {
+                                eprintln!("soak: {} -> {dest}: {e}", id);
+                            }
+                            rep.errors += 1;
+                        }
+                    }
+                }
+            }));
+        }
+        for t in tasks {
+            let _ = t.await;
+        }
+    });
+    let _ = sampler.join();
+    let mut rep = report.lock().unwrap().clone();
+    rep.outstanding_at_end = rep.sent - rep.completed - rep.errors;
+    rep
+}
+
+/// A soak worker process (rank ≥ 1), started by [`run`] with the torchrun variables.
+pub fn worker(options: &SoakOptions) -> anyhow::Result<()> {
+    let rank: u32 = std::env::var("RANK")?.parse()?;
+    let mut o = AgentOptions::new(format!("soak{rank}"));
+    o.pool_threads = 2;
+    o.io_threads = 1;
+    o.default_timeout = Duration::from_secs(120);
+    let agent = Agent::init(o, registry(Arc::default()))?;
+    agent.barrier("start")?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let timer = {
+        let (stop, secs) = (stop.clone(), options.seconds);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs_f64(secs));
+            stop.store(true, Ordering::Release);
+        })
+    };
+    let peers: Vec<String> = (0..options.workers)
+        .map(|r| format!("soak{r}"))
+        .filter(|n| *n != agent.info().name)
+        .collect();
+    let per = (options.in_flight / options.workers).max(1);
+    let report = drive(&agent, per, stop, peers);
+    let _ = timer.join();
+    agent.call::<_, ()>("soak0", "soak.report", &report)?;
+    agent.shutdown()?;
+    Ok(())
+}
+
+/// The whole soak's outcome.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub workers: u32,
+    pub in_flight: u32,
+    pub seconds: f64,
+    pub calls: u64,
+    pub calls_per_second: f64,
+    pub gbytes_per_second: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub errors: u64,
+    pub bad_replies: u64,
+    pub duplicates: u64,
+    pub lost: u64,
+    /// Sum over workers of resident memory after warm-up and at the end, and the largest ratio.
+    pub rss_after_warmup_mib: f64,
+    pub rss_end_mib: f64,
+    pub worst_growth: f64,
+}
+
+/// Runs the soak as rank 0, spawning the other workers with `spawn(rank, store)`.
+pub fn run(
+    options: &SoakOptions,
+    spawn: impl Fn(u32, &str) -> anyhow::Result<std::process::Child>,
+) -> anyhow::Result<Summary> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let store = format!("127.0.0.1:{port}");
+    let mut children = Vec::new();
+    for rank in 1..options.workers {
+        children.push(spawn(rank, &store)?);
+    }
+    let reports = Arc::new(Mutex::new(Vec::new()));
+    let mut o = AgentOptions::new("soak0").rank(0, options.workers).store(&store);
+    o.pool_threads = 2;
+    o.io_threads = 1;
+    o.default_timeout = Duration::from_secs(120);
+    o.init_timeout = Duration::from_secs(120);
+    let agent = Agent::init(o, registry(reports.clone()))?;
+    agent.barrier("start")?;
+    let started = Instant::now();
+    let stop = Arc::new(AtomicBool::new(false));
+    let timer = {
+        let (stop, secs) = (stop.clone(), options.seconds);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs_f64(secs));
+            stop.store(true, Ordering::Release);
+        })
+    };
+    let peers: Vec<String> = (1..options.workers).map(|r| format!("soak{r}")).collect();
+    let per = (options.in_flight / options.workers).max(1);
+    let mine = drive(&agent, per, stop, peers);
+    let _ = timer.join();
+    let elapsed = started.elapsed().as_secs_f64();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while reports.lock().unwrap().len() < options.workers as usize - 1 {
+        anyhow::ensure!(Instant::now() < deadline, "not every soak worker reported");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    agent.shutdown()?;
+    for mut c in children {
+        let status = c.wait()?;
+        anyhow::ensure!(status.success(), "a soak worker failed: {status}");
+    }
+    let mut all = reports.lock().unwrap().clone();
+    all.push(mine);
+    let mut latencies: Vec<u32> = all.iter().flat_map(|r| r.latencies_us.iter().copied()).collect();
+    latencies.sort_unstable();
+    let pct = |p: f64| {
+        latencies
+            .get(((latencies.len() as f64 - 1.0) * p) as usize)
+            .copied()
+            .unwrap_or(0) as f64
+    };
+    let warm = |r: &WorkerReport| {
+        r.rss_kib
+            .get(10.min(r.rss_kib.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(0)
+    };
+    let end = |r: &WorkerReport| r.rss_kib.last().copied().unwrap_or(0);
+    let calls: u64 = all.iter().map(|r| r.completed).sum();
+    Ok(Summary {
+        workers: options.workers,
+        in_flight: per * options.workers,
+        seconds: elapsed,
+        calls,
+        calls_per_second: calls as f64 / elapsed,
+        gbytes_per_second: all.iter().map(|r| r.bytes).sum::<u64>() as f64 / elapsed / 1e9,
+        p50_us: pct(0.50),
+        p99_us: pct(0.99),
+        errors: all.iter().map(|r| r.errors).sum(),
+        bad_replies: all.iter().map(|r| r.bad_replies).sum(),
+        duplicates: all.iter().map(|r| r.duplicates).sum(),
+        lost: all.iter().map(|r| r.outstanding_at_end).sum(),
+        rss_after_warmup_mib: all.iter().map(warm).sum::<u64>() as f64 / 1024.0,
+        rss_end_mib: all.iter().map(end).sum::<u64>() as f64 / 1024.0,
+        worst_growth: all
+            .iter()
+            .map(|r| end(r) as f64 / warm(r).max(1) as f64)
+            .fold(0.0, f64::max),
+    })
+}

@@ -1,0 +1,144 @@
+//! Writes the seed corpus (valid frames of every kind) into `fuzz/corpus/<target>/`:
+//! `cargo run --manifest-path fuzz/Cargo.toml --bin seeds`.
+
+use std::path::Path;
+
+use sluice_agent::wire::{Body, Envelope, GlobalId, Request, Response, WireRRef, WireValue};
+use sluice_channel::wire::{
+    encode, encode_setup, Ack, Answer, Brochure, ChannelChoice, ChannelOffer, Hello, Reply, TransportOffer,
+    WireDescriptor, WireTensor,
+};
+use sluice_channel::Device;
+
+fn write(target: &str, seeds: Vec<Vec<u8>>) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus").join(target);
+    std::fs::create_dir_all(&dir).unwrap();
+    for (i, s) in seeds.iter().enumerate() {
+        std::fs::write(dir.join(format!("seed-{i:02}")), s).unwrap();
+    }
+    println!("{target}: {} seeds", seeds.len());
+}
+
+fn main() {
+    let offers = vec![
+        ChannelOffer {
+            name: "cma".into(),
+            devices: vec![(Device::Cpu, "boot=1;uid=0".into())],
+        },
+        ChannelOffer {
+            name: "basic".into(),
+            devices: vec![(Device::Cpu, String::new()), (Device::Cuda(0), "gpu".into())],
+        },
+    ];
+    let brochure = Brochure {
+        name: "worker0".into(),
+        pid: 42,
+        cma_probe: 0x7fff_0000,
+        transports: vec![
+            TransportOffer {
+                name: "shm".into(),
+                descriptor: "boot=x;net=1".into(),
+            },
+            TransportOffer {
+                name: "tcp".into(),
+                descriptor: String::new(),
+            },
+        ],
+        channels: offers.clone(),
+    };
+    let answer = Answer {
+        name: "worker1".into(),
+        pid: 43,
+        cma_probe: 1,
+        transport: "tcp".into(),
+        transport_descriptor: String::new(),
+        address: "127.0.0.1:1".into(),
+        control_token: Some(7),
+        reply_token: 8,
+        lane_address: "127.0.0.1:1".into(),
+        lane_tokens: vec![9, 10],
+        channels: offers,
+        choices: vec![ChannelChoice {
+            server_device: Device::Cpu,
+            client_device: Device::Cpu,
+            channel: "basic".into(),
+        }],
+    };
+    write(
+        "setup",
+        vec![
+            encode_setup(&Hello::Pipe(brochure)),
+            encode_setup(&Hello::Join { token: 99 }),
+            encode_setup(&Reply::Accept(Box::new(answer))),
+            encode_setup(&Reply::Reject { reason: "no".into() }),
+        ],
+    );
+    let t = WireTensor {
+        length: 4096,
+        source: Device::Cpu,
+        target: Some(Device::Cpu),
+        metadata: vec![1, 2].into(),
+        address: Some(0x1000),
+    };
+    write(
+        "descriptor",
+        vec![
+            encode(&WireDescriptor {
+                seq: 3,
+                metadata: vec![0; 16].into(),
+                payloads: vec![100, 0],
+                tensors: vec![t],
+            }),
+            encode(&Ack { seq: 3 }),
+        ],
+    );
+    let value = WireValue {
+        inline: vec![1, 2, 3].into(),
+        in_payload: false,
+        rrefs: vec![WireRRef {
+            owner: 1,
+            id: GlobalId { worker: 1, local: 5 },
+            fork: GlobalId { worker: 0, local: 6 },
+            parent: 0,
+        }],
+    };
+    let envelopes = [
+        Envelope::Hello {
+            rank: 1,
+            version: sluice_agent::wire::AGENT_VERSION,
+            heartbeat_ms: 1000,
+        },
+        Envelope::Goodbye,
+        Envelope::Request(Request {
+            id: 1 << 48 | 3,
+            body: Body::Call { handler: "add".into() },
+            value: value.clone(),
+        }),
+        Envelope::Request(Request {
+            id: 4,
+            body: Body::Ping,
+            value: WireValue::default(),
+        }),
+        Envelope::Request(Request {
+            id: 5,
+            body: Body::Remote {
+                handler: "make".into(),
+                rref: GlobalId { worker: 0, local: 1 },
+                fork: None,
+            },
+            value: value.clone(),
+        }),
+        Envelope::Response(Response {
+            id: 5,
+            result: Ok(value),
+        }),
+    ];
+    let mut rpc: Vec<Vec<u8>> = envelopes
+        .iter()
+        .map(|e| sluice_agent::wire::encode(e).to_vec())
+        .collect();
+    rpc.push(b"live/00001\0\x02\x05w\0left/00002\0".to_vec());
+    write("rpc", rpc);
+    write("store", sluice_agent::store::tcp::fuzz_seeds());
+    write("tensor", sluice_autograd::dist::wire::fuzz_seeds());
+}
