@@ -1,112 +1,147 @@
 //! The etcd backend (`etcd://host:port/prefix`): for elastic groups across hosts, and for
 //! groups whose rendezvous must outlive any one worker.
 //!
+//! It speaks etcd's v3 API through the JSON gateway every etcd since 3.3 serves on its client
+//! port (`POST /v3/kv/range`, `/v3/watch`, `/v3/lease/grant`, …), over plain HTTP with `ureq`.
+//! That keeps the build free of protoc and gRPC code generation, so Sluice builds anywhere
+//! with the Rust toolchain alone.
+//!
 //! Every key lives under the job's prefix. Ephemeral keys are attached to this client's lease,
-//! kept alive by a background task; a worker that dies stops renewing it and its keys expire
+//! renewed by a background thread; a worker that dies stops renewing it and its keys expire
 //! after the lease's time to live. Counters are decimal strings changed by compare-and-swap
-//! transactions; waits (`get`, `wait_count`, `watch`) are etcd watches started at the revision
-//! of the read that found the condition unmet, so no change between the read and the watch is
-//! missed.
+//! transactions; waits (`get`, `wait_count`, `watch`) are etcd watches started just after the
+//! revision of the read that found the condition unmet, so no change in between is missed.
 
-use std::time::Duration;
+use std::io::BufRead;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use etcd_client::{Client, Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, WatchOptions};
+use base64::engine::general_purpose::STANDARD as B64;
+use base64::Engine;
+use serde_json::{json, Value};
 
 use super::{Listing, StoreError};
 
 /// Time to live of a worker's lease: how long a crashed worker stays a member.
 pub const LEASE_TTL_SECS: i64 = 3;
+/// Largest gateway answer read (a listing of a big group fits many times over).
+const MAX_ANSWER: u64 = 64 << 20;
 
 pub struct EtcdStore {
     endpoint: String,
     prefix: String,
-    client: Client,
+    http: ureq::Agent,
     lease: i64,
-    keepalive: tokio::task::JoinHandle<()>,
+    stop: Arc<AtomicBool>,
 }
 
 impl Drop for EtcdStore {
     fn drop(&mut self) {
-        self.keepalive.abort();
         // The lease is revoked by `close`; if we were not closed, it expires on its own.
+        self.stop.store(true, Ordering::Release);
     }
+}
+
+fn b64(s: &str) -> String {
+    B64.encode(s.as_bytes())
+}
+
+/// The end of the key range that holds every key starting with `prefix`.
+fn prefix_end(prefix: &str) -> String {
+    let mut end = prefix.as_bytes().to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return B64.encode(&end);
+        }
+    }
+    B64.encode([0u8])
+}
+
+/// An int64 from the gateway (JSON strings, or numbers; absent means zero).
+fn int(v: &Value) -> i64 {
+    match v {
+        Value::String(s) => s.parse().unwrap_or(0),
+        Value::Number(n) => n.as_i64().unwrap_or(0),
+        _ => 0,
+    }
+}
+
+fn bytes(v: &Value) -> Vec<u8> {
+    v.as_str().and_then(|s| B64.decode(s).ok()).unwrap_or_default()
 }
 
 impl EtcdStore {
     /// Connects to `endpoint` (`host:port`), takes a lease and starts renewing it. Retries
     /// until `timeout` passes (etcd may start after the workers).
     pub async fn connect(endpoint: &str, prefix: &str, timeout: Duration) -> Result<EtcdStore, StoreError> {
-        let unreachable = |detail: String| StoreError::Unreachable {
-            addr: format!("etcd://{endpoint}"),
-            detail,
+        let http = ureq::AgentBuilder::new()
+            .timeout_connect(Duration::from_secs(2))
+            .timeout(Duration::from_secs(30))
+            .build();
+        let mut store = EtcdStore {
+            endpoint: endpoint.to_owned(),
+            prefix: prefix.trim_end_matches('/').to_owned() + "/",
+            http,
+            lease: 0,
+            stop: Arc::new(AtomicBool::new(false)),
         };
-        let start = tokio::time::Instant::now();
+        let start = Instant::now();
         let mut pause = Duration::from_millis(20);
-        let (mut client, lease) = loop {
-            let attempt = async {
-                let options = etcd_client::ConnectOptions::new()
-                    .with_connect_timeout(timeout.max(Duration::from_secs(1)))
-                    .with_timeout(Duration::from_secs(30));
-                let mut client = Client::connect([endpoint], Some(options))
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let lease = client
-                    .lease_grant(LEASE_TTL_SECS, None)
-                    .await
-                    .map_err(|e| format!("cannot take a lease: {e}"))?
-                    .id();
-                Ok::<_, String>((client, lease))
-            };
-            match tokio::time::timeout(
-                timeout.saturating_sub(start.elapsed()).max(Duration::from_millis(100)),
-                attempt,
-            )
-            .await
-            {
-                Ok(Ok(c)) => break c,
-                Ok(Err(e)) if start.elapsed() >= timeout => return Err(unreachable(e)),
-                Err(_) => return Err(unreachable(format!("no answer within {timeout:?}"))),
-                Ok(Err(_)) => {
+        let lease = loop {
+            match store.post("/v3/lease/grant", json!({ "TTL": LEASE_TTL_SECS })).await {
+                Ok(r) if int(&r["ID"]) != 0 => break int(&r["ID"]),
+                Ok(r) => {
+                    return Err(StoreError::Unreachable {
+                        addr: store.address(),
+                        detail: format!("etcd granted no lease: {r}"),
+                    })
+                }
+                Err(e) if start.elapsed() >= timeout => {
+                    return Err(StoreError::Unreachable {
+                        addr: store.address(),
+                        detail: e.to_string(),
+                    })
+                }
+                Err(_) => {
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_millis(500));
                 }
             }
         };
-        let (mut keeper, mut responses) = client
-            .lease_keep_alive(lease)
-            .await
-            .map_err(|e| unreachable(format!("cannot keep the lease alive: {e}")))?;
-        let keepalive = tokio::spawn(async move {
-            let period = Duration::from_millis((LEASE_TTL_SECS as u64 * 1000) / 3);
-            loop {
-                if keeper.keep_alive().await.is_err() {
-                    tracing::warn!(
-                        lease,
-                        "etcd lease keep-alive failed; this worker's membership will expire"
-                    );
-                    return;
-                }
-                match responses.message().await {
-                    Ok(Some(r)) if r.ttl() > 0 => {}
-                    other => {
-                        tracing::warn!(lease, ?other, "etcd lease expired; this worker's membership is gone");
-                        return;
+        store.lease = lease;
+        let (http, url, stop) = (store.http.clone(), store.url("/v3/lease/keepalive"), store.stop.clone());
+        std::thread::Builder::new()
+            .name("sluice-etcd-lease".into())
+            .spawn(move || {
+                let period = Duration::from_millis(LEASE_TTL_SECS as u64 * 1000 / 3);
+                while !stop.load(Ordering::Acquire) {
+                    let alive = http
+                        .post(&url)
+                        .send_json(json!({ "ID": lease.to_string() }))
+                        .ok()
+                        .and_then(|r| r.into_string().ok())
+                        .is_some_and(|s| s.contains("TTL"));
+                    if !alive {
+                        tracing::warn!(lease, "etcd lease renewal failed; this worker's membership may expire");
                     }
+                    std::thread::sleep(period);
                 }
-                tokio::time::sleep(period).await;
-            }
-        });
-        Ok(EtcdStore {
-            endpoint: endpoint.to_owned(),
-            prefix: prefix.trim_end_matches('/').to_owned() + "/",
-            client,
-            lease,
-            keepalive,
-        })
+            })
+            .map_err(|e| StoreError::Unreachable {
+                addr: store.address(),
+                detail: format!("cannot start the lease thread: {e}"),
+            })?;
+        Ok(store)
     }
 
     pub fn address(&self) -> String {
         format!("etcd://{}/{}", self.endpoint, self.prefix.trim_end_matches('/'))
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.endpoint)
     }
 
     fn key(&self, key: &str) -> String {
@@ -120,75 +155,104 @@ impl EtcdStore {
         }
     }
 
+    /// One gateway call, off the async threads.
+    async fn post(&self, path: &str, body: Value) -> Result<Value, StoreError> {
+        let (http, url) = (self.http.clone(), self.url(path));
+        let answer = tokio::task::spawn_blocking(move || -> Result<Value, String> {
+            let r = http.post(&url).send_json(body).map_err(|e| e.to_string())?;
+            let mut text = String::new();
+            std::io::Read::read_to_string(&mut std::io::Read::take(r.into_reader(), MAX_ANSWER), &mut text)
+                .map_err(|e| e.to_string())?;
+            serde_json::from_str(&text).map_err(|e| format!("unreadable answer: {e}"))
+        })
+        .await
+        .map_err(|e| self.failed(e))?;
+        let v = answer.map_err(|e| self.failed(e))?;
+        if let Some(err) = v.get("error") {
+            return Err(self.failed(format!("etcd: {err}")));
+        }
+        Ok(v)
+    }
+
     pub async fn set(&self, key: &str, value: Vec<u8>) -> Result<(), StoreError> {
-        self.client
-            .clone()
-            .put(self.key(key), value, None)
-            .await
-            .map_err(|e| self.failed(e))?;
-        Ok(())
+        self.post(
+            "/v3/kv/put",
+            json!({ "key": b64(&self.key(key)), "value": B64.encode(value) }),
+        )
+        .await
+        .map(|_| ())
     }
 
     pub async fn set_ephemeral(&self, key: &str, value: Vec<u8>) -> Result<(), StoreError> {
-        self.client
-            .clone()
-            .put(self.key(key), value, Some(PutOptions::new().with_lease(self.lease)))
-            .await
-            .map_err(|e| self.failed(e))?;
-        Ok(())
+        let body = json!({ "key": b64(&self.key(key)), "value": B64.encode(value), "lease": self.lease.to_string() });
+        self.post("/v3/kv/put", body).await.map(|_| ())
     }
 
     pub async fn delete(&self, key: &str) -> Result<(), StoreError> {
-        self.client
-            .clone()
-            .delete(self.key(key), None)
+        self.post("/v3/kv/deleterange", json!({ "key": b64(&self.key(key)) }))
             .await
-            .map_err(|e| self.failed(e))?;
-        Ok(())
+            .map(|_| ())
     }
 
     /// The current value of `key` (if any) and the store's revision at that read.
     async fn read(&self, key: &str) -> Result<(Option<Vec<u8>>, i64), StoreError> {
-        let r = self
-            .client
-            .clone()
-            .get(self.key(key), None)
-            .await
-            .map_err(|e| self.failed(e))?;
-        let revision = r.header().map(|h| h.revision()).unwrap_or(0);
-        Ok((r.kvs().first().map(|kv| kv.value().to_vec()), revision))
+        let r = self.post("/v3/kv/range", json!({ "key": b64(&self.key(key)) })).await?;
+        let value = r["kvs"]
+            .as_array()
+            .and_then(|k| k.first())
+            .map(|kv| bytes(&kv["value"]));
+        Ok((value, int(&r["header"]["revision"])))
     }
 
     /// Waits (up to `timeout`) for any change to `key` (or keys under it, with `prefix`) after
     /// `revision`. False when the time ran out.
     async fn wait_change(&self, key: &str, prefix: bool, revision: i64, timeout: Duration) -> Result<bool, StoreError> {
-        let mut options = WatchOptions::new().with_start_revision(revision + 1);
+        let full = self.key(key);
+        let mut create = json!({ "key": b64(&full), "start_revision": (revision + 1).to_string() });
         if prefix {
-            options = options.with_prefix();
+            create["range_end"] = Value::String(prefix_end(&full));
         }
-        let mut stream = self
-            .client
-            .clone()
-            .watch(self.key(key), Some(options))
-            .await
-            .map_err(|e| self.failed(e))?;
-        let wait = async {
+        let url = self.url("/v3/watch");
+        let http = ureq::AgentBuilder::new()
+            .timeout_connect(Duration::from_secs(2))
+            .timeout_read(timeout.max(Duration::from_millis(1)))
+            .build();
+        let seen = tokio::task::spawn_blocking(move || -> Result<bool, String> {
+            let r = match http.post(&url).send_json(json!({ "create_request": create })) {
+                Ok(r) => r,
+                Err(ureq::Error::Transport(t)) if t.to_string().contains("timed out") => return Ok(false),
+                Err(e) => return Err(e.to_string()),
+            };
+            let deadline = Instant::now() + timeout;
+            let mut lines = std::io::BufReader::new(std::io::Read::take(r.into_reader(), MAX_ANSWER));
+            let mut line = String::new();
             loop {
-                match stream.message().await {
-                    Ok(Some(r)) if r.canceled() => {
-                        return Err(self.failed(format!("watch canceled: {}", r.cancel_reason())))
+                line.clear();
+                match lines.read_line(&mut line) {
+                    Ok(0) => return Err("the watch stream ended".into()),
+                    Ok(_) => {
+                        let v: Value =
+                            serde_json::from_str(line.trim()).map_err(|e| format!("unreadable watch answer: {e}"))?;
+                        if v["result"]["canceled"].as_bool() == Some(true) {
+                            return Err(format!("watch canceled: {}", v["result"]["cancel_reason"]));
+                        }
+                        if v["result"]["events"].as_array().is_some_and(|e| !e.is_empty()) {
+                            return Ok(true);
+                        }
+                        if Instant::now() >= deadline {
+                            return Ok(false);
+                        }
                     }
-                    Ok(Some(r)) if !r.events().is_empty() => return Ok(()),
-                    Ok(Some(_)) => continue,
-                    Ok(None) => return Err(self.failed("watch stream ended")),
-                    Err(e) => return Err(self.failed(e)),
+                    Err(e) if matches!(e.kind(), std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock) => {
+                        return Ok(false)
+                    }
+                    Err(e) => return Err(e.to_string()),
                 }
             }
-        };
-        match tokio::time::timeout(timeout, wait).await {
-            Ok(r) => r.map(|_| true),
-            Err(_) => Ok(false),
-        }
+        })
+        .await
+        .map_err(|e| self.failed(e))?;
+        seen.map_err(|e| self.failed(e))
     }
 
     pub async fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, StoreError> {
@@ -216,22 +280,26 @@ impl EtcdStore {
     }
 
     pub async fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
-        let full = self.key(key);
+        let full = b64(&self.key(key));
         loop {
             let (value, _) = self.read(key).await?;
             let (compare, old) = match &value {
                 Some(v) => (
-                    Compare::value(full.clone(), CompareOp::Equal, v.clone()),
+                    json!({ "key": full, "result": "EQUAL", "target": "VALUE", "value": B64.encode(v) }),
                     self.parse_count(key, v)?,
                 ),
-                None => (Compare::version(full.clone(), CompareOp::Equal, 0), 0),
+                None => (
+                    json!({ "key": full, "result": "EQUAL", "target": "VERSION", "version": "0" }),
+                    0,
+                ),
             };
             let new = old.saturating_add(delta);
-            let txn = Txn::new()
-                .when([compare])
-                .and_then([TxnOp::put(full.clone(), new.to_string(), None)]);
-            let r = self.client.clone().txn(txn).await.map_err(|e| self.failed(e))?;
-            if r.succeeded() {
+            let txn = json!({
+                "compare": [compare],
+                "success": [{ "request_put": { "key": full, "value": B64.encode(new.to_string()) } }],
+            });
+            let r = self.post("/v3/kv/txn", txn).await?;
+            if r["succeeded"].as_bool() == Some(true) {
                 return Ok(new);
             }
         }
@@ -259,25 +327,28 @@ impl EtcdStore {
     }
 
     pub async fn list(&self, prefix: &str) -> Result<Listing, StoreError> {
+        let full = self.key(prefix);
         let r = self
-            .client
-            .clone()
-            .get(self.key(prefix), Some(GetOptions::new().with_prefix()))
-            .await
-            .map_err(|e| self.failed(e))?;
-        let revision = r.header().map(|h| h.revision()).unwrap_or(0);
+            .post(
+                "/v3/kv/range",
+                json!({ "key": b64(&full), "range_end": prefix_end(&full) }),
+            )
+            .await?;
         let strip = self.prefix.len();
-        let mut entries: Vec<(String, Vec<u8>)> = r
-            .kvs()
-            .iter()
-            .filter_map(|kv| {
-                let k = std::str::from_utf8(kv.key()).ok()?;
-                Some((k.get(strip..)?.to_owned(), kv.value().to_vec()))
+        let mut entries: Vec<(String, Vec<u8>)> = r["kvs"]
+            .as_array()
+            .map(|kvs| {
+                kvs.iter()
+                    .filter_map(|kv| {
+                        let k = String::from_utf8(bytes(&kv["key"])).ok()?;
+                        Some((k.get(strip..)?.to_owned(), bytes(&kv["value"])))
+                    })
+                    .collect()
             })
-            .collect();
+            .unwrap_or_default();
         entries.sort();
         Ok(Listing {
-            revision: revision.max(0) as u64,
+            revision: int(&r["header"]["revision"]).max(0) as u64,
             entries,
         })
     }
@@ -292,6 +363,24 @@ impl EtcdStore {
 
     /// Revokes the lease: this worker's ephemeral keys go at once.
     pub async fn close(&self) {
-        let _ = self.client.clone().lease_revoke(self.lease).await;
+        self.stop.store(true, Ordering::Release);
+        let _ = self
+            .post("/v3/lease/revoke", json!({ "ID": self.lease.to_string() }))
+            .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefix_ranges_and_gateway_numbers() {
+        assert_eq!(B64.decode(prefix_end("a/")).unwrap(), b"a0");
+        assert_eq!(B64.decode(prefix_end("a\u{7f}")).unwrap(), b"b");
+        assert_eq!(int(&json!("42")), 42);
+        assert_eq!(int(&json!(7)), 7);
+        assert_eq!(int(&Value::Null), 0);
+        assert_eq!(bytes(&json!(B64.encode("hi"))), b"hi");
     }
 }
