@@ -207,15 +207,18 @@ fn drive(agent: &Agent, in_flight: u32, stop: Arc<AtomicBool>, peers: Vec<String
     rep
 }
 
-/// A soak worker process (rank ≥ 1), started by [`run`] with the torchrun variables.
-pub fn worker(options: &SoakOptions) -> anyhow::Result<()> {
-    let rank: u32 = std::env::var("RANK")?.parse()?;
+/// Agent options shared by every soak worker.
+fn agent_options(rank: u32) -> AgentOptions {
     let mut o = AgentOptions::new(format!("soak{rank}"));
     o.pool_threads = 2;
     o.io_threads = 1;
     o.default_timeout = Duration::from_secs(120);
-    let agent = Agent::init(o, registry(Arc::default()))?;
-    agent.barrier("start")?;
+    o.init_timeout = Duration::from_secs(120);
+    o
+}
+
+/// Runs this worker's share of the load for the soak's duration, against every other worker.
+fn load(agent: &Agent, options: &SoakOptions) -> WorkerReport {
     let stop = Arc::new(AtomicBool::new(false));
     let timer = {
         let (stop, secs) = (stop.clone(), options.seconds);
@@ -229,8 +232,17 @@ pub fn worker(options: &SoakOptions) -> anyhow::Result<()> {
         .filter(|n| *n != agent.info().name)
         .collect();
     let per = (options.in_flight / options.workers).max(1);
-    let report = drive(&agent, per, stop, peers);
+    let report = drive(agent, per, stop, peers);
     let _ = timer.join();
+    report
+}
+
+/// A soak worker process (rank ≥ 1), started by [`run`] with the torchrun variables.
+pub fn worker(options: &SoakOptions) -> anyhow::Result<()> {
+    let rank: u32 = std::env::var("RANK")?.parse()?;
+    let agent = Agent::init(agent_options(rank), registry(Arc::default()))?;
+    agent.barrier("start")?;
+    let report = load(&agent, options);
     agent.call::<_, ()>("soak0", "soak.report", &report)?;
     agent.shutdown()?;
     Ok(())
@@ -269,26 +281,13 @@ pub fn run(
         children.push(spawn(rank, &store)?);
     }
     let reports = Arc::new(Mutex::new(Vec::new()));
-    let mut o = AgentOptions::new("soak0").rank(0, options.workers).store(&store);
-    o.pool_threads = 2;
-    o.io_threads = 1;
-    o.default_timeout = Duration::from_secs(120);
-    o.init_timeout = Duration::from_secs(120);
-    let agent = Agent::init(o, registry(reports.clone()))?;
+    let agent = Agent::init(
+        agent_options(0).rank(0, options.workers).store(&store),
+        registry(reports.clone()),
+    )?;
     agent.barrier("start")?;
     let started = Instant::now();
-    let stop = Arc::new(AtomicBool::new(false));
-    let timer = {
-        let (stop, secs) = (stop.clone(), options.seconds);
-        std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_secs_f64(secs));
-            stop.store(true, Ordering::Release);
-        })
-    };
-    let peers: Vec<String> = (1..options.workers).map(|r| format!("soak{r}")).collect();
-    let per = (options.in_flight / options.workers).max(1);
-    let mine = drive(&agent, per, stop, peers);
-    let _ = timer.join();
+    let mine = load(&agent, options);
     let elapsed = started.elapsed().as_secs_f64();
     let deadline = Instant::now() + Duration::from_secs(120);
     while reports.lock().unwrap().len() < options.workers as usize - 1 {
@@ -320,7 +319,7 @@ pub fn run(
     let calls: u64 = all.iter().map(|r| r.completed).sum();
     Ok(Summary {
         workers: options.workers,
-        in_flight: per * options.workers,
+        in_flight: (options.in_flight / options.workers).max(1) * options.workers,
         seconds: elapsed,
         calls,
         calls_per_second: calls as f64 / elapsed,
