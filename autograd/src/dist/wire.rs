@@ -85,7 +85,25 @@ pub(crate) fn from_wire(w: &WireTensor, data: Bytes) -> Result<Tensor> {
         .map(|&n| usize_of(n, "stride"))
         .collect::<Result<_>>()?;
     match &w.sparse {
-        None => Tensor::from_bytes(data, w.dtype, &shape, &strides, usize_of(w.offset, "offset")?),
+        None => {
+            // Senders only ever send contiguous tensors or dense permutations (see `to_wire`),
+            // so every element has bytes of its own. A view that repeats elements (zero or
+            // overlapping strides) could make a few bytes stand for a huge tensor that the
+            // first contiguous copy would try to allocate: refuse it.
+            let numel = shape.iter().try_fold(1usize, |a, &n| a.checked_mul(n));
+            let need = numel.and_then(|n| n.checked_mul(w.dtype.size()));
+            match (numel, need) {
+                (Some(_), Some(need)) if need <= data.len() => {}
+                _ => {
+                    return Err(Error::Wire(format!(
+                        "shape {shape:?} of {:?} needs more than the {} bytes sent (repeated elements are never sent)",
+                        w.dtype,
+                        data.len()
+                    )))
+                }
+            }
+            Tensor::from_bytes(data, w.dtype, &shape, &strides, usize_of(w.offset, "offset")?)
+        }
         Some(indices) => {
             if shape.is_empty() {
                 return Err(Error::Wire("a sparse tensor needs rows".into()));
@@ -210,4 +228,44 @@ pub fn fuzz_seeds() -> Vec<Vec<u8>> {
         out.push(seed);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn described(shape: Vec<u64>, strides: Vec<u64>) -> WireTensor {
+        WireTensor {
+            dtype: DType::F32,
+            shape,
+            strides,
+            offset: 0,
+            requires_grad: false,
+            sparse: None,
+            buffer: 0,
+        }
+    }
+
+    #[test]
+    fn a_few_bytes_cannot_stand_for_a_huge_tensor() {
+        // Found by the `tensor` fuzz target: zero strides made 4 bytes a 2^40-element view,
+        // which the first contiguous copy tried to allocate.
+        let data = Bytes::from(vec![0u8; 4]);
+        let e = from_wire(&described(vec![1 << 20, 1 << 20], vec![0, 0]), data.clone()).unwrap_err();
+        assert!(e.to_string().contains("repeated elements"), "{e}");
+        assert!(from_wire(&described(vec![u64::MAX, 2], vec![1, 1]), data.clone()).is_err());
+        // A real tensor and a real transpose still arrive.
+        let t = from_wire(&described(vec![1], vec![1]), data).unwrap();
+        assert_eq!(t.shape(), &[1]);
+        let x = Tensor::from_vec((0..6).map(|i| i as f32).collect::<Vec<f32>>(), &[2, 3]).unwrap();
+        let (w, d) = to_wire(&x.transpose(0, 1).unwrap(), 0);
+        assert_eq!(
+            from_wire(&w, d).unwrap().to_vec::<f32>().unwrap(),
+            vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]
+        );
+        // The fuzzer's own input, replayed.
+        fuzz_from_wire(&[
+            0, 4, 4, 16, 255, 255, 4, 229, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5, 0, 0, 0, 0, 0,
+        ]);
+    }
 }
