@@ -69,10 +69,12 @@ impl<T: Pod> AsRef<[u8]> for PodVec<T> {
 
 pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
     let mut strides = vec![0; shape.len()];
-    let mut s = 1;
+    let mut s: usize = 1;
     for (d, &n) in shape.iter().enumerate().rev() {
         strides[d] = s;
-        s *= n.max(1);
+        // Saturating: a shape too large to address gets strides that `from_bytes` rejects,
+        // never an overflow panic (zero-sized tensors have any strides).
+        s = s.saturating_mul(n.max(1));
     }
     strides
 }
