@@ -1520,8 +1520,7 @@ impl AgentInner {
                             inner.pool.submit(move || {
                                 let result = method(&ctx, &v, payload);
                                 let result = pool_inner.encode_result(result);
-                                pool_inner.handle.block_on(pool_inner.reply(&pipe, caller, id, result));
-                                pool_inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
+                                pool_inner.reply_from_pool(pipe, caller, id, result);
                             });
                         }
                         Err(e) => {
@@ -1616,8 +1615,7 @@ impl AgentInner {
                 self.pool.submit(move || {
                     let result = f(&ctx, payload);
                     let reply = finish(&inner, result);
-                    inner.handle.block_on(inner.reply(&pipe, caller, id, reply));
-                    inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
+                    inner.reply_from_pool(pipe, caller, id, reply);
                 });
                 None
             }
@@ -1630,13 +1628,33 @@ impl AgentInner {
         }
     }
 
+    /// Replies from a handler thread, then counts the handler done. A reply without tensors is
+    /// written right here (its write completes at once); one with tensors is handed to the I/O
+    /// runtime, because its write may wait for the receiver (a CMA write completes when the
+    /// caller has pulled the bytes), and a pool thread must not wait a round trip for that.
+    fn reply_from_pool(self: &Arc<Self>, pipe: Pipe, caller: u32, id: u64, result: Result<Payload, WireError>) {
+        let has_tensors = result.as_ref().is_ok_and(|p| !p.tensors.is_empty());
+        if has_tensors {
+            let inner = self.clone();
+            self.handle.spawn(async move {
+                inner.reply(&pipe, caller, id, result).await;
+                inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
+            });
+        } else {
+            self.handle.block_on(self.reply(&pipe, caller, id, result));
+            self.handlers_running.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
     /// Sends the reply to request `id` back on `pipe`.
     async fn reply(self: &Arc<Self>, pipe: &Pipe, caller: u32, id: u64, result: Result<Payload, WireError>) {
         let held = self.held.lock().unwrap().remove(&(caller, id));
         if let Some((budget, size)) = held {
             budget.release(size);
         }
-        let peer = self.peer(caller).ok();
+        // The caller's map matters only for tensors; skip the lookup otherwise.
+        let needs_map = result.as_ref().is_ok_and(|p| !p.tensors.is_empty());
+        let peer = if needs_map { self.peer(caller).ok() } else { None };
         let map = peer.as_ref().and_then(|p| p.map_from.as_ref());
         let (result, frames, tensors, forks) = match result {
             Ok(payload) => match self.outgoing_value(&payload, caller, map, true) {
@@ -1884,7 +1902,9 @@ async fn finish_read(
 /// else is held, as the message limit already bounds it).
 pub(crate) struct Budget {
     limit: u64,
-    used: Mutex<u64>,
+    used: AtomicU64,
+    /// Readers waiting for bytes to be released (so a release notifies only when needed).
+    waiting: AtomicUsize,
     freed: tokio::sync::Notify,
 }
 
@@ -1892,32 +1912,44 @@ impl Budget {
     fn new(limit: u64) -> Budget {
         Budget {
             limit,
-            used: Mutex::new(0),
+            used: AtomicU64::new(0),
+            waiting: AtomicUsize::new(0),
             freed: tokio::sync::Notify::new(),
         }
     }
 
+    fn try_acquire(&self, n: u64) -> bool {
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                (used == 0 || used.saturating_add(n) <= self.limit).then(|| used + n)
+            })
+            .is_ok()
+    }
+
     async fn acquire(&self, n: u64) {
+        if self.try_acquire(n) {
+            return;
+        }
+        self.waiting.fetch_add(1, Ordering::AcqRel);
         loop {
             let freed = self.freed.notified();
             tokio::pin!(freed);
             freed.as_mut().enable();
-            {
-                let mut used = self.used.lock().unwrap();
-                if *used == 0 || used.saturating_add(n) <= self.limit {
-                    *used += n;
-                    return;
-                }
+            if self.try_acquire(n) {
+                break;
             }
             freed.await;
         }
+        self.waiting.fetch_sub(1, Ordering::AcqRel);
     }
 
     fn release(&self, n: u64) {
-        let mut used = self.used.lock().unwrap();
-        *used = used.saturating_sub(n);
-        drop(used);
-        self.freed.notify_waiters();
+        let _ = self
+            .used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| Some(used.saturating_sub(n)));
+        if self.waiting.load(Ordering::Acquire) > 0 {
+            self.freed.notify_waiters();
+        }
     }
 }
 
@@ -1950,23 +1982,20 @@ async fn serve_pipe(inner: Arc<AgentInner>, pipe: Pipe) {
         Err(_) => return,
     };
     let budget = Arc::new(Budget::new(inner.options.max_in_flight_bytes));
+    // Silence is watched by a separate task, so reading costs no timer per message.
+    let heard = Arc::new(AtomicU64::new(inner.now_ms()));
+    if let Some(limit) = silence {
+        tokio::spawn(watch_silence(
+            Arc::downgrade(&inner),
+            pipe.clone(),
+            caller,
+            heard.clone(),
+            limit,
+        ));
+    }
     loop {
-        let next = pipe.read_descriptor();
-        let descriptor = match silence {
-            Some(limit) => match tokio::time::timeout(limit, next).await {
-                Ok(m) => m,
-                Err(_) => {
-                    pipe.close();
-                    inner.declare_lost(
-                        caller,
-                        None,
-                        format!("its pipe to this worker was silent for {limit:?}"),
-                    );
-                    return;
-                }
-            },
-            None => next.await,
-        };
+        let descriptor = pipe.read_descriptor().await;
+        heard.store(inner.now_ms(), Ordering::Relaxed);
         let size = descriptor.as_ref().map_or(0, message_bytes);
         let message = match descriptor {
             Ok(d) => finish_read(&pipe, &inner, d, Some((&budget, size))).await,
@@ -2018,6 +2047,34 @@ async fn serve_pipe(inner: Arc<AgentInner>, pipe: Pipe) {
                 pipe.close();
                 return;
             }
+        }
+    }
+}
+
+/// Declares the caller of an incoming pipe lost once the pipe has heard nothing for `limit`;
+/// ends with the pipe.
+async fn watch_silence(
+    weak: std::sync::Weak<AgentInner>,
+    pipe: Pipe,
+    caller: u32,
+    heard: Arc<AtomicU64>,
+    limit: Duration,
+) {
+    loop {
+        tokio::time::sleep(limit / 4).await;
+        let Some(inner) = weak.upgrade() else { return };
+        if inner.is_down() || pipe.error().is_some() {
+            return;
+        }
+        let silent = Duration::from_millis(inner.now_ms().saturating_sub(heard.load(Ordering::Relaxed)));
+        if silent >= limit {
+            pipe.close();
+            inner.declare_lost(
+                caller,
+                None,
+                format!("its pipe to this worker was silent for {silent:?}"),
+            );
+            return;
         }
     }
 }

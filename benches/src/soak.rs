@@ -38,8 +38,10 @@ pub struct WorkerReport {
     pub bytes: u64,
     /// Round-trip latencies in microseconds (a sample: every call's, capped).
     pub latencies_us: Vec<u32>,
-    /// Resident memory in KiB, sampled every second.
+    /// Private resident memory (`RssAnon`) in KiB, sampled every second.
     pub rss_kib: Vec<u64>,
+    /// Resident shared memory (`RssShmem`, the rings) in KiB, sampled with it.
+    pub shm_kib: Vec<u64>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -79,12 +81,19 @@ fn size_for(r: u64) -> usize {
     }
 }
 
-fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/statm")
-        .ok()
-        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
-        .map(|pages| pages * 4)
-        .unwrap_or(0)
+/// Private (heap) resident memory in KiB: `RssAnon`. Shared-memory rings (`RssShmem`) are left
+/// out: their pages are touched lazily as messages wrap around the rings, and each is counted
+/// in both processes that map it; they are bounded by the ring sizes, not by the load.
+fn rss_kib() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    (field("RssAnon:"), field("RssShmem:"))
 }
 
 fn registry(reports: Arc<Mutex<Vec<WorkerReport>>>) -> Registry {
@@ -128,23 +137,27 @@ fn drive(agent: &Agent, in_flight: u32, stop: Arc<AtomicBool>, peers: Vec<String
         let (stop, report) = (stop.clone(), report.clone());
         std::thread::spawn(move || {
             while !stop.load(Ordering::Acquire) {
-                report.lock().unwrap().rss_kib.push(rss_kib());
+                let (anon, shm) = rss_kib();
+                let mut r = report.lock().unwrap();
+                r.rss_kib.push(anon);
+                r.shm_kib.push(shm);
                 std::thread::sleep(Duration::from_secs(1));
             }
         })
     };
+    // One buffer per size, made once: every call sends a reference to it (no copy).
+    let data: Vec<Bytes> = [64usize, 4 << 10, 64 << 10, 1 << 20]
+        .iter()
+        .map(|&n| Bytes::from((0..n).map(|i| (i as u64 ^ me.id as u64) as u8).collect::<Vec<u8>>()))
+        .collect();
     runtime.block_on(async {
         let mut tasks = Vec::new();
         for lane in 0..in_flight {
-            let (agent, stop, peers) = (agent.clone(), stop.clone(), peers.clone());
+            let (agent, stop, peers, data) = (agent.clone(), stop.clone(), peers.clone(), data.clone());
             let (next_seq, done, report) = (next_seq.clone(), done.clone(), report.clone());
             let id = me.id;
             tasks.push(tokio::spawn(async move {
                 let mut r = (lane as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ id as u64;
-                let data: Vec<Bytes> = [64usize, 4 << 10, 64 << 10, 1 << 20]
-                    .iter()
-                    .map(|&n| Bytes::from((0..n).map(|i| (i as u64 ^ r) as u8).collect::<Vec<u8>>()))
-                    .collect();
                 while !stop.load(Ordering::Acquire) {
                     r ^= r << 13;
                     r ^= r >> 7;
@@ -263,10 +276,13 @@ pub struct Summary {
     pub bad_replies: u64,
     pub duplicates: u64,
     pub lost: u64,
-    /// Sum over workers of resident memory after warm-up and at the end, and the largest ratio.
+    /// Sum over workers of private resident memory after warm-up (10 s) and at the end, and
+    /// the largest end/warm-up ratio of any worker.
     pub rss_after_warmup_mib: f64,
     pub rss_end_mib: f64,
     pub worst_growth: f64,
+    /// Sum over workers of resident shared memory (rings) at the end.
+    pub shm_end_mib: f64,
 }
 
 /// Runs the soak as rank 0, spawning the other workers with `spawn(rank, store)`.
@@ -332,6 +348,7 @@ pub fn run(
         lost: all.iter().map(|r| r.outstanding_at_end).sum(),
         rss_after_warmup_mib: all.iter().map(warm).sum::<u64>() as f64 / 1024.0,
         rss_end_mib: all.iter().map(end).sum::<u64>() as f64 / 1024.0,
+        shm_end_mib: all.iter().map(|r| r.shm_kib.last().copied().unwrap_or(0)).sum::<u64>() as f64 / 1024.0,
         worst_growth: all
             .iter()
             .map(|r| end(r) as f64 / warm(r).max(1) as f64)
