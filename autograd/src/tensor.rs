@@ -613,14 +613,17 @@ pub(crate) fn walk<const N: usize>(
             }
             d -= 1;
             idx[d] += 1;
+            // Wrapping: stepping past the last index of a dimension (size 1 with any stride,
+            // say) may leave the valid range for a moment; it is undone just below, and every
+            // offset handed to `f` was bounds-checked when the tensor was made.
             for k in 0..N {
-                off[k] += strides[k][d];
+                off[k] = off[k].wrapping_add(strides[k][d]);
             }
             if idx[d] < shape[d] {
                 break;
             }
             for k in 0..N {
-                off[k] -= strides[k][d] * shape[d];
+                off[k] = off[k].wrapping_sub(strides[k][d].wrapping_mul(shape[d]));
             }
             idx[d] = 0;
         }

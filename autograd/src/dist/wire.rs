@@ -272,9 +272,17 @@ mod tests {
             from_wire(&w, d).unwrap().to_vec::<f32>().unwrap(),
             vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]
         );
-        // The fuzzer's own input, replayed.
-        fuzz_from_wire(&[
-            0, 4, 4, 16, 255, 255, 4, 229, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5, 0, 0, 0, 0, 0,
-        ]);
+        // The fuzzer's inputs, replayed: an out-of-memory (zero strides), an overflow in the
+        // strides of a zero-sized tensor with huge dimensions, and a size-1 dimension with a
+        // huge stride (walking it overflowed for a moment).
+        for input in [
+            "AAQEEP//BOUEBAAAAAAAAAAAAAAFAAAAAAA=",
+            "AwwMDAQEgAAEAQAA+//9//7///xyAAwMDAwMDAwMDAwMDAAAAAABAAAAAAABADE9AAAAAAAMDAwMDA==",
+            "AAIC8PDw8PDw8AMCAAAAAAAAAP////8rAAAA/////38AAAT+Av8=",
+            "AQQBAwECBAMA////////////AQACAQAEADIyMjIBAwECBAMAAjIyMjIyMjIyMjIyMjL//////////////wQA+DX/AwR+AAAC",
+        ] {
+            use base64::Engine;
+            fuzz_from_wire(&base64::engine::general_purpose::STANDARD.decode(input).unwrap());
+        }
     }
 }
