@@ -1743,6 +1743,10 @@ impl AgentInner {
             None => Duration::from_secs(365 * 24 * 3600),
             Some(t) => t.saturating_sub(start.elapsed()),
         };
+        let world_at_start = match self.static_world {
+            0 => self.member_count(),
+            fixed => fixed.min(self.member_count()),
+        };
         let result = self.handle.block_on(async {
             let mut round = 0u64;
             let mut last = 0;
@@ -1781,7 +1785,9 @@ impl AgentInner {
             // Everyone saw the quiet round; the store's host waits until all have read it.
             let _ = self.store.add("shutdown/left", 1).await;
             if self.store_server.lock().unwrap().is_some() {
-                let world = self.member_count();
+                // The group as it was when shutdown began: members that finish first leave the
+                // membership, and must not make the host stop waiting for the slower ones.
+                let world = world_at_start;
                 let _ = self
                     .store
                     .wait_count("shutdown/left", world as i64, left().min(Duration::from_secs(10)))
