@@ -710,13 +710,6 @@ impl AgentInner {
         self.clock.elapsed().as_millis() as u64
     }
 
-    /// Notes a write to `id` (the heartbeat pings only pipes quiet both ways).
-    fn sent_to(&self, id: u32) {
-        if let Some(p) = self.members.read().unwrap().by_id.get(&id) {
-            p.last_sent.store(self.now_ms(), Ordering::Relaxed);
-        }
-    }
-
     fn member_count(&self) -> u32 {
         self.members.read().unwrap().by_id.len() as u32
     }
@@ -885,21 +878,12 @@ impl AgentInner {
             return Ok(id);
         }
         // The watcher may not have seen a fresh join yet: ask the store (from plain threads).
-        if tokio::runtime::Handle::try_current().is_err() && !self.is_down() {
-            if let Ok(Ok(listing)) = self
-                .handle
-                .block_on(async { tokio::time::timeout(Duration::from_secs(5), self.store.list("m/")).await })
-            {
-                let (live, _) = membership::parse_listing(&listing.entries);
-                let mut m = self.members.write().unwrap();
-                for a in live.into_values() {
-                    if !m.by_id.contains_key(&a.id) && !m.gone.contains_key(&a.id) && a.version == wire::AGENT_VERSION {
-                        self.add_member(&mut m, a);
-                    }
-                }
-                if let Some(id) = find(&m) {
-                    return Ok(id);
-                }
+        if tokio::runtime::Handle::try_current().is_err()
+            && !self.is_down()
+            && self.handle.block_on(self.absorb_joins())
+        {
+            if let Some(id) = find(&self.members.read().unwrap()) {
+                return Ok(id);
             }
         }
         Err(RpcError::UnknownWorker {
@@ -1106,17 +1090,30 @@ impl AgentInner {
                 return true;
             }
         }
-        if let Ok(Ok(listing)) = tokio::time::timeout(Duration::from_secs(5), self.store.list("m/")).await {
-            let (live, _) = membership::parse_listing(&listing.entries);
-            if let Some(a) = live.get(&id) {
-                let mut m = self.members.write().unwrap();
-                if !m.by_id.contains_key(&id) && !m.gone.contains_key(&id) && a.version == wire::AGENT_VERSION {
-                    self.add_member(&mut m, a.clone());
+        self.absorb_joins().await && self.members.read().unwrap().by_id.contains_key(&id)
+    }
+
+    /// Reads the membership from the store now and adds the live workers not known here (the
+    /// watcher may lag behind a fresh join), publishing their joins. False if the store did
+    /// not answer within 5 s.
+    async fn absorb_joins(&self) -> bool {
+        let Ok(Ok(listing)) = tokio::time::timeout(Duration::from_secs(5), self.store.list("m/")).await else {
+            return false;
+        };
+        let (live, _) = membership::parse_listing(&listing.entries);
+        let mut joined = Vec::new();
+        {
+            let mut m = self.members.write().unwrap();
+            for a in live.into_values() {
+                if !m.by_id.contains_key(&a.id) && !m.gone.contains_key(&a.id) && a.version == wire::AGENT_VERSION {
+                    joined.push(self.add_member(&mut m, a).info.clone());
                 }
-                return m.by_id.contains_key(&id);
             }
         }
-        false
+        for info in joined {
+            self.subscribers.publish(MembershipEvent::Joined(info));
+        }
+        true
     }
 
     /// Registers a call and sends it; the returned completion gets the reply or an error.
@@ -1182,11 +1179,12 @@ impl AgentInner {
         let inner = self.clone();
         let send = async move {
             let result = async {
-                let pipe = inner.pipe_to(dest).await?;
+                let pipe = inner.pipe_for(&peer).await?;
                 pipe.write(&message)
                     .await
-                    .map_err(|e| RpcError::from_pipe(&inner.name_of(dest), e))?;
-                inner.sent_to(dest);
+                    .map_err(|e| RpcError::from_pipe(&peer.info.name, e))?;
+                // The heartbeat pings only pipes quiet both ways.
+                peer.last_sent.store(inner.now_ms(), Ordering::Relaxed);
                 if duplicate {
                     // Same id: the second reply finds no pending call and is dropped.
                     pipe.write(&message)
@@ -1266,7 +1264,11 @@ impl AgentInner {
     /// The pipe to `id`, opened on first use; its reader task delivers replies and its
     /// heartbeat task watches it.
     async fn pipe_to(self: &Arc<Self>, id: u32) -> Result<Pipe, RpcError> {
-        let peer = self.peer(id)?;
+        self.pipe_for(&self.peer(id)?).await
+    }
+
+    /// [`pipe_to`](Self::pipe_to) for a peer already looked up.
+    async fn pipe_for(self: &Arc<Self>, peer: &Arc<Peer>) -> Result<Pipe, RpcError> {
         if let Some((_, p)) = peer.pipe.lock().unwrap().as_ref() {
             return Ok(p.clone());
         }
@@ -1280,7 +1282,7 @@ impl AgentInner {
         if let Some((_, p)) = peer.pipe.lock().unwrap().as_ref() {
             return Ok(p.clone());
         }
-        self.open_pipe(&peer).await
+        self.open_pipe(peer).await
     }
 
     /// Opens a new pipe to `peer` and starts its reader and heartbeat.

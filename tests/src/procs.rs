@@ -180,3 +180,19 @@ pub fn eventually(what: &str, mut check: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Waits (under the watchdog) for a membership event matching `want` and returns it; other
+/// events are logged and skipped.
+pub fn expect_event(
+    events: &crossbeam_channel::Receiver<sluice_agent::MembershipEvent>,
+    what: &str,
+    want: impl Fn(&sluice_agent::MembershipEvent) -> bool,
+) -> sluice_agent::MembershipEvent {
+    loop {
+        match events.recv_timeout(WATCHDOG) {
+            Ok(e) if want(&e) => return e,
+            Ok(other) => eprintln!("(event while waiting for {what}: {other:?})"),
+            Err(_) => panic!("watchdog: no {what} event"),
+        }
+    }
+}

@@ -12,10 +12,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::Receiver;
 use sluice_agent::{Agent, AgentOptions, MembershipEvent, Registry, RpcError};
-use sluice_tests::procs::{child_role, eventually, put_file, spawn_role, wait_file, Role};
-use sluice_tests::WATCHDOG;
+use sluice_tests::procs::{child_role, eventually, expect_event, put_file, spawn_role, wait_file, Role};
 
 const TEST: &str = "namespaces_tcp_across_shm_within_cut_links_and_kills";
 const PORT: u16 = 29500;
@@ -187,16 +185,6 @@ fn namespaces_tcp_across_shm_within_cut_links_and_kills() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-fn expect(events: &Receiver<MembershipEvent>, what: &str, want: impl Fn(&MembershipEvent) -> bool) {
-    loop {
-        match events.recv_timeout(WATCHDOG) {
-            Ok(e) if want(&e) => return,
-            Ok(other) => eprintln!("(event while waiting for {what}: {other:?})"),
-            Err(_) => panic!("watchdog: no {what} event"),
-        }
-    }
-}
-
 fn ask(dir: &Path, step: &str) {
     put_file(&dir.join(step), "");
     wait_file(&dir.join(format!("{step}-done")));
@@ -233,7 +221,7 @@ fn driver(dir: &Path) {
         "{e}"
     );
     eprintln!("call over the cut link failed after {:?}: {e}", cut.elapsed());
-    expect(
+    expect_event(
         &events,
         "three lost",
         |e| matches!(e, MembershipEvent::Lost { worker, .. } if worker.name == "three"),
@@ -244,7 +232,7 @@ fn driver(dir: &Path) {
     assert_eq!(agent.call::<_, i64>("local", "add", &(3i64, 3i64)).unwrap(), 6);
 
     ask(dir, "restore3");
-    expect(
+    expect_event(
         &events,
         "three reconnected",
         |e| matches!(e, MembershipEvent::Reconnected(w) if w.name == "three"),
@@ -254,13 +242,13 @@ fn driver(dir: &Path) {
     // SIGKILL on host 2: detected, and it rejoins under its name.
     let first = agent.worker("two").unwrap().id;
     ask(dir, "kill2");
-    expect(
+    expect_event(
         &events,
         "two lost",
         |e| matches!(e, MembershipEvent::Lost { worker, .. } if worker.name == "two"),
     );
     ask(dir, "restart2");
-    expect(
+    expect_event(
         &events,
         "two rejoined",
         |e| matches!(e, MembershipEvent::Joined(w) if w.name == "two"),

@@ -10,12 +10,10 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use crossbeam_channel::Receiver;
 use sluice_agent::{Agent, AgentOptions, CallContext, HandlerError, MembershipEvent, RRef, Registry, RpcError};
 use sluice_autograd::dist::{self, Context};
 use sluice_autograd::{DType, Tensor};
-use sluice_tests::procs::{child_role, eventually, spawn_role, Role};
-use sluice_tests::WATCHDOG;
+use sluice_tests::procs::{child_role, eventually, expect_event, spawn_role, Role};
 
 /// Fast failure detection for tests: a silent peer is lost after about a second.
 fn fast(mut o: AgentOptions) -> AgentOptions {
@@ -72,21 +70,6 @@ fn serve_role(name: &str, url: &str) {
         std::thread::sleep(Duration::from_millis(10));
     }
     agent.leave(Duration::from_secs(30)).unwrap();
-}
-
-/// Waits (under the watchdog) for an event matching `want`; returns it.
-fn expect_event(
-    events: &Receiver<MembershipEvent>,
-    what: &str,
-    want: impl Fn(&MembershipEvent) -> bool,
-) -> MembershipEvent {
-    loop {
-        match events.recv_timeout(WATCHDOG) {
-            Ok(e) if want(&e) => return e,
-            Ok(other) => eprintln!("(event while waiting for {what}: {other:?})"),
-            Err(_) => panic!("watchdog: no {what} event"),
-        }
-    }
 }
 
 fn joined(name: &'static str) -> impl Fn(&MembershipEvent) -> bool {

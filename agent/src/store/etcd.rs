@@ -255,11 +255,18 @@ impl EtcdStore {
         seen.map_err(|e| self.failed(e))
     }
 
-    pub async fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, StoreError> {
+    /// Reads `key` until `ready` accepts its value (absent: `None`), waiting on a watch
+    /// between reads, for up to `timeout`.
+    async fn read_until<T>(
+        &self,
+        key: &str,
+        timeout: Duration,
+        ready: impl Fn(Option<Vec<u8>>) -> Result<Option<T>, StoreError>,
+    ) -> Result<T, StoreError> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let (value, revision) = self.read(key).await?;
-            if let Some(v) = value {
+            if let Some(v) = ready(value)? {
                 return Ok(v);
             }
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -270,6 +277,10 @@ impl EtcdStore {
                 });
             }
         }
+    }
+
+    pub async fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, StoreError> {
+        self.read_until(key, timeout, Ok).await
     }
 
     fn parse_count(&self, key: &str, v: &[u8]) -> Result<i64, StoreError> {
@@ -306,24 +317,14 @@ impl EtcdStore {
     }
 
     pub async fn wait_count(&self, key: &str, at_least: i64, timeout: Duration) -> Result<i64, StoreError> {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let (value, revision) = self.read(key).await?;
+        self.read_until(key, timeout, |value| {
             let n = match value {
                 Some(v) => self.parse_count(key, &v)?,
                 None => 0,
             };
-            if n >= at_least {
-                return Ok(n);
-            }
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            if left.is_zero() || !self.wait_change(key, false, revision, left).await? {
-                return Err(StoreError::Timeout {
-                    key: key.into(),
-                    timeout,
-                });
-            }
-        }
+            Ok((n >= at_least).then_some(n))
+        })
+        .await
     }
 
     pub async fn list(&self, prefix: &str) -> Result<Listing, StoreError> {
