@@ -30,6 +30,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use crate::channel::cma::{self, CmaContext};
+use crate::channel::cuda::{process_token, CudaIpcContext, CudaP2pContext, CudaStagedContext};
 use crate::channel::{BasicContext, ChannelContext, ChannelKind, MultiLaneContext};
 use crate::device::Device;
 use crate::error::{PipeError, Result};
@@ -81,6 +82,9 @@ pub struct ContextOptions {
     /// A shared secret every connection must prove (both ways) before anything else is
     /// accepted on it. `None`: no authentication.
     pub secret: Option<Secret>,
+    /// Lets cuda_p2p pair a GPU with itself within this process, so its peer-copy path runs on
+    /// a machine with one GPU (tests and benchmarks only).
+    pub cuda_p2p_loopback: bool,
 }
 
 impl Default for ContextOptions {
@@ -96,6 +100,7 @@ impl Default for ContextOptions {
             setup_timeout: Duration::from_secs(10),
             max_descriptor_bytes: 64 << 20,
             secret: None,
+            cuda_p2p_loopback: false,
         }
     }
 }
@@ -147,6 +152,20 @@ impl Context {
                 ChannelKind::Basic => Box::new(BasicContext),
                 ChannelKind::Cma => Box::new(CmaContext::new()),
                 ChannelKind::MultiLane => Box::new(MultiLaneContext { lanes: options.lanes }),
+                ChannelKind::CudaIpc => Box::new(CudaIpcContext::new()),
+                ChannelKind::CudaP2p => Box::new(CudaP2pContext::new(options.cuda_p2p_loopback)),
+                ChannelKind::CudaStaged => {
+                    let full = CudaStagedContext::new();
+                    match full.viability() {
+                        Ok(()) => Box::new(full),
+                        Err(e) => {
+                            // Without CUDA this side still takes GPU tensors into its CPU
+                            // memory and sends CPU tensors to a peer's GPUs.
+                            tracing::info!("channel cuda_staged serves this process's CPU only: {e}");
+                            Box::new(CudaStagedContext::cpu_only())
+                        }
+                    }
+                }
             };
             match ctx.viability() {
                 Ok(()) => channels.push(ctx),
@@ -249,6 +268,7 @@ impl Context {
         Brochure {
             name: self.inner.options.name.clone(),
             pid: std::process::id(),
+            process: process_token(),
             cma_probe: cma::probe_address(),
             transports: self.transport_offers(),
             channels: self.channel_offers(),
@@ -367,26 +387,60 @@ impl Context {
             lanes.push((r, w));
         }
         Ok(assemble(
-            format!("{}@{addr}", answer.name),
-            answer.pid,
+            Peer {
+                name: format!("{}@{addr}", answer.name),
+                pid: answer.pid,
+                process: answer.process,
+            },
             kind,
             cpu,
+            local_pairs(&answer.choices, false),
             Links { control, reply, lanes },
             self.inner.options.max_descriptor_bytes,
         ))
     }
 }
 
+/// Who the other end is.
+struct Peer {
+    name: String,
+    pid: u32,
+    process: u64,
+}
+
 /// The pipe both ends build once their connections are in place.
-fn assemble(peer: String, peer_pid: u32, kind: TransportKind, cpu: ChannelKind, links: Links, max: usize) -> Pipe {
+fn assemble(
+    peer: Peer,
+    kind: TransportKind,
+    cpu: ChannelKind,
+    channels: Vec<(Device, Device, ChannelKind)>,
+    links: Links,
+    max: usize,
+) -> Pipe {
     let info = PipeInfo {
-        peer,
-        peer_pid,
+        peer: peer.name,
+        peer_pid: peer.pid,
         transport: kind.name(),
         cpu_channel: cpu,
+        channels,
         lanes: links.lanes.len(),
     };
-    Pipe::new(info, links, max)
+    Pipe::new(info, links, max, peer.process)
+}
+
+/// The server's choices as (local device, remote device, channel) for one side.
+fn local_pairs(choices: &[wire::ChannelChoice], server: bool) -> Vec<(Device, Device, ChannelKind)> {
+    choices
+        .iter()
+        .filter_map(|c| {
+            let kind = ChannelKind::from_name(&c.channel)?;
+            Some(if server {
+                (c.server_device, c.client_device, kind)
+            } else {
+                (c.client_device, c.server_device, kind)
+            })
+        })
+        .collect()
 }
 
 /// The channel chosen for CPU-to-CPU tensors.
@@ -601,6 +655,7 @@ async fn serve_pipe(shared: &ListenerShared, peer: &str, bootstrap: Halves, broc
     let answer = Answer {
         name: ctx.inner.options.name.clone(),
         pid: std::process::id(),
+        process: process_token(),
         cma_probe: cma::probe_address(),
         transport: kind.name().to_owned(),
         transport_descriptor: local
@@ -617,8 +672,9 @@ async fn serve_pipe(shared: &ListenerShared, peer: &str, bootstrap: Halves, broc
         lane_address: shared.tcp_address.clone(),
         lane_tokens,
         channels,
-        choices,
+        choices: choices.clone(),
     };
+    let pairs = choices;
     let collected = async {
         w.write(&[&wire::encode_setup(&Reply::Accept(Box::new(answer)))])
             .await?;
@@ -644,10 +700,14 @@ async fn serve_pipe(shared: &ListenerShared, peer: &str, bootstrap: Halves, broc
     let reply = halves.next().expect("reply connection");
     let lanes: Vec<Halves> = halves.collect();
     Ok(assemble(
-        format!("{}@{peer}", brochure.name),
-        brochure.pid,
+        Peer {
+            name: format!("{}@{peer}", brochure.name),
+            pid: brochure.pid,
+            process: brochure.process,
+        },
         kind,
         cpu,
+        local_pairs(&pairs, true),
         Links { control, reply, lanes },
         ctx.inner.options.max_descriptor_bytes,
     ))

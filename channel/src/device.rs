@@ -3,11 +3,14 @@
 //! A buffer knows its device. CPU buffers are `bytes` types: the sender offers an immutable
 //! [`Bytes`] (cheap to clone, kept alive by the pipe until the receiver has the data, which is
 //! what lets CMA read it in place), and the receiver supplies a [`BytesMut`] of exactly the
-//! tensor's length, which the pipe fills in place and hands back. A CUDA buffer (device pointer
-//! plus stream) joins both enums as a new variant; the pipe only asks a buffer for its device
-//! and length, so it does not change.
+//! tensor's length, which the pipe fills in place and hands back. A CUDA buffer
+//! ([`CudaBuffer`]: device memory plus the stream that orders it) is the other variant of both;
+//! the pipe asks a buffer for its device and length and lets the negotiated channel do the
+//! rest.
 
 use bytes::{Bytes, BytesMut};
+
+use crate::cuda::CudaBuffer;
 use serde::{Deserialize, Serialize};
 
 /// Where a buffer's memory lives.
@@ -15,8 +18,8 @@ use serde::{Deserialize, Serialize};
 #[non_exhaustive]
 pub enum Device {
     Cpu,
-    /// A CUDA device by its index in this process. (Channels that move CUDA memory arrive with
-    /// the CUDA issue; today the id exists so device maps can name GPUs.)
+    /// A CUDA device by its index in this process (after `CUDA_VISIBLE_DEVICES`). Across
+    /// processes GPUs are matched by UUID during negotiation, never by this index.
     Cuda(u32),
 }
 
@@ -56,18 +59,22 @@ impl std::str::FromStr for Device {
 #[non_exhaustive]
 pub enum SendBuffer {
     Cpu(Bytes),
+    /// Read after the work already queued on the buffer's stream.
+    Cuda(CudaBuffer),
 }
 
 impl SendBuffer {
     pub fn device(&self) -> Device {
         match self {
             SendBuffer::Cpu(_) => Device::Cpu,
+            SendBuffer::Cuda(b) => Device::Cuda(b.device()),
         }
     }
 
     pub fn len(&self) -> usize {
         match self {
             SendBuffer::Cpu(b) => b.len(),
+            SendBuffer::Cuda(b) => b.len(),
         }
     }
 
@@ -79,7 +86,22 @@ impl SendBuffer {
     pub fn as_cpu(&self) -> Option<&Bytes> {
         match self {
             SendBuffer::Cpu(b) => Some(b),
+            SendBuffer::Cuda(_) => None,
         }
+    }
+
+    /// The CUDA buffer, if this is one.
+    pub fn as_cuda(&self) -> Option<&CudaBuffer> {
+        match self {
+            SendBuffer::Cuda(b) => Some(b),
+            SendBuffer::Cpu(_) => None,
+        }
+    }
+}
+
+impl From<CudaBuffer> for SendBuffer {
+    fn from(b: CudaBuffer) -> Self {
+        SendBuffer::Cuda(b)
     }
 }
 
@@ -100,6 +122,9 @@ impl From<Vec<u8>> for SendBuffer {
 #[non_exhaustive]
 pub enum RecvBuffer {
     Cpu(BytesMut),
+    /// Filled by copies queued on the buffer's stream: work queued there after the read
+    /// completes sees the data.
+    Cuda(CudaBuffer),
 }
 
 impl RecvBuffer {
@@ -111,12 +136,14 @@ impl RecvBuffer {
     pub fn device(&self) -> Device {
         match self {
             RecvBuffer::Cpu(_) => Device::Cpu,
+            RecvBuffer::Cuda(b) => Device::Cuda(b.device()),
         }
     }
 
     pub fn len(&self) -> usize {
         match self {
             RecvBuffer::Cpu(b) => b.len(),
+            RecvBuffer::Cuda(b) => b.len(),
         }
     }
 
@@ -128,12 +155,22 @@ impl RecvBuffer {
     pub fn as_cpu(&self) -> Option<&BytesMut> {
         match self {
             RecvBuffer::Cpu(b) => Some(b),
+            RecvBuffer::Cuda(_) => None,
         }
     }
 
     pub fn into_cpu(self) -> Option<BytesMut> {
         match self {
             RecvBuffer::Cpu(b) => Some(b),
+            RecvBuffer::Cuda(_) => None,
+        }
+    }
+
+    /// The CUDA buffer, if this is one.
+    pub fn as_cuda(&self) -> Option<&CudaBuffer> {
+        match self {
+            RecvBuffer::Cuda(b) => Some(b),
+            RecvBuffer::Cpu(_) => None,
         }
     }
 
@@ -141,6 +178,7 @@ impl RecvBuffer {
     pub fn freeze(self) -> SendBuffer {
         match self {
             RecvBuffer::Cpu(b) => SendBuffer::Cpu(b.freeze()),
+            RecvBuffer::Cuda(b) => SendBuffer::Cuda(b),
         }
     }
 }

@@ -8,12 +8,16 @@
 //! Start with [`context`] (setup and negotiation), then [`pipe`] (the data path), then
 //! [`channel`] (how tensor bytes move) and [`negotiation`] (the pure choice functions).
 //!
+//! CUDA tensors are [`SendBuffer::Cuda`] and [`RecvBuffer::Cuda`] ([`cuda::CudaBuffer`]: device
+//! memory plus the stream that orders it); [`cuda`] says when CUDA is usable and what each CUDA
+//! channel's completion means.
+//!
 //! What this crate does not do: reconnect a failed pipe, retry, or order messages across
-//! pipes. CUDA devices arrive as new variants of [`Device`], [`SendBuffer`] and [`RecvBuffer`];
-//! the pipe's contract does not change.
+//! pipes.
 
 pub mod channel;
 pub mod context;
+pub mod cuda;
 pub mod device;
 pub mod error;
 pub mod message;
@@ -24,6 +28,7 @@ pub mod wire;
 
 pub use channel::ChannelKind;
 pub use context::{Context, ContextOptions, PipeListener, TransportKind};
+pub use cuda::{CudaBuffer, CudaError, Stream};
 pub use device::{BadDevice, Device, RecvBuffer, SendBuffer};
 pub use error::PipeError;
 pub use message::{Allocation, Descriptor, Message, Tensor, TensorDescriptor};

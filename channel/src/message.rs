@@ -2,6 +2,7 @@
 
 use bytes::{Bytes, BytesMut};
 
+use crate::cuda::{CudaBuffer, CudaError, Stream};
 use crate::device::{Device, RecvBuffer, SendBuffer};
 
 /// One message: metadata, payloads (small CPU bytes that travel on the pipe's control stream)
@@ -32,6 +33,15 @@ impl Tensor {
             target_device: None,
         }
     }
+
+    /// A CUDA tensor without metadata, for the receiver's `target` device.
+    pub fn cuda(buffer: CudaBuffer, target: Device) -> Self {
+        Tensor {
+            buffer: SendBuffer::Cuda(buffer),
+            metadata: Bytes::new(),
+            target_device: Some(target),
+        }
+    }
 }
 
 /// A message without its data: what the receiver learns first, to decide where the data goes.
@@ -60,8 +70,33 @@ pub struct Allocation {
 }
 
 impl Allocation {
-    /// Fresh zeroed CPU memory for everything `descriptor` announces. (To avoid page faults on
-    /// every message, keep the returned allocation and pass it back for the next one.)
+    /// Fresh memory for everything `descriptor` announces, on the devices it names: zeroed CPU
+    /// memory, and for CUDA targets new device memory ordered by `stream(device)`. (To avoid
+    /// allocating for every message, keep the returned allocation and pass it back for the
+    /// next one: freeing device memory synchronizes the device.)
+    pub fn try_for_descriptor(
+        descriptor: &Descriptor,
+        mut stream: impl FnMut(u32) -> Result<Stream, CudaError>,
+    ) -> Result<Self, CudaError> {
+        let mut tensors = Vec::with_capacity(descriptor.tensors.len());
+        for t in &descriptor.tensors {
+            tensors.push(match t.target_device.unwrap_or(t.source_device) {
+                Device::Cuda(i) => RecvBuffer::Cuda(CudaBuffer::alloc(t.length as usize, &stream(i)?)?),
+                _ => RecvBuffer::cpu(t.length as usize),
+            });
+        }
+        Ok(Allocation {
+            payloads: descriptor
+                .payload_lengths
+                .iter()
+                .map(|&l| BytesMut::zeroed(l as usize))
+                .collect(),
+            tensors,
+        })
+    }
+
+    /// Fresh zeroed CPU memory for everything `descriptor` announces (for messages whose
+    /// tensors all go to the CPU; see [`try_for_descriptor`](Self::try_for_descriptor)).
     pub fn for_descriptor(descriptor: &Descriptor) -> Self {
         Allocation {
             payloads: descriptor

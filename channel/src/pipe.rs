@@ -14,11 +14,24 @@
 //!   the read the peer's reply depends on being made by this side. If a write is
 //!   cancelled while the peer may still be reading its memory, the pipe keeps the buffers alive
 //!   until it is dropped.
+//! - **CUDA tensors are stream-ordered.** A sender's data is read only after the work already
+//!   queued on its buffer's stream. For cuda_ipc and cuda_p2p, the receiver's `read` completes
+//!   once its copy is *queued* on its buffer's stream (work queued there later sees the data);
+//!   the sender's `write` completes once the sender's stream has been made to wait for the
+//!   receiver's copy (work queued there later, such as overwriting the buffer, runs after the
+//!   copy; host code that frees the memory must synchronize the stream first). For
+//!   cuda_staged, the sender's write completes when every byte has left the GPU, and the
+//!   receiver's read when every host-to-device copy is queued on its stream.
+//! - **Targets.** A tensor goes to its `target_device` on the receiver. Without one, a CPU
+//!   tensor goes to the receiver's CPU, and a CUDA tensor to the receiver's device on the same
+//!   GPU when cuda_ipc connects them, otherwise to the receiver's CPU; the descriptor then
+//!   names the target chosen.
 //! - **Sticky errors.** The first failure closes every connection of the pipe; every pending and
 //!   later operation fails with that same error. [`Pipe::read`] hands the allocation back even
 //!   then. Misuse (reading without a descriptor, a wrong allocation) is reported without
 //!   breaking the pipe.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -28,10 +41,12 @@ use sluice_transport::{Closer, FrameReader, FrameWriter};
 use tokio::sync::Mutex;
 
 use crate::channel::{cma, multilane, ChannelKind};
+use crate::cuda::events::{self, EventSlot};
+use crate::cuda::{driver, ipc, staged, CudaBuffer, CudaError};
 use crate::device::{Device, RecvBuffer, SendBuffer};
 use crate::error::{PipeError, Result};
 use crate::message::{Allocation, Descriptor, Message, TensorDescriptor};
-use crate::wire::{self, Ack, WireDescriptor, WireTensor};
+use crate::wire::{self, Ack, CudaDone, CudaSource, WireDescriptor, WireTensor};
 
 /// Tensors at least this long are copied by CMA on a blocking thread rather than inline.
 const CMA_OFFLOAD: usize = 1 << 20;
@@ -53,7 +68,19 @@ pub struct PipeInfo {
     pub transport: &'static str,
     /// The channel for CPU-to-CPU tensors.
     pub cpu_channel: ChannelKind,
+    /// The channel for every (local device, remote device) pair negotiation could serve.
+    pub channels: Vec<(Device, Device, ChannelKind)>,
     pub lanes: usize,
+}
+
+impl PipeInfo {
+    /// The channel between a local and a remote device, if negotiation found one.
+    pub fn channel(&self, local: Device, remote: Device) -> Option<ChannelKind> {
+        self.channels
+            .iter()
+            .find(|(l, r, _)| *l == local && *r == remote)
+            .map(|&(_, _, k)| k)
+    }
 }
 
 /// A failed [`Pipe::read`]: the error, and the allocation handed back.
@@ -82,8 +109,8 @@ struct WriteSide {
     acks: AnyReader,
     lanes: Vec<AnyWriter>,
     seq: u64,
-    /// CMA sources the peer may still be reading (cleared once acknowledged).
-    exposed: Vec<Bytes>,
+    /// Sources the peer may still be reading (CMA, CUDA), cleared once acknowledged.
+    exposed: Vec<SendBuffer>,
 }
 
 struct ReadSide {
@@ -92,10 +119,19 @@ struct ReadSide {
     lanes: Vec<AnyReader>,
     seq: u64,
     pending: Option<WireDescriptor>,
+    /// Events whose handles went to the sender in the last acknowledgement: it may still be
+    /// queueing a wait on them until its next message arrives, so they are not reused before.
+    held: Vec<EventSlot>,
 }
 
 struct Inner {
     info: PipeInfo,
+    table: HashMap<(Device, Device), ChannelKind>,
+    /// The peer's process token, and whether it is this process.
+    peer_process: u64,
+    same_process: bool,
+    /// Whether this pipe is counted in the IPC caches (see `cuda::ipc`).
+    ipc_counted: bool,
     max_descriptor: usize,
     failed: AtomicBool,
     error: OnceLock<PipeError>,
@@ -142,6 +178,9 @@ impl Drop for Inner {
         for c in &self.closers {
             c.close();
         }
+        if self.ipc_counted {
+            ipc::pipe_closed(self.peer_process);
+        }
     }
 }
 
@@ -158,13 +197,22 @@ impl std::fmt::Debug for Pipe {
 }
 
 impl Pipe {
-    pub(crate) fn new(info: PipeInfo, links: Links, max_descriptor: usize) -> Pipe {
+    pub(crate) fn new(info: PipeInfo, links: Links, max_descriptor: usize, peer_process: u64) -> Pipe {
+        let table = info.channels.iter().map(|&(l, r, k)| ((l, r), k)).collect();
+        let ipc_counted = info.channels.iter().any(|c| c.2.is_direct_cuda());
+        if ipc_counted {
+            ipc::pipe_opened(peer_process);
+        }
         let mut closers = vec![links.control.0.closer(), links.reply.0.closer()];
         closers.extend(links.lanes.iter().map(|(r, _)| r.closer()));
         let (lane_readers, lane_writers): (Vec<_>, Vec<_>) = links.lanes.into_iter().unzip();
         Pipe {
             inner: Arc::new(Inner {
                 info,
+                table,
+                peer_process,
+                same_process: peer_process == crate::channel::cuda::process_token(),
+                ipc_counted,
                 max_descriptor,
                 failed: AtomicBool::new(false),
                 error: OnceLock::new(),
@@ -182,6 +230,7 @@ impl Pipe {
                     lanes: lane_readers,
                     seq: 0,
                     pending: None,
+                    held: Vec::new(),
                 }),
             }),
         }
@@ -205,13 +254,39 @@ impl Pipe {
         self.inner.check().err()
     }
 
-    fn channel_for(&self, source: Device, target: Device) -> Result<ChannelKind> {
-        match (source, target) {
-            (Device::Cpu, Device::Cpu) => Ok(self.inner.info.cpu_channel),
-            (source, target) => Err(PipeError::Negotiation {
+    /// The negotiated channel between a local and a remote device.
+    fn channel_for(&self, local: Device, remote: Device) -> Result<ChannelKind> {
+        self.inner
+            .table
+            .get(&(local, remote))
+            .copied()
+            .ok_or_else(|| PipeError::Negotiation {
                 peer: self.inner.info.peer.clone(),
-                reason: format!("no channel moves {source} memory to {target} (CUDA channels are not built yet)"),
-            }),
+                reason: format!("no channel connects {local} here to {remote} there"),
+            })
+    }
+
+    /// Where a tensor from `source` goes when the sender named no target (see the module
+    /// docs); `None` keeps the descriptor's target empty (CPU to CPU).
+    fn default_target(&self, source: Device) -> Option<Device> {
+        match source {
+            Device::Cpu => None,
+            gpu => Some(
+                self.inner
+                    .info
+                    .channels
+                    .iter()
+                    .find(|&&(l, _, k)| l == gpu && k == ChannelKind::CudaIpc)
+                    .map_or(Device::Cpu, |&(_, r, _)| r),
+            ),
+        }
+    }
+
+    fn cuda_error(&self, channel: ChannelKind, e: CudaError) -> PipeError {
+        PipeError::Channel {
+            peer: self.inner.info.peer.clone(),
+            channel: channel.name(),
+            detail: e.to_string(),
         }
     }
 
@@ -230,27 +305,38 @@ impl Pipe {
         let seq = side.seq;
         let mut channels = Vec::with_capacity(message.tensors.len());
         let mut tensors = Vec::with_capacity(message.tensors.len());
+        // Sender events of cuda_ipc/cuda_p2p tensors: the receiver waits on them before its
+        // copy, so they are kept until its acknowledgement.
+        let mut ready_events = Vec::new();
         for t in &message.tensors {
             let source = t.buffer.device();
+            let target = t.target_device.or_else(|| self.default_target(source));
             // Nothing is written yet, so an unmovable tensor is the caller's mistake, not the
             // pipe's: report it without breaking the pipe.
             let channel = self
-                .channel_for(source, t.target_device.unwrap_or(source))
+                .channel_for(source, target.unwrap_or(source))
                 .map_err(|e| PipeError::Misuse(e.to_string()))?;
-            let address = match (&t.buffer, channel) {
-                (SendBuffer::Cpu(b), ChannelKind::Cma) => {
-                    side.exposed.push(b.clone());
-                    Some(b.as_ptr() as u64)
+            let mut address = None;
+            let mut cuda = None;
+            match (&t.buffer, channel) {
+                (SendBuffer::Cpu(b), ChannelKind::Cma) => address = Some(b.as_ptr() as u64),
+                (SendBuffer::Cuda(b), k) if k.is_direct_cuda() => {
+                    let (source, event) = self
+                        .export(b)
+                        .map_err(|e| PipeError::Misuse(format!("{} cannot send this buffer: {e}", k.name())))?;
+                    cuda = Some(source);
+                    ready_events.push(event);
                 }
-                _ => None,
-            };
+                _ => {}
+            }
             channels.push(channel);
             tensors.push(WireTensor {
                 length: t.buffer.len() as u64,
                 source,
-                target: t.target_device,
+                target,
                 metadata: t.metadata.clone(),
                 address,
+                cuda,
             });
         }
         // Counted only once the message is known to be sendable (a refused one leaves no gap).
@@ -261,21 +347,48 @@ impl Pipe {
             payloads: message.payloads.iter().map(|p| p.len() as u64).collect(),
             tensors,
         };
+        let mut acked = Vec::new();
+        for (t, &channel) in message.tensors.iter().zip(&channels) {
+            if channel == ChannelKind::Cma || channel.is_direct_cuda() {
+                // Kept alive until acknowledged, even if this write is cancelled.
+                side.exposed.push(t.buffer.clone());
+                if channel.is_direct_cuda() {
+                    acked.push(
+                        t.buffer
+                            .as_cuda()
+                            .expect("direct CUDA channels carry CUDA buffers")
+                            .clone(),
+                    );
+                }
+            }
+        }
         side.control.write(&[&wire::encode(&descriptor)]).await?;
         for p in &message.payloads {
             side.control.write(&[p]).await?;
         }
-        let mut cma_pending = false;
-        for (t, channel) in message.tensors.iter().zip(&channels) {
-            let SendBuffer::Cpu(bytes) = &t.buffer;
-            match channel {
-                ChannelKind::Basic => side.control.write(&[bytes]).await?,
-                ChannelKind::MultiLane => send_lanes(&mut side.lanes, bytes, &self.inner.info.peer).await?,
-                ChannelKind::Cma => cma_pending = true,
+        let mut needs_ack = false;
+        for (t, &channel) in message.tensors.iter().zip(&channels) {
+            match (&t.buffer, channel) {
+                (SendBuffer::Cpu(bytes), ChannelKind::Basic) => side.control.write(&[bytes]).await?,
+                (SendBuffer::Cpu(bytes), ChannelKind::MultiLane) => {
+                    send_lanes(&mut side.lanes, bytes, &self.inner.info.peer).await?
+                }
+                (SendBuffer::Cpu(bytes), ChannelKind::CudaStaged) => staged::send_cpu(&mut side.control, bytes).await?,
+                (SendBuffer::Cuda(b), ChannelKind::CudaStaged) => {
+                    staged::send_gpu(&mut side.control, b, &self.inner.info.peer).await?
+                }
+                (_, ChannelKind::Cma) => needs_ack = true,
+                (_, k) if k.is_direct_cuda() => needs_ack = true,
+                (b, k) => {
+                    return Err(self.inner.protocol(format!(
+                        "channel {k} was negotiated for a {} buffer it cannot carry",
+                        b.device()
+                    )))
+                }
             }
         }
-        if cma_pending {
-            let ack = side.acks.read_vec(64).await?;
+        if needs_ack {
+            let ack = side.acks.read_vec(64 + acked.len() * 80).await?;
             let ack: Ack = wire::decode(&ack, &self.inner.info.peer)?;
             if ack.seq != seq {
                 return Err(self.inner.protocol(format!(
@@ -283,9 +396,62 @@ impl Pipe {
                     ack.seq
                 )));
             }
+            if ack.cuda.len() != acked.len() {
+                return Err(self.inner.protocol(format!(
+                    "acknowledgement names {} CUDA copies, the message had {}",
+                    ack.cuda.len(),
+                    acked.len()
+                )));
+            }
+            for (buffer, done) in acked.iter().zip(&ack.cuda) {
+                self.wait_for_receiver(buffer, done)?;
+            }
             side.exposed.clear();
+            drop(ready_events);
         }
         Ok(())
+    }
+
+    /// Describes a CUDA buffer for the receiver of a cuda_ipc/cuda_p2p tensor: an event
+    /// recorded on its stream (the data is ready when the stream gets there) and where the
+    /// bytes are (an address within this process, IPC handles otherwise).
+    fn export(&self, b: &CudaBuffer) -> std::result::Result<(CudaSource, EventSlot), CudaError> {
+        let event = EventSlot::take(b.device())?;
+        event.record(b.stream())?;
+        if self.inner.same_process {
+            return Ok((
+                CudaSource::Local {
+                    address: b.ptr(),
+                    event: event.raw().0 as u64,
+                },
+                event,
+            ));
+        }
+        let (base, offset) = b.allocation()?;
+        crate::cuda::runtime()?.bind(b.device())?;
+        // SAFETY: `base` is the start of the live allocation `b` lies in (from the driver's own
+        // address-range query); `b` keeps it alive.
+        let memory = unsafe { driver::ipc_mem_handle(base) }?;
+        let source = CudaSource::Ipc {
+            memory: Bytes::copy_from_slice(&memory),
+            offset,
+            event: Bytes::copy_from_slice(&event.ipc_handle()),
+        };
+        Ok((source, event))
+    }
+
+    /// Makes the sender's stream wait for the receiver's copy of `buffer`.
+    fn wait_for_receiver(&self, buffer: &CudaBuffer, done: &CudaDone) -> Result<()> {
+        let event = match done {
+            CudaDone::Local { event } if self.inner.same_process => driver::RawEvent(*event as usize),
+            CudaDone::Ipc { event } if !self.inner.same_process => {
+                let handle = ipc_handle(event).ok_or_else(|| self.inner.protocol("malformed IPC event handle"))?;
+                ipc::open_event(self.inner.peer_process, buffer.device(), &handle)
+                    .map_err(|e| self.cuda_error(ChannelKind::CudaIpc, e))?
+            }
+            _ => return Err(self.inner.protocol("acknowledgement of the wrong kind for this peer")),
+        };
+        events::stream_wait(buffer.stream(), event).map_err(|e| self.cuda_error(ChannelKind::CudaIpc, e))
     }
 
     /// Waits for the next message and returns its descriptor. Call [`read`](Self::read) before
@@ -314,15 +480,17 @@ impl Pipe {
         }
         for t in &descriptor.tensors {
             let channel = self
-                .channel_for(t.source, t.target.unwrap_or(t.source))
+                .channel_for(t.target.unwrap_or(t.source), t.source)
                 .map_err(|e| self.inner.fail(e))?;
-            if (channel == ChannelKind::Cma) != t.address.is_some() {
+            if (channel == ChannelKind::Cma) != t.address.is_some() || channel.is_direct_cuda() != t.cuda.is_some() {
                 return Err(self.inner.fail(
                     self.inner
                         .protocol("tensor address does not match the negotiated channel"),
                 ));
             }
         }
+        // The sender has finished waiting on the events of our previous acknowledgement.
+        side.held.clear();
         let public = Descriptor {
             metadata: descriptor.metadata.clone(),
             payload_lengths: descriptor.payloads.clone(),
@@ -384,12 +552,17 @@ impl Pipe {
             read_exact_frame(&mut side.control, p, &self.inner).await?;
         }
         let mut cma = false;
+        let mut done = Vec::new();
         for (t, buf) in descriptor.tensors.iter().zip(allocation.tensors.iter_mut()) {
-            let RecvBuffer::Cpu(dst) = buf;
-            match self.channel_for(t.source, t.target.unwrap_or(t.source))? {
-                ChannelKind::Basic => read_exact_frame(&mut side.control, dst, &self.inner).await?,
-                ChannelKind::MultiLane => recv_lanes(&mut side.lanes, dst, &self.inner.info.peer).await?,
-                ChannelKind::Cma => {
+            let channel = self.channel_for(buf.device(), t.source)?;
+            match (buf, channel) {
+                (RecvBuffer::Cpu(dst), ChannelKind::Basic) => {
+                    read_exact_frame(&mut side.control, dst, &self.inner).await?
+                }
+                (RecvBuffer::Cpu(dst), ChannelKind::MultiLane) => {
+                    recv_lanes(&mut side.lanes, dst, &self.inner.info.peer).await?
+                }
+                (RecvBuffer::Cpu(dst), ChannelKind::Cma) => {
                     cma = true;
                     let address = t.address.expect("checked in read_descriptor");
                     cma_read(self.inner.info.peer_pid as i32, address, dst)
@@ -400,13 +573,102 @@ impl Pipe {
                             detail,
                         })?;
                 }
+                (RecvBuffer::Cpu(dst), ChannelKind::CudaStaged) => {
+                    staged::recv_cpu(&mut side.control, dst, &self.inner.info.peer).await?
+                }
+                (RecvBuffer::Cuda(dst), ChannelKind::CudaStaged) => {
+                    staged::recv_gpu(&mut side.control, dst, &self.inner.info.peer).await?
+                }
+                (RecvBuffer::Cuda(dst), k) if k.is_direct_cuda() => {
+                    let source = t.cuda.as_ref().expect("checked in read_descriptor");
+                    let (ack, event) = self.copy_in(dst, t.source, source, k)?;
+                    done.push(ack);
+                    side.held.push(event);
+                }
+                (b, k) => {
+                    return Err(self
+                        .inner
+                        .protocol(format!("channel {k} cannot fill a {} buffer", b.device())))
+                }
             }
         }
-        if cma {
-            side.acks.write(&[&wire::encode(&Ack { seq: descriptor.seq })]).await?;
+        if cma || !done.is_empty() {
+            let ack = Ack {
+                seq: descriptor.seq,
+                cuda: done,
+            };
+            side.acks.write(&[&wire::encode(&ack)]).await?;
         }
         Ok(())
     }
+
+    /// Queues the copy of a cuda_ipc/cuda_p2p tensor into `dst` on its stream, after the
+    /// sender's ready event, and records the event the sender will wait on.
+    fn copy_in(
+        &self,
+        dst: &CudaBuffer,
+        source_device: Device,
+        source: &CudaSource,
+        channel: ChannelKind,
+    ) -> Result<(CudaDone, EventSlot)> {
+        let fail = |e: CudaError| self.cuda_error(channel, e);
+        let device = dst.device();
+        match source {
+            CudaSource::Local { address, event } => {
+                let Device::Cuda(from) = source_device else {
+                    return Err(self.inner.protocol("a CUDA address from a CPU tensor"));
+                };
+                if !self.inner.same_process {
+                    return Err(self.inner.protocol("a local CUDA address from another process"));
+                }
+                events::stream_wait(dst.stream(), driver::RawEvent(*event as usize)).map_err(fail)?;
+                // SAFETY: the peer is this very process (checked by token), so the address is
+                // the sender's live buffer, kept alive by its pipe until our acknowledgement
+                // and ordered after its ready event.
+                unsafe { dst.copy_from_address(from, *address) }.map_err(fail)?;
+            }
+            CudaSource::Ipc { memory, offset, event } => {
+                if self.inner.same_process {
+                    return Err(self.inner.protocol("IPC handles from this very process"));
+                }
+                let (memory, event) = match (ipc_handle(memory), ipc_handle(event)) {
+                    (Some(m), Some(e)) => (m, e),
+                    _ => return Err(self.inner.protocol("malformed IPC handle")),
+                };
+                let peer = self.inner.peer_process;
+                let (base, size) = ipc::open_memory(peer, device, &memory).map_err(fail)?;
+                if offset.checked_add(dst.len() as u64).is_none_or(|end| end > size as u64) {
+                    return Err(self.inner.protocol(format!(
+                        "{} bytes at offset {offset} of a {size}-byte allocation",
+                        dst.len()
+                    )));
+                }
+                let ready = ipc::open_event(peer, device, &event).map_err(fail)?;
+                events::stream_wait(dst.stream(), ready).map_err(fail)?;
+                // SAFETY: the range lies inside the peer's allocation (checked above), which
+                // the peer keeps alive until our acknowledgement, and the copy is ordered after
+                // its ready event.
+                unsafe { dst.copy_from_address(device, base + offset) }.map_err(fail)?;
+            }
+        }
+        let copied = EventSlot::take(device).map_err(fail)?;
+        copied.record(dst.stream()).map_err(fail)?;
+        let ack = if self.inner.same_process {
+            CudaDone::Local {
+                event: copied.raw().0 as u64,
+            }
+        } else {
+            CudaDone::Ipc {
+                event: Bytes::copy_from_slice(&copied.ipc_handle()),
+            }
+        };
+        Ok((ack, copied))
+    }
+}
+
+/// A 64-byte IPC handle from the wire.
+fn ipc_handle(b: &Bytes) -> Option<[u8; driver::IPC_HANDLE_BYTES]> {
+    b.as_ref().try_into().ok()
 }
 
 fn check_allocation(d: &WireDescriptor, a: &Allocation) -> std::result::Result<(), String> {
@@ -432,13 +694,12 @@ fn check_allocation(d: &WireDescriptor, a: &Allocation) -> std::result::Result<(
                 t.length
             ));
         }
-        if let Some(target) = t.target {
-            if b.device() != target {
-                return Err(format!(
-                    "tensor {i}: buffer on {} but the sender asked for {target}",
-                    b.device()
-                ));
-            }
+        let target = t.target.unwrap_or(t.source);
+        if b.device() != target {
+            return Err(format!(
+                "tensor {i}: buffer on {} but the sender sent it for {target}",
+                b.device()
+            ));
         }
     }
     Ok(())

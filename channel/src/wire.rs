@@ -18,7 +18,7 @@ use crate::error::PipeError;
 
 pub const MAGIC: [u8; 4] = *b"SLCE";
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 const ENVELOPE: usize = 6;
 
 /// Largest setup frame accepted (hello or answer).
@@ -38,6 +38,8 @@ pub enum Hello {
 pub struct Brochure {
     pub name: String,
     pub pid: u32,
+    /// A random token naming the process (CUDA channels use plain addresses within one).
+    pub process: u64,
     /// Address of the CMA probe in the sender's memory (see `channel::cma`).
     pub cma_probe: u64,
     /// In the client's priority order.
@@ -70,6 +72,7 @@ pub enum Reply {
 pub struct Answer {
     pub name: String,
     pub pid: u32,
+    pub process: u64,
     pub cma_probe: u64,
     pub transport: String,
     pub transport_descriptor: String,
@@ -111,12 +114,36 @@ pub struct WireTensor {
     pub metadata: Bytes,
     /// For CMA: where the bytes sit in the sender's address space.
     pub address: Option<u64>,
+    /// For cuda_ipc and cuda_p2p: where the receiver copies from, and what it waits for.
+    pub cuda: Option<CudaSource>,
 }
 
-/// Sent on the reply connection once the receiver is done with a message's CMA tensors.
+/// Where a cuda_ipc or cuda_p2p tensor sits, and the event recorded on the sender's stream
+/// once its data was ready.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum CudaSource {
+    /// Another process: the IPC handle of the allocation (64 bytes), the tensor's offset in
+    /// it, and the IPC handle of the event (64 bytes).
+    Ipc { memory: Bytes, offset: u64, event: Bytes },
+    /// This process (only accepted from a peer with this process's token).
+    Local { address: u64, event: u64 },
+}
+
+/// The receiver's event for one cuda_ipc or cuda_p2p tensor, recorded after its copy: the
+/// sender's stream waits on it before the sender's write completes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum CudaDone {
+    Ipc { event: Bytes },
+    Local { event: u64 },
+}
+
+/// Sent on the reply connection once the receiver is done with (CMA) or has queued its copies
+/// of (cuda_ipc, cuda_p2p) a message's tensors.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Ack {
     pub seq: u64,
+    /// One per cuda_ipc or cuda_p2p tensor, in order.
+    pub cuda: Vec<CudaDone>,
 }
 
 /// Serializes a setup frame with the versioned envelope.
@@ -208,6 +235,11 @@ mod tests {
                 target: None,
                 metadata: Bytes::new(),
                 address: Some(77),
+                cuda: Some(CudaSource::Ipc {
+                    memory: Bytes::from_static(&[1; 64]),
+                    offset: 5,
+                    event: Bytes::from_static(&[2; 64]),
+                }),
             }],
         });
         for cut in 0..sample.len() {

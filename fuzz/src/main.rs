@@ -5,7 +5,7 @@ use std::path::Path;
 
 use sluice_agent::wire::{Body, Envelope, GlobalId, Request, Response, WireRRef, WireValue};
 use sluice_channel::wire::{
-    encode, encode_setup, Ack, Answer, Brochure, ChannelChoice, ChannelOffer, Hello, Reply, TransportOffer,
+    encode, encode_setup, Ack, CudaDone, CudaSource, Answer, Brochure, ChannelChoice, ChannelOffer, Hello, Reply, TransportOffer,
     WireDescriptor, WireTensor,
 };
 use sluice_channel::Device;
@@ -29,10 +29,19 @@ fn main() {
             name: "basic".into(),
             devices: vec![(Device::Cpu, String::new()), (Device::Cuda(0), "gpu".into())],
         },
+        ChannelOffer {
+            name: "cuda_ipc".into(),
+            devices: vec![(Device::Cuda(0), "gpu=GPU-1|proc=ab|peers=GPU-2|host=boot=1;ipc=2;pid=3".into())],
+        },
+        ChannelOffer {
+            name: "cuda_staged".into(),
+            devices: vec![(Device::Cpu, "staged;cpu".into()), (Device::Cuda(0), "staged;gpu".into())],
+        },
     ];
     let brochure = Brochure {
         name: "worker0".into(),
         pid: 42,
+        process: 0xabc1,
         cma_probe: 0x7fff_0000,
         transports: vec![
             TransportOffer {
@@ -49,6 +58,7 @@ fn main() {
     let answer = Answer {
         name: "worker1".into(),
         pid: 43,
+        process: 0xabc3,
         cma_probe: 1,
         transport: "tcp".into(),
         transport_descriptor: String::new(),
@@ -79,6 +89,26 @@ fn main() {
         target: Some(Device::Cpu),
         metadata: vec![1, 2].into(),
         address: Some(0x1000),
+        cuda: None,
+    };
+    let gpu = WireTensor {
+        length: 1 << 20,
+        source: Device::Cuda(0),
+        target: Some(Device::Cuda(1)),
+        metadata: vec![3].into(),
+        address: None,
+        cuda: Some(CudaSource::Ipc {
+            memory: vec![7; 64].into(),
+            offset: 4096,
+            event: vec![9; 64].into(),
+        }),
+    };
+    let local = WireTensor {
+        cuda: Some(CudaSource::Local {
+            address: 0x7000_0000,
+            event: 0x55,
+        }),
+        ..gpu.clone()
     };
     write(
         "descriptor",
@@ -87,9 +117,18 @@ fn main() {
                 seq: 3,
                 metadata: vec![0; 16].into(),
                 payloads: vec![100, 0],
-                tensors: vec![t],
+                tensors: vec![t, gpu, local],
             }),
-            encode(&Ack { seq: 3 }),
+            encode(&Ack { seq: 3, cuda: vec![] }),
+            encode(&Ack {
+                seq: 4,
+                cuda: vec![
+                    CudaDone::Ipc {
+                        event: vec![1; 64].into(),
+                    },
+                    CudaDone::Local { event: 3 },
+                ],
+            }),
         ],
     );
     let value = WireValue {

@@ -14,8 +14,16 @@
 //!   again against the actual peer at pipe setup.
 //! - **multilane**: a large tensor is cut into equal contiguous pieces sent in parallel over N
 //!   TCP connections, each driven by its own task (so by several cores).
+//! - **cuda_ipc**: GPU to the same GPU on this host: the receiver opens the sender's memory
+//!   (CUDA IPC; a plain address within one process) and copies device to device, ordered by
+//!   events on both sides' streams.
+//! - **cuda_p2p**: GPU to another GPU of this host with peer access both ways (NVLink or PCIe),
+//!   the same way.
+//! - **cuda_staged**: any pair with a GPU on one side, through pinned host memory in pipelined
+//!   chunks on the pipe's connection; works across hosts.
 
 pub mod cma;
+pub mod cuda;
 pub mod multilane;
 
 use crate::device::Device;
@@ -26,17 +34,44 @@ pub enum ChannelKind {
     Basic,
     Cma,
     MultiLane,
+    CudaIpc,
+    CudaP2p,
+    CudaStaged,
 }
 
 impl ChannelKind {
-    pub const ALL: [ChannelKind; 3] = [ChannelKind::Cma, ChannelKind::MultiLane, ChannelKind::Basic];
+    /// Every channel, in the default priority order.
+    pub const ALL: [ChannelKind; 6] = [
+        ChannelKind::Cma,
+        ChannelKind::MultiLane,
+        ChannelKind::Basic,
+        ChannelKind::CudaIpc,
+        ChannelKind::CudaP2p,
+        ChannelKind::CudaStaged,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             ChannelKind::Basic => "basic",
             ChannelKind::Cma => "cma",
             ChannelKind::MultiLane => "multilane",
+            ChannelKind::CudaIpc => "cuda_ipc",
+            ChannelKind::CudaP2p => "cuda_p2p",
+            ChannelKind::CudaStaged => "cuda_staged",
         }
+    }
+
+    /// Whether it moves GPU memory (so it needs a CUDA tensor on at least one side).
+    pub fn is_cuda(self) -> bool {
+        matches!(
+            self,
+            ChannelKind::CudaIpc | ChannelKind::CudaP2p | ChannelKind::CudaStaged
+        )
+    }
+
+    /// Whether the receiver copies straight from the sender's GPU memory (and acknowledges).
+    pub fn is_direct_cuda(self) -> bool {
+        matches!(self, ChannelKind::CudaIpc | ChannelKind::CudaP2p)
     }
 
     pub fn from_name(name: &str) -> Option<Self> {

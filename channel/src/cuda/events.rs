@@ -1,0 +1,124 @@
+//! Pools of interprocess events, one per device, and the waits the channels build from them.
+//!
+//! Creating an event is cheap but an interprocess event must exist before its handle can be
+//! sent, and a handle a peer has opened must keep naming the same event: so events are created
+//! on demand, never destroyed, and reused through a free list. An [`EventSlot`] goes back to its
+//! pool when dropped; the protocol drops it only once the peer can no longer be waiting for the
+//! record it carried (see the pipe).
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use super::driver::{self, RawEvent, IPC_HANDLE_BYTES};
+use super::{runtime, CudaError, Stream};
+
+struct Pooled {
+    event: RawEvent,
+    handle: [u8; IPC_HANDLE_BYTES],
+}
+
+struct Pool {
+    device: u32,
+    free: Mutex<Vec<Pooled>>,
+}
+
+/// An event of a device's pool, returned to it on drop.
+pub(crate) struct EventSlot {
+    pool: Arc<Pool>,
+    item: Option<Pooled>,
+}
+
+impl Drop for EventSlot {
+    fn drop(&mut self) {
+        if let Some(item) = self.item.take() {
+            self.pool.free.lock().expect("event pool").push(item);
+        }
+    }
+}
+
+fn pool(device: u32) -> Arc<Pool> {
+    static POOLS: OnceLock<Mutex<Vec<Arc<Pool>>>> = OnceLock::new();
+    let pools = POOLS.get_or_init(Default::default);
+    let mut pools = pools.lock().expect("event pools");
+    if let Some(p) = pools.iter().find(|p| p.device == device) {
+        return p.clone();
+    }
+    let p = Arc::new(Pool {
+        device,
+        free: Mutex::new(Vec::new()),
+    });
+    pools.push(p.clone());
+    p
+}
+
+impl EventSlot {
+    /// An event of `device`'s pool.
+    pub(crate) fn take(device: u32) -> Result<EventSlot, CudaError> {
+        let pool = pool(device);
+        let reused = pool.free.lock().expect("event pool").pop();
+        let item = match reused {
+            Some(item) => item,
+            None => {
+                runtime()?.bind(device)?;
+                let event = driver::event_create(true)?;
+                // SAFETY: just created as an interprocess event.
+                let handle = unsafe { driver::ipc_event_handle(event) }?;
+                Pooled { event, handle }
+            }
+        };
+        Ok(EventSlot { pool, item: Some(item) })
+    }
+
+    fn item(&self) -> &Pooled {
+        self.item.as_ref().expect("present until drop")
+    }
+
+    pub(crate) fn raw(&self) -> RawEvent {
+        self.item().event
+    }
+
+    pub(crate) fn ipc_handle(&self) -> [u8; IPC_HANDLE_BYTES] {
+        self.item().handle
+    }
+
+    /// Records the work queued so far on `stream` (which must be of this pool's device).
+    pub(crate) fn record(&self, stream: &Stream) -> Result<(), CudaError> {
+        debug_assert_eq!(stream.device(), self.pool.device);
+        runtime()?.bind(self.pool.device)?;
+        // SAFETY: both handles are alive (the pool never destroys events; the stream is held).
+        unsafe { driver::event_record(self.raw(), stream.handle()) }?;
+        Ok(())
+    }
+
+    /// Waits, without blocking the async runtime, for the work this event last recorded.
+    pub(crate) async fn wait(&self) -> Result<(), CudaError> {
+        wait_raw(self.pool.device, self.raw()).await
+    }
+}
+
+/// Makes work queued later on `stream` wait for `event`'s last record (an event of this
+/// process, or one opened from a peer's handle).
+pub(crate) fn stream_wait(stream: &Stream, event: RawEvent) -> Result<(), CudaError> {
+    runtime()?.bind(stream.device())?;
+    // SAFETY: the stream is held; events are never destroyed while a pipe can name them
+    // (pooled events live forever, opened ones stay in the cache while in use).
+    unsafe { driver::stream_wait_event(stream.handle(), event) }?;
+    Ok(())
+}
+
+/// Waits for `event` (of `device`): a query first, then a blocking wait on a blocking thread.
+pub(crate) async fn wait_raw(device: u32, event: RawEvent) -> Result<(), CudaError> {
+    let cuda = runtime()?;
+    cuda.bind(device)?;
+    // SAFETY: the event is alive (see `stream_wait`).
+    if unsafe { driver::event_query(event) }? {
+        return Ok(());
+    }
+    tokio::task::spawn_blocking(move || {
+        cuda.bind(device)?;
+        // SAFETY: as above.
+        unsafe { driver::event_synchronize(event) }?;
+        Ok(())
+    })
+    .await
+    .map_err(|e| CudaError::Invalid(format!("event wait thread failed: {e}")))?
+}

@@ -1,0 +1,477 @@
+//! The owning CUDA types: streams, device memory, pinned host memory, and [`CudaBuffer`] (device
+//! memory plus the stream that orders it), with the copies the channels queue on them.
+//!
+//! Memory safety: device memory is never dereferenced by the host, so the Rust-level promise
+//! these types keep is that every address handed to the driver lies inside an allocation that
+//! is alive until the work using it has finished. Owned allocations are freed only on drop, and
+//! a buffer keeps its allocation alive (`keep`). Pinned memory is touched by the host only
+//! through `&mut`, and the staging code waits for the device's copies out of a slot before it
+//! hands the slot out again.
+
+use std::any::Any;
+use std::ops::Range;
+use std::sync::Arc;
+
+use super::driver::{self, DevicePtr, RawStream};
+use super::{runtime, CudaError};
+
+struct StreamInner {
+    device: u32,
+    raw: RawStream,
+    owned: bool,
+}
+
+impl Drop for StreamInner {
+    fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
+        if let Ok(cuda) = runtime() {
+            if cuda.bind(self.device).is_ok() {
+                // SAFETY: created by `Stream::new`, destroyed once (last clone); work already
+                // queued on it still completes.
+                let _ = unsafe { driver::stream_destroy(self.raw) };
+            }
+        }
+    }
+}
+
+/// A CUDA stream of one device. Cheap to clone; an owned stream is destroyed with its last
+/// clone.
+#[derive(Clone)]
+pub struct Stream {
+    inner: Arc<StreamInner>,
+}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Stream(cuda:{}, {:#x})", self.inner.device, self.inner.raw.0)
+    }
+}
+
+impl Stream {
+    /// A new non-blocking stream on `device`.
+    pub fn new(device: u32) -> Result<Stream, CudaError> {
+        let cuda = runtime()?;
+        cuda.bind(device)?;
+        let raw = driver::stream_create()?;
+        Ok(Stream {
+            inner: Arc::new(StreamInner {
+                device,
+                raw,
+                owned: true,
+            }),
+        })
+    }
+
+    /// Wraps a stream made elsewhere (for example PyTorch's current stream). Sluice never
+    /// destroys it.
+    ///
+    /// # Safety
+    /// `raw` is a live stream handle of `device`'s primary context (or 0, that context's legacy
+    /// default stream) and stays alive as long as this value and its clones are used.
+    pub unsafe fn from_raw(device: u32, raw: usize) -> Result<Stream, CudaError> {
+        let cuda = runtime()?;
+        cuda.bind(device)?;
+        if raw != 0 {
+            // SAFETY: the caller promises a live handle.
+            let actual = unsafe { driver::stream_device(RawStream(raw)) }?;
+            if actual != device as i32 {
+                return Err(CudaError::Invalid(format!(
+                    "stream {raw:#x} belongs to cuda:{actual}, not cuda:{device}"
+                )));
+            }
+        }
+        Ok(Stream {
+            inner: Arc::new(StreamInner {
+                device,
+                raw: RawStream(raw),
+                owned: false,
+            }),
+        })
+    }
+
+    pub fn device(&self) -> u32 {
+        self.inner.device
+    }
+
+    /// The driver's handle.
+    pub fn raw(&self) -> usize {
+        self.inner.raw.0
+    }
+
+    pub(crate) fn handle(&self) -> RawStream {
+        self.inner.raw
+    }
+
+    /// Blocks until everything queued so far has finished.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        runtime()?.bind(self.inner.device)?;
+        // SAFETY: the stream is alive while `self` is.
+        unsafe { driver::stream_synchronize(self.inner.raw) }?;
+        Ok(())
+    }
+}
+
+/// Device memory owned by Sluice (`cuMemAlloc`, so it can be shared with CUDA IPC). Freed on
+/// drop; freeing synchronizes the device, so allocate once and reuse.
+#[derive(Debug)]
+pub struct DeviceMemory {
+    device: u32,
+    ptr: DevicePtr,
+    len: usize,
+}
+
+impl Drop for DeviceMemory {
+    fn drop(&mut self) {
+        if let Ok(cuda) = runtime() {
+            if cuda.bind(self.device).is_ok() {
+                // SAFETY: allocated by `new`, freed once; cuMemFree waits for queued work.
+                let _ = unsafe { driver::mem_free(self.ptr) };
+            }
+        }
+    }
+}
+
+impl DeviceMemory {
+    /// `len` bytes on `device` (contents undefined).
+    pub fn new(device: u32, len: usize) -> Result<Arc<DeviceMemory>, CudaError> {
+        runtime()?.bind(device)?;
+        let ptr = driver::mem_alloc(len)?;
+        Ok(Arc::new(DeviceMemory { device, ptr, len }))
+    }
+
+    pub fn device(&self) -> u32 {
+        self.device
+    }
+
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// A buffer over `range` of this memory, ordered by `stream`.
+    pub fn buffer(self: &Arc<Self>, range: Range<usize>, stream: &Stream) -> Result<CudaBuffer, CudaError> {
+        if range.start > range.end || range.end > self.len {
+            return Err(CudaError::Invalid(format!(
+                "range {range:?} is outside an allocation of {} bytes",
+                self.len
+            )));
+        }
+        if stream.device() != self.device {
+            return Err(CudaError::Invalid(format!(
+                "memory on cuda:{} with a stream of cuda:{}",
+                self.device,
+                stream.device()
+            )));
+        }
+        Ok(CudaBuffer {
+            _keep: self.clone(),
+            ptr: self.ptr + range.start as u64,
+            len: range.end - range.start,
+            device: self.device,
+            stream: stream.clone(),
+        })
+    }
+}
+
+/// Pinned (page-locked) host memory, usable by every device. Freed on drop (which
+/// synchronizes), so the staging pool allocates it once.
+#[derive(Debug)]
+pub struct PinnedMemory {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the allocation is process-wide and owned by this value alone; access to its bytes
+// goes through `&self`/`&mut self` like a `Vec<u8>`.
+unsafe impl Send for PinnedMemory {}
+// SAFETY: as above: shared access only reads.
+unsafe impl Sync for PinnedMemory {}
+
+impl Drop for PinnedMemory {
+    fn drop(&mut self) {
+        if runtime().is_ok() {
+            // SAFETY: allocated by `new`, freed once; its users waited for their copies.
+            let _ = unsafe { driver::host_free(self.ptr) };
+        }
+    }
+}
+
+impl PinnedMemory {
+    pub fn new(len: usize) -> Result<PinnedMemory, CudaError> {
+        let cuda = runtime()?;
+        cuda.bind(0)?;
+        let ptr = driver::host_alloc(len)?;
+        // Touch it once so the first transfer does not pay for page faults; also makes every
+        // byte initialized for the slice accessors.
+        // SAFETY: `ptr` is a fresh allocation of `len` bytes (at least 1) owned by us.
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        Ok(PinnedMemory { ptr, len })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `len` initialized bytes owned by `self`, alive while borrowed.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, borrowed exclusively.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// Queues a copy of `len` bytes from `src` (at `src_offset`) into the start of this memory,
+    /// on `src`'s stream. The caller must not touch these bytes until the stream has passed
+    /// the copy (record an event after it and wait for that).
+    pub(crate) fn fill_from_device(
+        &mut self,
+        src: &CudaBuffer,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<(), CudaError> {
+        check_range(src, src_offset, len)?;
+        if len > self.len {
+            return Err(CudaError::Invalid(format!("{len} bytes into a {}-byte slot", self.len)));
+        }
+        runtime()?.bind(src.device)?;
+        // SAFETY: the source range lies inside `src` (checked), kept alive by its `keep`; the
+        // destination is ours, and the staging code does not read or reuse it before the
+        // stream has passed the copy.
+        unsafe { driver::copy_dtoh_async(self.ptr, src.ptr + src_offset as u64, len, src.stream.handle()) }?;
+        Ok(())
+    }
+
+    /// Queues a copy of the first `len` bytes of this memory into `dst` (at `dst_offset`), on
+    /// `dst`'s stream. The caller must not overwrite these bytes until the stream has passed
+    /// the copy.
+    pub(crate) fn drain_to_device(&self, dst: &CudaBuffer, dst_offset: usize, len: usize) -> Result<(), CudaError> {
+        check_range(dst, dst_offset, len)?;
+        if len > self.len {
+            return Err(CudaError::Invalid(format!("{len} bytes from a {}-byte slot", self.len)));
+        }
+        runtime()?.bind(dst.device)?;
+        // SAFETY: the destination range lies inside `dst` (checked); the source is ours and is
+        // not overwritten before the stream has passed the copy.
+        unsafe { driver::copy_htod_async(dst.ptr + dst_offset as u64, self.ptr, len, dst.stream.handle()) }?;
+        Ok(())
+    }
+}
+
+fn check_range(b: &CudaBuffer, offset: usize, len: usize) -> Result<(), CudaError> {
+    if offset.checked_add(len).is_none_or(|end| end > b.len) {
+        return Err(CudaError::Invalid(format!(
+            "{len} bytes at offset {offset} of a {}-byte buffer",
+            b.len
+        )));
+    }
+    Ok(())
+}
+
+/// Device memory plus the stream that orders its use: what a CUDA tensor is to a pipe.
+///
+/// The sender's stream says when the data is ready (channels read only after the work already
+/// queued on it); the receiver's stream is where the incoming copy is queued (work queued on it
+/// later sees the data).
+#[derive(Clone)]
+pub struct CudaBuffer {
+    /// Never read: holds whatever keeps the memory allocated.
+    _keep: Arc<dyn Any + Send + Sync>,
+    ptr: DevicePtr,
+    len: usize,
+    device: u32,
+    stream: Stream,
+}
+
+impl std::fmt::Debug for CudaBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBuffer")
+            .field("device", &self.device)
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .field("stream", &self.stream)
+            .finish()
+    }
+}
+
+impl CudaBuffer {
+    /// A fresh allocation of `len` bytes on the stream's device.
+    pub fn alloc(len: usize, stream: &Stream) -> Result<CudaBuffer, CudaError> {
+        DeviceMemory::new(stream.device(), len)?.buffer(0..len, stream)
+    }
+
+    /// Wraps memory allocated elsewhere (for example a PyTorch tensor's storage). The device is
+    /// derived from the pointer and must match the stream's.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` is device memory that stays allocated while this buffer (or a clone, or a
+    /// pipe operation using it) exists; `keep` may hold whatever keeps it alive.
+    pub unsafe fn from_raw(
+        ptr: DevicePtr,
+        len: usize,
+        stream: &Stream,
+        keep: Arc<dyn Any + Send + Sync>,
+    ) -> Result<CudaBuffer, CudaError> {
+        let cuda = runtime()?;
+        cuda.bind(stream.device())?;
+        let info = driver::pointer_info(ptr)?;
+        if !info.is_device_memory {
+            return Err(CudaError::Invalid(format!("{ptr:#x} is not device memory")));
+        }
+        if info.device != stream.device() as i32 {
+            return Err(CudaError::Invalid(format!(
+                "{ptr:#x} lives on cuda:{} but its stream is on cuda:{}",
+                info.device,
+                stream.device()
+            )));
+        }
+        if ptr + len as u64 > info.base + info.size as u64 {
+            return Err(CudaError::Invalid(format!(
+                "{len} bytes at {ptr:#x} run past the end of their allocation"
+            )));
+        }
+        Ok(CudaBuffer {
+            _keep: keep,
+            ptr,
+            len,
+            device: stream.device(),
+            stream: stream.clone(),
+        })
+    }
+
+    pub fn device(&self) -> u32 {
+        self.device
+    }
+
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// The same memory ordered by another stream of the same device.
+    pub fn with_stream(&self, stream: &Stream) -> Result<CudaBuffer, CudaError> {
+        if stream.device() != self.device {
+            return Err(CudaError::Invalid(format!(
+                "a buffer on cuda:{} cannot use a stream of cuda:{}",
+                self.device,
+                stream.device()
+            )));
+        }
+        Ok(CudaBuffer {
+            stream: stream.clone(),
+            ..self.clone()
+        })
+    }
+
+    /// The sub-buffer `range` (same stream, same allocation kept alive).
+    pub fn slice(&self, range: Range<usize>) -> Result<CudaBuffer, CudaError> {
+        if range.start > range.end || range.end > self.len {
+            return Err(CudaError::Invalid(format!(
+                "range {range:?} of a {}-byte buffer",
+                self.len
+            )));
+        }
+        Ok(CudaBuffer {
+            ptr: self.ptr + range.start as u64,
+            len: range.end - range.start,
+            ..self.clone()
+        })
+    }
+
+    /// The allocation this buffer lies in: its base and the buffer's offset from it (what an
+    /// IPC handle needs: handles name allocations, not addresses).
+    pub(crate) fn allocation(&self) -> Result<(DevicePtr, u64), CudaError> {
+        runtime()?.bind(self.device)?;
+        let info = driver::pointer_info(self.ptr)?;
+        Ok((info.base, self.ptr - info.base))
+    }
+
+    /// Copies `data` in, in stream order, and waits for it (tests and examples).
+    pub fn write_from_host(&self, data: &[u8]) -> Result<(), CudaError> {
+        check_range(self, 0, data.len())?;
+        runtime()?.bind(self.device)?;
+        // SAFETY: the destination lies inside this buffer; the pageable source is read before
+        // the call returns or, at the latest, by the synchronize below, while `data` is
+        // borrowed.
+        unsafe { driver::copy_htod_async(self.ptr, data.as_ptr(), data.len(), self.stream.handle()) }?;
+        self.stream.synchronize()
+    }
+
+    /// The bytes, after everything queued on the stream (tests and examples).
+    pub fn read_to_host(&self) -> Result<Vec<u8>, CudaError> {
+        let mut out = vec![0u8; self.len];
+        runtime()?.bind(self.device)?;
+        // SAFETY: the source lies inside this buffer; `out` is written only by this copy and
+        // read after the synchronize.
+        unsafe { driver::copy_dtoh_async(out.as_mut_ptr(), self.ptr, self.len, self.stream.handle()) }?;
+        self.stream.synchronize()?;
+        Ok(out)
+    }
+
+    /// Queues a fill with `value` on the stream.
+    pub fn fill(&self, value: u8) -> Result<(), CudaError> {
+        runtime()?.bind(self.device)?;
+        // SAFETY: the range is this buffer's.
+        unsafe { driver::memset_async(self.ptr, value, self.len, self.stream.handle()) }?;
+        Ok(())
+    }
+
+    /// Queues a copy of `src` into this buffer on this buffer's stream (same length; any two
+    /// devices of this process). Used by baselines and by the channels.
+    pub fn copy_from(&self, src: &CudaBuffer) -> Result<(), CudaError> {
+        if src.len != self.len {
+            return Err(CudaError::Invalid(format!(
+                "copy of {} bytes into {} bytes",
+                src.len, self.len
+            )));
+        }
+        // SAFETY: both ranges are live buffers of the stated length.
+        unsafe { self.copy_from_address(src.device, src.ptr) }
+    }
+
+    /// Queues a copy of `self.len()` bytes from `src` (on device `src_device`, in this
+    /// process's address space, e.g. opened from an IPC handle) on this buffer's stream.
+    ///
+    /// # Safety
+    /// `src..src+len` is valid device memory until the stream has passed the copy.
+    pub(crate) unsafe fn copy_from_address(&self, src_device: u32, src: DevicePtr) -> Result<(), CudaError> {
+        let cuda = runtime()?;
+        let dst_gpu = cuda.bind(self.device)?;
+        if src_device == self.device {
+            // SAFETY: the destination is this buffer; the caller vouches for the source.
+            unsafe { driver::copy_dtod_async(self.ptr, src, self.len, self.stream.handle()) }?;
+        } else {
+            let src_ctx = cuda.gpu(src_device)?.context;
+            // SAFETY: as above, across two contexts of this process.
+            unsafe {
+                driver::copy_peer_async(self.ptr, dst_gpu.context, src, src_ctx, self.len, self.stream.handle())
+            }?;
+        }
+        Ok(())
+    }
+}
