@@ -180,4 +180,98 @@ mod tests {
         assert!(verify_channels(&client, &server, &bogus, &eq).is_err());
         assert!(choose_channels(&server, &client, &eq).is_empty());
     }
+
+    /// Two processes see the same two GPUs in opposite orders (`CUDA_VISIBLE_DEVICES=1,0` on
+    /// one side): pairs are matched by UUID, never by index, and peer access decides cuda_p2p.
+    fn gpu_offers(order: [&str; 2], peers: bool, process: u64) -> Vec<ChannelOffer> {
+        use crate::cuda::descriptor::{GpuDescriptor, STAGED_CPU, STAGED_GPU};
+        let describe = |uuid: &str, other: &str| {
+            GpuDescriptor {
+                host: "boot=1;ipc=2;pid=3".into(),
+                process,
+                gpu: uuid.into(),
+                peers: if peers { vec![other.into()] } else { vec![] },
+            }
+            .encode()
+        };
+        let gpus =
+            |with: &dyn Fn(usize) -> String| (0..2).map(|i| (Device::Cuda(i as u32), with(i))).collect::<Vec<_>>();
+        vec![
+            ChannelOffer {
+                name: "cma".into(),
+                devices: vec![(Device::Cpu, "h".into())],
+            },
+            ChannelOffer {
+                name: "cuda_ipc".into(),
+                devices: gpus(&|i| describe(order[i], order[1 - i])),
+            },
+            ChannelOffer {
+                name: "cuda_p2p".into(),
+                devices: gpus(&|i| describe(order[i], order[1 - i])),
+            },
+            ChannelOffer {
+                name: "cuda_staged".into(),
+                devices: std::iter::once((Device::Cpu, STAGED_CPU.to_owned()))
+                    .chain(gpus(&|_| STAGED_GPU.to_owned()))
+                    .collect(),
+            },
+        ]
+    }
+
+    fn real(name: &str, a: &str, b: &str) -> bool {
+        use crate::cuda::descriptor;
+        match name {
+            "cuda_ipc" => descriptor::ipc_compatible(a, b),
+            "cuda_p2p" => descriptor::p2p_compatible(a, b),
+            "cuda_staged" => descriptor::staged_compatible(a, b),
+            _ => a == b,
+        }
+    }
+
+    fn pick(choices: &[ChannelChoice], server: Device, client: Device) -> &str {
+        choices
+            .iter()
+            .find(|c| c.server_device == server && c.client_device == client)
+            .map_or("none", |c| c.channel.as_str())
+    }
+
+    #[test]
+    fn gpus_are_matched_by_uuid_and_peer_access_decides_p2p() {
+        let (c0, c1) = (Device::Cuda(0), Device::Cuda(1));
+        for peers in [true, false] {
+            let server = gpu_offers(["GPU-A", "GPU-B"], peers, 1);
+            let client = gpu_offers(["GPU-B", "GPU-A"], peers, 2);
+            let choices = choose_channels(&server, &client, &real);
+            verify_channels(&client, &server, &choices, &real).unwrap();
+            // Server cuda:0 is GPU-A, which the client calls cuda:1.
+            assert_eq!(pick(&choices, c0, c1), "cuda_ipc");
+            assert_eq!(pick(&choices, c1, c0), "cuda_ipc");
+            let other = if peers { "cuda_p2p" } else { "cuda_staged" };
+            assert_eq!(pick(&choices, c0, c0), other, "peers allowed: {peers}");
+            assert_eq!(pick(&choices, c1, c1), other, "peers allowed: {peers}");
+            assert_eq!(pick(&choices, Device::Cpu, c0), "cuda_staged");
+            assert_eq!(pick(&choices, c1, Device::Cpu), "cuda_staged");
+            assert_eq!(pick(&choices, Device::Cpu, Device::Cpu), "cma");
+        }
+    }
+
+    #[test]
+    fn a_peer_without_cuda_still_reaches_our_gpus_through_staging() {
+        use crate::cuda::descriptor::STAGED_CPU;
+        let server = gpu_offers(["GPU-A", "GPU-B"], true, 1);
+        let client = vec![
+            ChannelOffer {
+                name: "cma".into(),
+                devices: vec![(Device::Cpu, "h".into())],
+            },
+            ChannelOffer {
+                name: "cuda_staged".into(),
+                devices: vec![(Device::Cpu, STAGED_CPU.into())],
+            },
+        ];
+        let choices = choose_channels(&server, &client, &real);
+        assert_eq!(pick(&choices, Device::Cuda(1), Device::Cpu), "cuda_staged");
+        assert_eq!(pick(&choices, Device::Cpu, Device::Cpu), "cma");
+        assert_eq!(choices.len(), 3, "{choices:?}");
+    }
 }

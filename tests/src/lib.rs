@@ -4,6 +4,7 @@
 //! Tests never assert how fast something is; the watchdog only turns a hang into a failure.
 
 pub mod conformance;
+pub mod gpu;
 pub mod procs;
 pub mod workers;
 

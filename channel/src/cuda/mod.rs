@@ -20,7 +20,7 @@ pub mod driver;
 pub(crate) mod events;
 pub(crate) mod ipc;
 mod memory;
-pub(crate) mod staged;
+pub mod staged;
 
 use std::sync::OnceLock;
 

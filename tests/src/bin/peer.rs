@@ -4,6 +4,9 @@
 //! Usage:
 //! - `sluice-test-peer transport <tcp|shm> ADDR <stream|stall>`
 //! - `sluice-test-peer pipe-echo ADDR <basic|cma|multilane>`: echo every message back.
+//! - `sluice-test-peer pipe-echo-cuda ADDR CHANNEL,CHANNEL,...`: receive every message into
+//!   memory on the devices it names (GPU memory on a stream of this process) and send it back
+//!   to the devices its tensors came from, without touching the host.
 
 use sluice_transport::shm::ShmTransport;
 use sluice_transport::tcp::TcpTransport;
@@ -17,6 +20,7 @@ async fn main() {
         ["transport", "tcp", addr, mode] => transport_mode(TcpTransport::default(), addr, mode).await,
         ["transport", "shm", addr, mode] => transport_mode(ShmTransport::default(), addr, mode).await,
         ["pipe-echo", addr, channel] => pipe_echo(addr, channel).await,
+        ["pipe-echo-cuda", addr, channels] => pipe_echo_cuda(addr, channels).await,
         _ => {
             eprintln!("usage: sluice-test-peer transport <tcp|shm> ADDR <stream|stall> | pipe-echo ADDR CHANNEL");
             std::process::exit(2);
@@ -63,6 +67,53 @@ async fn pipe_echo(addr: &str, channel: &str) {
                 .tensors
                 .into_iter()
                 .map(|t| Tensor::cpu(t.into_cpu().expect("cpu").freeze()))
+                .collect(),
+        };
+        if pipe.write(&back).await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn pipe_echo_cuda(addr: &str, channels: &str) {
+    use sluice_channel::cuda::Stream;
+    use sluice_channel::{Allocation, ChannelKind, Context, ContextOptions, Message, Tensor};
+    let channels = channels
+        .split(',')
+        .map(|c| ChannelKind::from_name(c).expect("channel name"))
+        .collect();
+    let ctx = Context::new(ContextOptions {
+        channels,
+        ..ContextOptions::default()
+    })
+    .expect("context");
+    let pipe = ctx.connect(addr).await.expect("peer connect");
+    // One stream per device, reused: the echo must not depend on a synchronize.
+    let mut streams: std::collections::HashMap<u32, Stream> = Default::default();
+    loop {
+        let Ok(d) = pipe.read_descriptor().await else { return };
+        let alloc = Allocation::try_for_descriptor(&d, |i| {
+            if let Some(s) = streams.get(&i) {
+                return Ok(s.clone());
+            }
+            let s = Stream::new(i)?;
+            streams.insert(i, s.clone());
+            Ok(s)
+        })
+        .expect("allocation");
+        let Ok(got) = pipe.read(alloc).await else { return };
+        let back = Message {
+            metadata: d.metadata.clone(),
+            payloads: got.payloads.into_iter().map(|p| p.freeze()).collect(),
+            tensors: got
+                .tensors
+                .into_iter()
+                .zip(&d.tensors)
+                .map(|(t, desc)| Tensor {
+                    buffer: t.freeze(),
+                    metadata: desc.metadata.clone(),
+                    target_device: Some(desc.source_device),
+                })
                 .collect(),
         };
         if pipe.write(&back).await.is_err() {
