@@ -40,9 +40,16 @@ enum Commands {
         /// Measure against a peer started elsewhere with --listen.
         #[arg(long, value_name = "ADDR")]
         connect: Option<String>,
-        /// Comma-separated suites: raw, transport, pipe, idle, rpc, autograd.
-        #[arg(long, default_value = "raw,transport,pipe,idle,rpc,autograd", value_delimiter = ',')]
+        /// Comma-separated suites: raw, transport, pipe, idle, rpc, autograd, cuda (the cuda
+        /// suite says so and measures nothing without a GPU).
+        #[arg(long, default_value = "raw,transport,pipe,idle,rpc,autograd,cuda", value_delimiter = ',')]
         suites: Vec<String>,
+        /// Internal: run as the cuda suite's peer, connecting to ADDR.
+        #[arg(long, value_name = "ADDR", hide = true)]
+        cuda_peer: Option<String>,
+        /// Internal: the channels the cuda suite's peer offers.
+        #[arg(long, value_name = "LIST", hide = true, default_value = "")]
+        cuda_channels: String,
         /// Internal: run as rank 1 of the rpc suite, with the store at ADDR.
         #[arg(long, value_name = "ADDR", hide = true)]
         rpc_worker: Option<String>,
@@ -141,6 +148,8 @@ fn main() -> anyhow::Result<()> {
         suites,
         idle_seconds,
         rpc_worker,
+        cuda_peer,
+        cuda_channels,
     } = command
     else {
         unreachable!("handled above")
@@ -148,11 +157,14 @@ fn main() -> anyhow::Result<()> {
     if let Some(store) = rpc_worker {
         return sluice_benches::rpc::worker(&store);
     }
+    if let Some(addr) = cuda_peer {
+        return sluice_benches::cuda::peer(&addr, &cuda_channels);
+    }
     let suites = if only.is_empty() { suites } else { only };
     for s in &suites {
         anyhow::ensure!(
-            ["raw", "transport", "pipe", "idle", "rpc", "autograd"].contains(&s.as_str()),
-            "unknown suite `{s}`: expected raw, transport, pipe, idle, rpc or autograd"
+            ["raw", "transport", "pipe", "idle", "rpc", "autograd", "cuda"].contains(&s.as_str()),
+            "unknown suite `{s}`: expected raw, transport, pipe, idle, rpc, autograd or cuda"
         );
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -171,15 +183,18 @@ fn main() -> anyhow::Result<()> {
         idle_seconds: idle_seconds.unwrap_or(if quick { 1.0 } else { 5.0 }),
     };
     let remote = connect.is_some();
+    let needs_peer = suites.iter().any(|s| !["autograd", "cuda"].contains(&s.as_str()));
+    let peer_suites = suites.iter().any(|s| !["rpc", "autograd", "cuda"].contains(&s.as_str()));
     let (addr, _peer) = match connect {
         Some(a) => (a, None),
-        None => {
+        None if needs_peer => {
             let peer = PeerChild::spawn()?;
             (peer.address.clone(), Some(peer))
         }
+        None => (String::new(), None),
     };
     let mut records = Vec::new();
-    if suites.iter().any(|s| s != "rpc" && s != "autograd") {
+    if peer_suites {
         records = runtime.block_on(sluice_benches::run(&options, &addr))?;
     }
     if options.suites.iter().any(|s| s == "rpc") {
@@ -194,6 +209,13 @@ fn main() -> anyhow::Result<()> {
             eprintln!("autograd suite skipped: it starts its own second worker on this host");
         } else {
             records.extend(sluice_benches::autograd::run(&options, spawn_rpc_worker)?);
+        }
+    }
+    if options.suites.iter().any(|s| s == "cuda") {
+        if remote {
+            eprintln!("cuda suite skipped: it starts its own peer on this host");
+        } else {
+            records.extend(sluice_benches::cuda::run(&options, &spawn_cuda_peer)?);
         }
     }
     print!("{}", report::table(&records));
@@ -215,6 +237,17 @@ fn spawn_rpc_worker(store: &str) -> anyhow::Result<Box<dyn std::any::Any>> {
         .stdin(Stdio::null())
         .spawn()
         .context("starting the rpc worker")?;
+    Ok(Box::new(KillOnDrop(child)) as Box<dyn std::any::Any>)
+}
+
+/// Starts the cuda suite's peer, connecting to `addr` and offering `channels`.
+fn spawn_cuda_peer(addr: &str, channels: &str) -> anyhow::Result<Box<dyn std::any::Any>> {
+    let exe = std::env::current_exe()?;
+    let child = Command::new(exe)
+        .args(["bench", "--cuda-peer", addr, "--cuda-channels", channels])
+        .stdin(Stdio::null())
+        .spawn()
+        .context("starting the cuda peer")?;
     Ok(Box::new(KillOnDrop(child)) as Box<dyn std::any::Any>)
 }
 

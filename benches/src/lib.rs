@@ -6,7 +6,8 @@
 //! another host); [`raw`] holds the baselines (busy-poll ping-pong over a shared atomic, raw TCP
 //! ping-pong and stream with the same tokio waiting strategy as the TCP transport, memcpy);
 //! [`run`] drives the suites, [`rpc`] the RPC agent suite (two agent processes), [`autograd`]
-//! the training-step suite (same two processes), and [`report`]
+//! the training-step suite (same two processes), [`cuda`] the CUDA channels against the
+//! device's own copies (with its own peer process), and [`report`]
 //! prints the table and the JSON lines.
 //!
 //! Nothing here asserts a speed: targets are checked by reading the ratios.
@@ -14,6 +15,7 @@
 #![forbid(unsafe_code)]
 
 pub mod autograd;
+pub mod cuda;
 pub mod peer;
 pub mod raw;
 pub mod report;

@@ -475,3 +475,50 @@ impl CudaBuffer {
         Ok(())
     }
 }
+
+/// A raw copy measured as a baseline for the CUDA channels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RawCopy {
+    /// Device memory to device memory on one GPU (`cuMemcpyDtoDAsync`).
+    DeviceToDevice,
+    /// Pinned host memory to the GPU.
+    HostToDevice,
+    /// The GPU to pinned host memory.
+    DeviceToHost,
+}
+
+/// Times `iterations` back-to-back copies of `bytes` on `device`'s stream (after one warm-up
+/// copy), from the first enqueue until the stream has finished the last.
+pub fn time_raw_copies(
+    device: u32,
+    kind: RawCopy,
+    bytes: usize,
+    iterations: u32,
+) -> Result<std::time::Duration, CudaError> {
+    let stream = Stream::new(device)?;
+    let a = CudaBuffer::alloc(bytes, &stream)?;
+    let mut pinned = None;
+    let b = match kind {
+        RawCopy::DeviceToDevice => Some(CudaBuffer::alloc(bytes, &stream)?),
+        _ => {
+            pinned = Some(PinnedMemory::new(bytes)?);
+            None
+        }
+    };
+    let mut run = |n: u32| -> Result<std::time::Duration, CudaError> {
+        let start = std::time::Instant::now();
+        for _ in 0..n {
+            match (kind, &b, pinned.as_mut()) {
+                (RawCopy::DeviceToDevice, Some(b), _) => b.copy_from(&a)?,
+                (RawCopy::HostToDevice, _, Some(p)) => p.drain_to_device(&a, 0, bytes)?,
+                (RawCopy::DeviceToHost, _, Some(p)) => p.fill_from_device(&a, 0, bytes)?,
+                _ => unreachable!("allocated above for this kind"),
+            }
+        }
+        // The host does not touch the pinned memory until the stream has passed every copy.
+        stream.synchronize()?;
+        Ok(start.elapsed())
+    };
+    run(1)?;
+    run(iterations)
+}

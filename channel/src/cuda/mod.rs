@@ -25,7 +25,7 @@ pub mod staged;
 use std::sync::OnceLock;
 
 pub use driver::{DevicePtr, DriverError};
-pub use memory::{CudaBuffer, DeviceMemory, PinnedMemory, Stream};
+pub use memory::{time_raw_copies, CudaBuffer, DeviceMemory, PinnedMemory, RawCopy, Stream};
 
 use driver::RawContext;
 
