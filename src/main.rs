@@ -42,7 +42,11 @@ enum Commands {
         connect: Option<String>,
         /// Comma-separated suites: raw, transport, pipe, idle, rpc, autograd, cuda (the cuda
         /// suite says so and measures nothing without a GPU).
-        #[arg(long, default_value = "raw,transport,pipe,idle,rpc,autograd,cuda", value_delimiter = ',')]
+        #[arg(
+            long,
+            default_value = "raw,transport,pipe,idle,rpc,autograd,cuda",
+            value_delimiter = ','
+        )]
         suites: Vec<String>,
         /// Internal: run as the cuda suite's peer, connecting to ADDR.
         #[arg(long, value_name = "ADDR", hide = true)]
@@ -184,7 +188,9 @@ fn main() -> anyhow::Result<()> {
     };
     let remote = connect.is_some();
     let needs_peer = suites.iter().any(|s| !["autograd", "cuda"].contains(&s.as_str()));
-    let peer_suites = suites.iter().any(|s| !["rpc", "autograd", "cuda"].contains(&s.as_str()));
+    let peer_suites = suites
+        .iter()
+        .any(|s| !["rpc", "autograd", "cuda"].contains(&s.as_str()));
     let (addr, _peer) = match connect {
         Some(a) => (a, None),
         None if needs_peer => {

@@ -76,7 +76,11 @@ pub fn run(options: &BenchOptions, spawn: SpawnPeer<'_>) -> anyhow::Result<Vec<R
         match measured {
             Ok(mut rs) => {
                 for r in rs.iter_mut().filter(|r| r.metric == "bw") {
-                    let baselines = if channel == ChannelKind::CudaStaged { &pinned } else { &d2d };
+                    let baselines = if channel == ChannelKind::CudaStaged {
+                        &pinned
+                    } else {
+                        &d2d
+                    };
                     if let Some(b) = baselines.iter().find(|b| b.bytes == r.bytes) {
                         r.against(b);
                     }
@@ -205,13 +209,7 @@ async fn echo(pipe: Pipe) -> anyhow::Result<()> {
         };
         let alloc = match spare.take() {
             Some(a) if fits(&a) => a,
-            _ => Allocation::try_for_descriptor(&d, |i| {
-                if i == 0 {
-                    Ok(stream.clone())
-                } else {
-                    Stream::new(i)
-                }
-            })?,
+            _ => Allocation::try_for_descriptor(&d, |i| if i == 0 { Ok(stream.clone()) } else { Stream::new(i) })?,
         };
         let got = pipe.read(alloc).await?;
         let tensors: Vec<Tensor> = got

@@ -5,8 +5,8 @@ use std::path::Path;
 
 use sluice_agent::wire::{Body, Envelope, GlobalId, Request, Response, WireRRef, WireValue};
 use sluice_channel::wire::{
-    encode, encode_setup, Ack, CudaDone, CudaSource, Answer, Brochure, ChannelChoice, ChannelOffer, Hello, Reply, TransportOffer,
-    WireDescriptor, WireTensor,
+    encode, encode_setup, Ack, Answer, Brochure, ChannelChoice, ChannelOffer, CudaDone, CudaSource, Hello, Reply,
+    TransportOffer, WireDescriptor, WireTensor,
 };
 use sluice_channel::Device;
 
@@ -31,11 +31,17 @@ fn main() {
         },
         ChannelOffer {
             name: "cuda_ipc".into(),
-            devices: vec![(Device::Cuda(0), "gpu=GPU-1|proc=ab|peers=GPU-2|host=boot=1;ipc=2;pid=3".into())],
+            devices: vec![(
+                Device::Cuda(0),
+                "gpu=GPU-1|proc=ab|peers=GPU-2|host=boot=1;ipc=2;pid=3".into(),
+            )],
         },
         ChannelOffer {
             name: "cuda_staged".into(),
-            devices: vec![(Device::Cpu, "staged;cpu".into()), (Device::Cuda(0), "staged;gpu".into())],
+            devices: vec![
+                (Device::Cpu, "staged;cpu".into()),
+                (Device::Cuda(0), "staged;gpu".into()),
+            ],
         },
     ];
     let brochure = Brochure {

@@ -23,6 +23,13 @@ pub async fn watchdog<F: Future>(what: &str, fut: F) -> F::Output {
     }
 }
 
+/// The peer binary: `built` (the `CARGO_BIN_EXE_` path of this build), unless
+/// `SLUICE_TEST_PEER` names another place (test binaries copied to a GPU machine by
+/// `scripts/gpu-check.sh` run there without the build tree).
+pub fn peer_exe(built: &str) -> String {
+    std::env::var("SLUICE_TEST_PEER").unwrap_or_else(|_| built.to_owned())
+}
+
 /// A child process killed (SIGKILL) and reaped when dropped.
 pub struct PeerProcess {
     child: Child,

@@ -17,7 +17,9 @@ use sluice_channel::{
 use sluice_tests::gpu::{exercise, gpu_or_skip, receive_and_check, Route};
 use sluice_tests::{watchdog, PeerProcess};
 
-const PEER: &str = env!("CARGO_BIN_EXE_sluice-test-peer");
+fn peer() -> String {
+    sluice_tests::peer_exe(env!("CARGO_BIN_EXE_sluice-test-peer"))
+}
 
 fn options(transports: &[TransportKind], channels: &[ChannelKind], loopback: bool) -> ContextOptions {
     ContextOptions {
@@ -251,7 +253,7 @@ async fn echo_with_gpu_peer(channel: ChannelKind) {
     .unwrap();
     let mut listener = ctx.listen("").await.unwrap();
     let list = format!("cma,basic,{}", channel.name());
-    let mut peer = PeerProcess::spawn(PEER, &["pipe-echo-cuda", listener.address(), &list]);
+    let mut peer = PeerProcess::spawn(&peer(), &["pipe-echo-cuda", listener.address(), &list]);
     let pipe = listener.accept().await.expect("peer pipe");
     assert_eq!(
         pipe.info().channel(GPU, GPU),
@@ -310,7 +312,7 @@ async fn a_buffer_slice_travels_from_its_offset() {
     watchdog("slice offset", async {
         let ctx = Context::new(ContextOptions::default()).unwrap();
         let mut listener = ctx.listen("").await.unwrap();
-        let mut _peer = PeerProcess::spawn(PEER, &["pipe-echo-cuda", listener.address(), "cma,cuda_ipc"]);
+        let mut _peer = PeerProcess::spawn(&peer(), &["pipe-echo-cuda", listener.address(), "cma,cuda_ipc"]);
         let pipe = listener.accept().await.unwrap();
         let stream = cuda::Stream::new(0).unwrap();
         let whole = cuda::CudaBuffer::alloc(1 << 20, &stream).unwrap();

@@ -11,7 +11,9 @@ use sluice_channel::{
 use sluice_tests::{pattern, watchdog, PeerProcess};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-const PEER: &str = env!("CARGO_BIN_EXE_sluice-test-peer");
+fn peer() -> String {
+    sluice_tests::peer_exe(env!("CARGO_BIN_EXE_sluice-test-peer"))
+}
 
 fn options(transports: &[TransportKind], channels: &[ChannelKind]) -> ContextOptions {
     ContextOptions {
@@ -239,7 +241,7 @@ async fn first_error_is_sticky_and_fails_pending_operations() {
 async fn echo_with_peer(channel: &str) {
     let ctx = Context::new(ContextOptions::default()).unwrap();
     let mut listener = ctx.listen("").await.unwrap();
-    let mut peer = PeerProcess::spawn(PEER, &["pipe-echo", listener.address(), channel]);
+    let mut peer = PeerProcess::spawn(&peer(), &["pipe-echo", listener.address(), channel]);
     let pipe = listener.accept().await.expect("peer pipe");
     assert_eq!(pipe.info().cpu_channel.name(), channel);
     let sizes = [5, (4 << 20) + 1];

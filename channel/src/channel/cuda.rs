@@ -49,7 +49,15 @@ fn descriptors(cuda: &Cuda, host: &str, with_peers: bool, loopback: bool) -> Vec
         .collect()
 }
 
-/// Checks that CUDA IPC works here: export a probe allocation and an interprocess event.
+/// Whether CUDA IPC works here, found out once per process.
+fn ipc_works(cuda: &Cuda) -> Result<(), String> {
+    static RESULT: OnceLock<Result<(), String>> = OnceLock::new();
+    RESULT
+        .get_or_init(|| ipc_self_test(cuda).map_err(|e| format!("CUDA IPC does not work here: {e}")))
+        .clone()
+}
+
+/// Exports a probe allocation and an interprocess event.
 fn ipc_self_test(cuda: &Cuda) -> Result<(), CudaError> {
     let stream = cuda::Stream::new(0)?;
     let probe = cuda::CudaBuffer::alloc(256, &stream)?;
@@ -71,7 +79,7 @@ impl CudaIpcContext {
         let state = (|| {
             let cuda = cuda::runtime().map_err(|e| e.to_string())?;
             let host = host()?;
-            ipc_self_test(cuda).map_err(|e| format!("CUDA IPC does not work here: {e}"))?;
+            ipc_works(cuda)?;
             Ok(descriptors(cuda, &host, false, false))
         })();
         CudaIpcContext { state }

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Every GPU check of Sluice, in one place.
+#
+#   scripts/gpu-check.sh build   On a machine with the Rust toolchain (no GPU needed): builds the
+#                                release test and bench binaries, strips them, and puts them in
+#                                gpu-bin/ (git-ignored) with stable names.
+#   scripts/gpu-check.sh run     On the GPU machine (no Rust toolchain or network needed): runs
+#                                them all from gpu-bin/. Exits non-zero on the first failure.
+#   scripts/gpu-check.sh         Both, on a machine that has the toolchain and a GPU.
+#
+# What `run` runs, with SLUICE_REQUIRE_GPU=1 so that a GPU test that would skip fails instead:
+#   1. the channel crate's unit tests (descriptors, caches, the CUDA probe);
+#   2. tests/tests/cuda.rs: the CUDA channel conformance exercise for cuda_ipc (within a process
+#      and with a real peer process), cuda_p2p (loopback on one GPU), cuda_staged (GPU<->GPU over
+#      TCP and shared memory, GPU->CPU, CPU->GPU, and with a real peer), stream ordering, offsets
+#      inside allocations, default negotiation;
+#   3. tests/tests/pipe.rs: the CPU pipe suite, now on a machine where the CUDA channels are
+#      offered too;
+#   4. `sluice bench cuda`, writing its JSON lines to $OUT/cuda.jsonl (or gpu-bin/cuda.jsonl).
+set -euo pipefail
+
+here="$(cd "$(dirname "$0")/.." && pwd)"
+bin="$here/gpu-bin"
+
+build() {
+    cd "$here"
+    mkdir -p "$bin"
+    cargo build --release --bin sluice
+    cargo build --release -p sluice-tests --bin sluice-test-peer
+    # Test executables, by target name, from cargo's own report.
+    cargo test --release --no-run --message-format=json -p sluice-channel -p sluice-tests \
+        --lib --test cuda --test pipe 2>/dev/null |
+        python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m.get("profile", {}).get("test"):
+        print(m["target"]["name"], m["executable"])
+' | while read -r name exe; do
+            cp "$exe" "$bin/test-$name"
+        done
+    cp target/release/sluice target/release/sluice-test-peer "$bin/"
+    strip "$bin"/* 2>/dev/null || true
+    ls -la "$bin"
+}
+
+run() {
+    cd "$here"
+    export SLUICE_REQUIRE_GPU=1
+    export SLUICE_TEST_PEER="$bin/sluice-test-peer"
+    export RUST_BACKTRACE=1
+    echo "== GPUs"
+    nvidia-smi -L || echo "(nvidia-smi not found)"
+    echo "== channel unit tests"
+    "$bin/test-sluice_channel" --test-threads=1
+    echo "== CUDA channel conformance (tests/tests/cuda.rs)"
+    "$bin/test-cuda" --test-threads=1 --nocapture
+    echo "== pipe suite with CUDA present (tests/tests/pipe.rs)"
+    "$bin/test-pipe" --test-threads=1
+    echo "== sluice bench cuda"
+    local out="${OUT:-$bin}"
+    "$bin/sluice" bench cuda --json "$out/cuda.jsonl"
+    echo "== all GPU checks passed"
+}
+
+case "${1:-all}" in
+    build) build ;;
+    run) run ;;
+    all) build && run ;;
+    *) echo "usage: $0 [build|run]" >&2; exit 2 ;;
+esac
