@@ -30,6 +30,16 @@ pub fn peer_exe(built: &str) -> String {
     std::env::var("SLUICE_TEST_PEER").unwrap_or_else(|_| built.to_owned())
 }
 
+/// Two ends of one pipe within this process: a listener's context with `opts` and a client's.
+pub async fn pipe_pair(opts: sluice_channel::ContextOptions) -> (sluice_channel::Pipe, sluice_channel::Pipe) {
+    let server = sluice_channel::Context::new(opts.clone()).unwrap();
+    let client = sluice_channel::Context::new(opts).unwrap();
+    let mut listener = server.listen("").await.unwrap();
+    let addr = listener.address().to_owned();
+    let (c, s) = tokio::join!(client.connect(&addr), listener.accept());
+    (c.expect("connect"), s.expect("accept"))
+}
+
 /// A child process killed (SIGKILL) and reaped when dropped.
 pub struct PeerProcess {
     child: Child,

@@ -31,12 +31,7 @@ fn options(transports: &[TransportKind], channels: &[ChannelKind], loopback: boo
 }
 
 async fn pair_with(opts: ContextOptions) -> (Pipe, Pipe) {
-    let server = Context::new(opts.clone()).unwrap();
-    let client = Context::new(opts).unwrap();
-    let mut listener = server.listen("").await.unwrap();
-    let addr = listener.address().to_owned();
-    let (c, s) = tokio::join!(client.connect(&addr), listener.accept());
-    (c.expect("connect"), s.expect("accept"))
+    sluice_tests::pipe_pair(opts).await
 }
 
 // ---- Without a GPU: the not-viable paths (these run everywhere) ----

@@ -24,12 +24,7 @@ fn options(transports: &[TransportKind], channels: &[ChannelKind]) -> ContextOpt
 }
 
 async fn pair_with(opts: ContextOptions) -> (Pipe, Pipe) {
-    let server = Context::new(opts.clone()).unwrap();
-    let client = Context::new(opts).unwrap();
-    let mut listener = server.listen("").await.unwrap();
-    let addr = listener.address().to_owned();
-    let (c, s) = tokio::join!(client.connect(&addr), listener.accept());
-    (c.expect("connect"), s.expect("accept"))
+    sluice_tests::pipe_pair(opts).await
 }
 
 fn message(seq: u64, sizes: &[usize]) -> Message {

@@ -49,6 +49,19 @@ fn descriptors(cuda: &Cuda, host: &str, with_peers: bool, loopback: bool) -> Vec
         .collect()
 }
 
+/// What a CUDA channel offers: its descriptors, or why it cannot run here.
+struct Offer(Result<Vec<(Device, String)>, String>);
+
+impl Offer {
+    fn viability(&self) -> Result<(), String> {
+        self.0.as_ref().map(|_| ()).map_err(Clone::clone)
+    }
+
+    fn descriptors(&self) -> Vec<(Device, String)> {
+        self.0.clone().unwrap_or_default()
+    }
+}
+
 /// Whether CUDA IPC works here, found out once per process.
 fn ipc_works(cuda: &Cuda) -> Result<(), String> {
     static RESULT: OnceLock<Result<(), String>> = OnceLock::new();
@@ -71,7 +84,7 @@ fn ipc_self_test(cuda: &Cuda) -> Result<(), CudaError> {
 
 /// cuda_ipc: the same GPU, another process on this host (or this process).
 pub struct CudaIpcContext {
-    state: Result<Vec<(Device, String)>, String>,
+    offer: Offer,
 }
 
 impl CudaIpcContext {
@@ -82,7 +95,7 @@ impl CudaIpcContext {
             ipc_works(cuda)?;
             Ok(descriptors(cuda, &host, false, false))
         })();
-        CudaIpcContext { state }
+        CudaIpcContext { offer: Offer(state) }
     }
 }
 
@@ -98,11 +111,11 @@ impl ChannelContext for CudaIpcContext {
     }
 
     fn viability(&self) -> Result<(), String> {
-        self.state.as_ref().map(|_| ()).map_err(Clone::clone)
+        self.offer.viability()
     }
 
     fn device_descriptors(&self) -> Vec<(Device, String)> {
-        self.state.clone().unwrap_or_default()
+        self.offer.descriptors()
     }
 
     fn can_communicate(&self, local: &str, remote: &str) -> bool {
@@ -112,7 +125,7 @@ impl ChannelContext for CudaIpcContext {
 
 /// cuda_p2p: two GPUs of this host with peer access both ways.
 pub struct CudaP2pContext {
-    state: Result<Vec<(Device, String)>, String>,
+    offer: Offer,
     loopback: bool,
 }
 
@@ -137,7 +150,10 @@ impl CudaP2pContext {
             }
             Ok(descriptors(cuda, &host, true, loopback))
         })();
-        CudaP2pContext { state, loopback }
+        CudaP2pContext {
+            offer: Offer(state),
+            loopback,
+        }
     }
 }
 
@@ -147,11 +163,11 @@ impl ChannelContext for CudaP2pContext {
     }
 
     fn viability(&self) -> Result<(), String> {
-        self.state.as_ref().map(|_| ()).map_err(Clone::clone)
+        self.offer.viability()
     }
 
     fn device_descriptors(&self) -> Vec<(Device, String)> {
-        self.state.clone().unwrap_or_default()
+        self.offer.descriptors()
     }
 
     fn can_communicate(&self, local: &str, remote: &str) -> bool {
@@ -172,7 +188,7 @@ impl ChannelContext for CudaP2pContext {
 
 /// cuda_staged: through pinned host memory over the pipe's connection; any pair with a GPU.
 pub struct CudaStagedContext {
-    state: Result<Vec<(Device, String)>, String>,
+    offer: Offer,
 }
 
 impl CudaStagedContext {
@@ -186,14 +202,14 @@ impl CudaStagedContext {
             );
             d
         });
-        CudaStagedContext { state }
+        CudaStagedContext { offer: Offer(state) }
     }
 
     /// The CPU-only form a process without CUDA offers, so a GPU peer can still send it GPU
     /// tensors (they land in CPU memory) and receive CPU tensors into its GPUs.
     pub fn cpu_only() -> Self {
         CudaStagedContext {
-            state: Ok(vec![(Device::Cpu, descriptor::STAGED_CPU.to_owned())]),
+            offer: Offer(Ok(vec![(Device::Cpu, descriptor::STAGED_CPU.to_owned())])),
         }
     }
 }
@@ -210,11 +226,11 @@ impl ChannelContext for CudaStagedContext {
     }
 
     fn viability(&self) -> Result<(), String> {
-        self.state.as_ref().map(|_| ()).map_err(Clone::clone)
+        self.offer.viability()
     }
 
     fn device_descriptors(&self) -> Vec<(Device, String)> {
-        self.state.clone().unwrap_or_default()
+        self.offer.descriptors()
     }
 
     fn can_communicate(&self, local: &str, remote: &str) -> bool {

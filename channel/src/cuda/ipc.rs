@@ -121,47 +121,52 @@ fn close(memory: Vec<(u32, Mapping)>, events: Vec<(u32, RawEvent)>) {
     }
 }
 
-/// The base address, in this process, of `peer`'s allocation named by `handle`, mapped into
-/// `device`'s context, and the allocation's size (so offsets from the peer can be checked).
-pub(crate) fn open_memory(peer: u64, device: u32, handle: &Handle) -> Result<Mapping, CudaError> {
+/// The cached value for (`peer`, `device`, `handle`), or `open()` run with `device` current and
+/// its result cached (closing whatever the bound evicts).
+fn cached<T: Copy>(
+    peer: u64,
+    device: u32,
+    handle: &Handle,
+    cache: fn(&mut Caches) -> &mut Cache<T>,
+    open: impl FnOnce() -> Result<T, CudaError>,
+    evict: fn(Vec<(u32, T)>),
+) -> Result<T, CudaError> {
     let key = Key {
         peer,
         device,
         handle: *handle,
     };
-    if let Some(p) = caches().lock().expect("ipc caches").memory.get(&key) {
-        return Ok(p);
+    if let Some(v) = cache(&mut caches().lock().expect("ipc caches")).get(&key) {
+        return Ok(v);
     }
     runtime()?.bind(device)?;
-    let ptr = driver::ipc_open_mem_handle(handle)?;
-    let size = match driver::pointer_info(ptr) {
-        Ok(info) => info.size,
-        Err(e) => {
-            // SAFETY: just opened, not cached, nothing queued on it.
-            let _ = unsafe { driver::ipc_close_mem_handle(ptr) };
-            return Err(e.into());
+    let v = open()?;
+    let evicted = cache(&mut caches().lock().expect("ipc caches")).insert(key, v);
+    evict(evicted);
+    Ok(v)
+}
+
+/// The base address, in this process, of `peer`'s allocation named by `handle`, mapped into
+/// `device`'s context, and the allocation's size (so offsets from the peer can be checked).
+pub(crate) fn open_memory(peer: u64, device: u32, handle: &Handle) -> Result<Mapping, CudaError> {
+    let open = || {
+        let ptr = driver::ipc_open_mem_handle(handle)?;
+        match driver::pointer_info(ptr) {
+            Ok(info) => Ok((ptr, info.size)),
+            Err(e) => {
+                // SAFETY: just opened, not cached, nothing queued on it.
+                let _ = unsafe { driver::ipc_close_mem_handle(ptr) };
+                Err(e.into())
+            }
         }
     };
-    let evicted = caches().lock().expect("ipc caches").memory.insert(key, (ptr, size));
-    close(evicted, Vec::new());
-    Ok((ptr, size))
+    cached(peer, device, handle, |c| &mut c.memory, open, |m| close(m, Vec::new()))
 }
 
 /// `peer`'s interprocess event named by `handle`, opened here.
 pub(crate) fn open_event(peer: u64, device: u32, handle: &Handle) -> Result<RawEvent, CudaError> {
-    let key = Key {
-        peer,
-        device,
-        handle: *handle,
-    };
-    if let Some(e) = caches().lock().expect("ipc caches").events.get(&key) {
-        return Ok(e);
-    }
-    runtime()?.bind(device)?;
-    let event = driver::ipc_open_event_handle(handle)?;
-    let evicted = caches().lock().expect("ipc caches").events.insert(key, event);
-    close(Vec::new(), evicted);
-    Ok(event)
+    let open = || Ok(driver::ipc_open_event_handle(handle)?);
+    cached(peer, device, handle, |c| &mut c.events, open, |e| close(Vec::new(), e))
 }
 
 /// A pipe to `peer` that may open its handles now exists.
