@@ -86,11 +86,7 @@ impl Allocation {
             });
         }
         Ok(Allocation {
-            payloads: descriptor
-                .payload_lengths
-                .iter()
-                .map(|&l| BytesMut::zeroed(l as usize))
-                .collect(),
+            payloads: payloads(descriptor),
             tensors,
         })
     }
@@ -99,11 +95,7 @@ impl Allocation {
     /// tensors all go to the CPU; see [`try_for_descriptor`](Self::try_for_descriptor)).
     pub fn for_descriptor(descriptor: &Descriptor) -> Self {
         Allocation {
-            payloads: descriptor
-                .payload_lengths
-                .iter()
-                .map(|&l| BytesMut::zeroed(l as usize))
-                .collect(),
+            payloads: payloads(descriptor),
             tensors: descriptor
                 .tensors
                 .iter()
@@ -111,4 +103,13 @@ impl Allocation {
                 .collect(),
         }
     }
+}
+
+/// Zeroed memory for every payload `descriptor` announces.
+fn payloads(descriptor: &Descriptor) -> Vec<BytesMut> {
+    descriptor
+        .payload_lengths
+        .iter()
+        .map(|&l| BytesMut::zeroed(l as usize))
+        .collect()
 }

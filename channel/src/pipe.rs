@@ -427,11 +427,7 @@ impl Pipe {
                 event,
             ));
         }
-        let (base, offset) = b.allocation()?;
-        crate::cuda::runtime()?.bind(b.device())?;
-        // SAFETY: `base` is the start of the live allocation `b` lies in (from the driver's own
-        // address-range query); `b` keeps it alive.
-        let memory = unsafe { driver::ipc_mem_handle(base) }?;
+        let (memory, offset) = b.ipc_export()?;
         let source = CudaSource::Ipc {
             memory: Bytes::copy_from_slice(&memory),
             offset,

@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 
 use super::{ChannelContext, ChannelKind};
 use crate::cuda::descriptor::{self, GpuDescriptor};
-use crate::cuda::{self, driver, Cuda, CudaError};
+use crate::cuda::{self, Cuda, CudaError};
 use crate::device::Device;
 
 /// A random token naming this process in descriptors (pids repeat across namespaces).
@@ -63,21 +63,18 @@ impl Offer {
 }
 
 /// Whether CUDA IPC works here, found out once per process.
-fn ipc_works(cuda: &Cuda) -> Result<(), String> {
+fn ipc_works() -> Result<(), String> {
     static RESULT: OnceLock<Result<(), String>> = OnceLock::new();
     RESULT
-        .get_or_init(|| ipc_self_test(cuda).map_err(|e| format!("CUDA IPC does not work here: {e}")))
+        .get_or_init(|| ipc_self_test().map_err(|e| format!("CUDA IPC does not work here: {e}")))
         .clone()
 }
 
 /// Exports a probe allocation and an interprocess event.
-fn ipc_self_test(cuda: &Cuda) -> Result<(), CudaError> {
+fn ipc_self_test() -> Result<(), CudaError> {
     let stream = cuda::Stream::new(0)?;
     let probe = cuda::CudaBuffer::alloc(256, &stream)?;
-    let (base, _) = probe.allocation()?;
-    cuda.bind(0)?;
-    // SAFETY: `base` is the start of the live cuMemAlloc allocation `probe` holds.
-    unsafe { driver::ipc_mem_handle(base) }?;
+    probe.ipc_export()?;
     cuda::events::EventSlot::take(0)?;
     Ok(())
 }
@@ -92,7 +89,7 @@ impl CudaIpcContext {
         let state = (|| {
             let cuda = cuda::runtime().map_err(|e| e.to_string())?;
             let host = host()?;
-            ipc_works(cuda)?;
+            ipc_works()?;
             Ok(descriptors(cuda, &host, false, false))
         })();
         CudaIpcContext { offer: Offer(state) }

@@ -1,6 +1,7 @@
 //! The CUDA driver calls Sluice makes, as thin wrappers over cudarc's raw bindings (loaded at run
-//! time, so a build without CUDA still starts). With [`super::memory`], this is the only CUDA
-//! code that uses `unsafe`.
+//! time, so a build without CUDA still starts). Every call that touches memory or handles is an
+//! `unsafe fn` whose contract is stated here; its callers (`memory`, `events`, `ipc`, the
+//! pipe's copy) justify each use with a `// SAFETY:` comment.
 //!
 //! Rules every caller keeps:
 //! - Nothing here may be called before [`library_present`] returned true and

@@ -33,8 +33,6 @@ struct Entry<T> {
 struct Cache<T> {
     entries: HashMap<Key, Entry<T>>,
     tick: u64,
-    /// Pipes per peer process, so the last one to go can close that peer's entries.
-    pipes: HashMap<u64, usize>,
 }
 
 impl<T: Copy> Cache<T> {
@@ -42,7 +40,6 @@ impl<T: Copy> Cache<T> {
         Cache {
             entries: HashMap::new(),
             tick: 0,
-            pipes: HashMap::new(),
         }
     }
 
@@ -87,6 +84,8 @@ type Mapping = (DevicePtr, usize);
 struct Caches {
     memory: Cache<Mapping>,
     events: Cache<RawEvent>,
+    /// Pipes per peer process, so the last one to go can close that peer's entries.
+    pipes: HashMap<u64, usize>,
 }
 
 fn caches() -> &'static Mutex<Caches> {
@@ -95,6 +94,7 @@ fn caches() -> &'static Mutex<Caches> {
         Mutex::new(Caches {
             memory: Cache::new(),
             events: Cache::new(),
+            pipes: HashMap::new(),
         })
     })
 }
@@ -172,7 +172,7 @@ pub(crate) fn open_event(peer: u64, device: u32, handle: &Handle) -> Result<RawE
 /// A pipe to `peer` that may open its handles now exists.
 pub(crate) fn pipe_opened(peer: u64) {
     let mut c = caches().lock().expect("ipc caches");
-    *c.memory.pipes.entry(peer).or_default() += 1;
+    *c.pipes.entry(peer).or_default() += 1;
 }
 
 /// A pipe to `peer` is gone; the last one closes everything opened from that peer (on a
@@ -180,12 +180,12 @@ pub(crate) fn pipe_opened(peer: u64) {
 pub(crate) fn pipe_closed(peer: u64) {
     let (memory, events) = {
         let mut c = caches().lock().expect("ipc caches");
-        let n = c.memory.pipes.entry(peer).or_default();
+        let n = c.pipes.entry(peer).or_default();
         *n = n.saturating_sub(1);
         if *n > 0 {
             return;
         }
-        c.memory.pipes.remove(&peer);
+        c.pipes.remove(&peer);
         (c.memory.remove_peer(peer), c.events.remove_peer(peer))
     };
     if memory.is_empty() && events.is_empty() {

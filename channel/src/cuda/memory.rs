@@ -403,12 +403,16 @@ impl CudaBuffer {
         })
     }
 
-    /// The allocation this buffer lies in: its base and the buffer's offset from it (what an
-    /// IPC handle needs: handles name allocations, not addresses).
-    pub(crate) fn allocation(&self) -> Result<(DevicePtr, u64), CudaError> {
+    /// The IPC handle of the allocation this buffer lies in, and the buffer's offset from its
+    /// start (handles name allocations, not addresses). Fails for memory legacy IPC cannot
+    /// export (stream-ordered pools, VMM).
+    pub(crate) fn ipc_export(&self) -> Result<([u8; driver::IPC_HANDLE_BYTES], u64), CudaError> {
         runtime()?.bind(self.device)?;
         let info = driver::pointer_info(self.ptr)?;
-        Ok((info.base, self.ptr - info.base))
+        // SAFETY: `info.base` is the start of the live allocation this buffer lies in (the
+        // driver's own address-range query); `_keep` holds it alive.
+        let handle = unsafe { driver::ipc_mem_handle(info.base) }?;
+        Ok((handle, self.ptr - info.base))
     }
 
     /// Copies `data` in, in stream order, and waits for it (tests and examples).

@@ -11,7 +11,8 @@
 //! that uses it (`CUDA_VISIBLE_DEVICES` reorders and hides devices), so channel descriptors carry
 //! UUIDs and negotiation compares those.
 //!
-//! Module map: [`driver`] (raw calls) and `memory` (the owning types) hold all the `unsafe`;
+//! Module map: [`driver`] (raw calls, each an `unsafe fn` with its contract) and `memory` (the
+//! owning types) hold most of the `unsafe`; `events` and `ipc` call into `driver` too;
 //! [`descriptor`] is the pure negotiation logic; `events`, `ipc` and `staged` are the channels'
 //! machinery, used by the pipe.
 

@@ -3,10 +3,9 @@
 //!
 //! Usage:
 //! - `sluice-test-peer transport <tcp|shm> ADDR <stream|stall>`
-//! - `sluice-test-peer pipe-echo ADDR <basic|cma|multilane>`: echo every message back.
-//! - `sluice-test-peer pipe-echo-cuda ADDR CHANNEL,CHANNEL,...`: receive every message into
-//!   memory on the devices it names (GPU memory on a stream of this process) and send it back
-//!   to the devices its tensors came from, without touching the host.
+//! - `sluice-test-peer pipe-echo ADDR CHANNEL,CHANNEL,...` (or `pipe-echo-cuda`): receive every
+//!   message into memory on the devices it names (GPU memory on a stream of this process) and
+//!   send it back to the devices its tensors came from, without touching the host.
 
 use sluice_transport::shm::ShmTransport;
 use sluice_transport::tcp::TcpTransport;
@@ -19,8 +18,7 @@ async fn main() {
     match args.as_slice() {
         ["transport", "tcp", addr, mode] => transport_mode(TcpTransport::default(), addr, mode).await,
         ["transport", "shm", addr, mode] => transport_mode(ShmTransport::default(), addr, mode).await,
-        ["pipe-echo", addr, channel] => pipe_echo(addr, channel).await,
-        ["pipe-echo-cuda", addr, channels] => pipe_echo_cuda(addr, channels).await,
+        ["pipe-echo" | "pipe-echo-cuda", addr, channels] => pipe_echo(addr, channels).await,
         _ => {
             eprintln!("usage: sluice-test-peer transport <tcp|shm> ADDR <stream|stall> | pipe-echo ADDR CHANNEL");
             std::process::exit(2);
@@ -46,36 +44,9 @@ async fn transport_mode<T: Transport>(t: T, addr: &str, mode: &str) {
     }
 }
 
-async fn pipe_echo(addr: &str, channel: &str) {
-    use sluice_channel::{Allocation, ChannelKind, Context, ContextOptions, Message, Tensor};
-    let kind = ChannelKind::from_name(channel).expect("channel name");
-    let ctx = Context::new(ContextOptions {
-        channels: vec![kind],
-        ..ContextOptions::default()
-    })
-    .expect("context");
-    let pipe = ctx.connect(addr).await.expect("peer connect");
-    loop {
-        let Ok(d) = pipe.read_descriptor().await else { return };
-        let Ok(got) = pipe.read(Allocation::for_descriptor(&d)).await else {
-            return;
-        };
-        let back = Message {
-            metadata: d.metadata.clone(),
-            payloads: got.payloads.into_iter().map(|p| p.freeze()).collect(),
-            tensors: got
-                .tensors
-                .into_iter()
-                .map(|t| Tensor::cpu(t.into_cpu().expect("cpu").freeze()))
-                .collect(),
-        };
-        if pipe.write(&back).await.is_err() {
-            return;
-        }
-    }
-}
-
-async fn pipe_echo_cuda(addr: &str, channels: &str) {
+/// Echoes every message back to the devices its tensors came from, receiving GPU tensors into
+/// memory on streams of this process.
+async fn pipe_echo(addr: &str, channels: &str) {
     use sluice_channel::cuda::Stream;
     use sluice_channel::{Allocation, ChannelKind, Context, ContextOptions, Message, Tensor};
     let channels = channels
