@@ -15,8 +15,9 @@
 //!   [`close`](FrameWriter::close) the whole connection; pending operations then fail with
 //!   [`TransportError::Closed`].
 //!
-//! Backends: [`tcp`] (tokio + socket2, `TCP_NODELAY`, IPv4 and IPv6) and [`shm`] (rings in
-//! memfd segments, spin-then-park). [`any`] holds the enums the pipe uses to pick one at run
+//! Backends: [`tcp`] (tokio + socket2, `TCP_NODELAY`, IPv4 and IPv6), [`shm`] (rings in
+//! memfd segments, spin-then-park) and [`ibv`] (RC queue pairs, rings written with RDMA
+//! write-with-immediate; a strict in-process verbs model where there is no RDMA hardware). [`any`] holds the enums the pipe uses to pick one at run
 //! time without boxing every operation.
 //!
 //! What this crate does not do: reconnect, multiplex, or interpret frames. Cancelling a read or
@@ -32,6 +33,7 @@ mod closing;
 mod error;
 mod frame;
 pub mod host;
+pub mod ibv;
 pub mod shm;
 mod stream;
 pub mod tcp;

@@ -2,11 +2,12 @@
 //! parent process needs a separate process for (so it can be killed, or hold its own memory).
 //!
 //! Usage:
-//! - `sluice-test-peer transport <tcp|shm> ADDR <stream|stall>`
+//! - `sluice-test-peer transport <tcp|shm|ibv> ADDR <stream|stall>`
 //! - `sluice-test-peer pipe-echo ADDR CHANNEL,CHANNEL,...` (or `pipe-echo-cuda`): receive every
 //!   message into memory on the devices it names (GPU memory on a stream of this process) and
 //!   send it back to the devices its tensors came from, without touching the host.
 
+use sluice_transport::ibv::IbvTransport;
 use sluice_transport::shm::ShmTransport;
 use sluice_transport::tcp::TcpTransport;
 use sluice_transport::{Connection, FrameWriter, Transport};
@@ -18,9 +19,10 @@ async fn main() {
     match args.as_slice() {
         ["transport", "tcp", addr, mode] => transport_mode(TcpTransport::default(), addr, mode).await,
         ["transport", "shm", addr, mode] => transport_mode(ShmTransport::default(), addr, mode).await,
+        ["transport", "ibv", addr, mode] => transport_mode(IbvTransport::default(), addr, mode).await,
         ["pipe-echo" | "pipe-echo-cuda", addr, channels] => pipe_echo(addr, channels).await,
         _ => {
-            eprintln!("usage: sluice-test-peer transport <tcp|shm> ADDR <stream|stall> | pipe-echo ADDR CHANNEL");
+            eprintln!("usage: sluice-test-peer transport <tcp|shm|ibv> ADDR <stream|stall> | pipe-echo ADDR CHANNEL");
             std::process::exit(2);
         }
     }

@@ -13,6 +13,25 @@ pub trait Backend: Send + Sync + 'static {
     /// The name the peer binary understands (`tcp`, `shm`).
     const NAME: &'static str;
     fn transport() -> Self::T;
+    /// `Err(why)` when the backend's hardware is missing here: its tests then skip (and fail
+    /// under `SLUICE_REQUIRE_RDMA=1`).
+    fn available() -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// True (after saying why) when the backend's tests must skip on this machine.
+pub fn skip<B: Backend>(test: &str) -> bool {
+    match B::available() {
+        Ok(()) => false,
+        Err(why) => {
+            if std::env::var_os("SLUICE_REQUIRE_RDMA").is_some() {
+                panic!("{test}: SLUICE_REQUIRE_RDMA is set but {} is unavailable: {why}", B::NAME);
+            }
+            eprintln!("SKIPPED {test} on {}: {why}", B::NAME);
+            true
+        }
+    }
 }
 
 type Conn<B> = <<B as Backend>::T as Transport>::Connection;
@@ -304,50 +323,50 @@ pub async fn peer_killed_mid_transfer<B: Backend>(peer_exe: &str) {
     .await
 }
 
-/// Instantiates the suite for one backend: `transport_conformance!(module, Backend, peer_exe)`.
+/// Instantiates the suite for one backend: `transport_conformance!(module, Backend, peer_exe)`
+/// runs every test, the peer-process ones included; `transport_conformance!(module, Backend)`
+/// leaves out the tests that need a second process (for the in-process verbs model).
 #[macro_export]
 macro_rules! transport_conformance {
     ($module:ident, $backend:ty, $peer:expr) => {
+        $crate::transport_conformance!(@tests $module, $backend, {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn peer_killed_mid_transfer() {
+                if !suite::skip::<$backend>("peer_killed_mid_transfer") {
+                    suite::peer_killed_mid_transfer::<$backend>($peer).await
+                }
+            }
+        });
+    };
+    ($module:ident, $backend:ty) => {
+        $crate::transport_conformance!(@tests $module, $backend, {});
+    };
+    (@tests $module:ident, $backend:ty, { $($extra:tt)* }) => {
         mod $module {
             use super::*;
             use $crate::conformance::transport as suite;
 
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn context_basics() {
-                suite::context_basics::<$backend>().await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn ordering_of_interleaved_writes() {
-                suite::ordering_of_interleaved_writes::<$backend>().await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn zero_and_one_byte_writes() {
-                suite::zero_and_one_byte_writes::<$backend>().await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn writes_of_256_mib() {
-                suite::writes_of_256_mib::<$backend>().await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn many_connections() {
-                suite::many_connections::<$backend>().await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn close_with_operations_pending() {
-                suite::close_with_operations_pending::<$backend>().await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn oversized_frames_are_refused() {
-                suite::oversized_frames_are_refused::<$backend>().await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn cancelled_operation_poisons() {
-                suite::cancelled_operation_poisons::<$backend>().await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn peer_killed_mid_transfer() {
-                suite::peer_killed_mid_transfer::<$backend>($peer).await
-            }
+            $crate::transport_conformance!(@each $backend;
+                context_basics,
+                ordering_of_interleaved_writes,
+                zero_and_one_byte_writes,
+                writes_of_256_mib,
+                many_connections,
+                close_with_operations_pending,
+                oversized_frames_are_refused,
+                cancelled_operation_poisons
+            );
+            $($extra)*
         }
+    };
+    (@each $backend:ty; $($name:ident),*) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                if !suite::skip::<$backend>(stringify!($name)) {
+                    suite::$name::<$backend>().await
+                }
+            }
+        )*
     };
 }

@@ -1,0 +1,417 @@
+//! The verbs model's rules, and the transport's bootstrap parsing.
+
+use std::time::{Duration, Instant};
+
+use super::model::{ModelFabric, DEFAULT_LIMITS};
+use super::*;
+
+/// Two connected queue pairs on two devices of a fresh fabric, each with its own CQ.
+struct Pair {
+    fabric: ModelFabric,
+    _devs: (Arc<model::ModelDevice>, Arc<model::ModelDevice>),
+    cqs: (Box<dyn VerbsCq>, Box<dyn VerbsCq>),
+    qps: (Box<dyn VerbsQp>, Box<dyn VerbsQp>),
+}
+
+fn pair(limits: Limits, caps: QpCaps, cq_entries: u32) -> Pair {
+    let fabric = ModelFabric::new();
+    let a = fabric.device("a", limits);
+    let b = fabric.device("b", limits);
+    let ca = a.create_cq(cq_entries).unwrap();
+    let cb = b.create_cq(cq_entries).unwrap();
+    let qa = a.create_qp(ca.as_ref(), caps).unwrap();
+    let qb = b.create_qp(cb.as_ref(), caps).unwrap();
+    let ep = |d: &model::ModelDevice, q: &dyn VerbsQp| {
+        let (lid, gid) = d.address();
+        Endpoint {
+            lid,
+            gid,
+            qpn: q.qpn(),
+            psn: 0,
+        }
+    };
+    qa.connect(0, &ep(&b, qb.as_ref())).unwrap();
+    qb.connect(0, &ep(&a, qa.as_ref())).unwrap();
+    Pair {
+        fabric,
+        _devs: (a, b),
+        cqs: (ca, cb),
+        qps: (qa, qb),
+    }
+}
+
+fn caps(d: u32) -> QpCaps {
+    QpCaps {
+        send_depth: d,
+        recv_depth: d,
+    }
+}
+
+/// Polls until `n` completions arrived (watchdog: 10 s).
+fn poll_n(cq: &dyn VerbsCq, n: usize) -> Vec<Completion> {
+    let mut out = Vec::new();
+    let start = Instant::now();
+    while out.len() < n {
+        let want = n - out.len();
+        cq.poll(&mut out, want).unwrap();
+        if out.len() < n {
+            assert!(start.elapsed() < Duration::from_secs(10), "only {out:?} of {n} completions");
+            cq.wait(Duration::from_millis(10)).unwrap();
+        }
+    }
+    out
+}
+
+fn registered(dev: &model::ModelDevice, buf: &mut [u8], access: Access) -> Box<dyn VerbsMr> {
+    // SAFETY: every test keeps `buf` alive past the region's drop.
+    unsafe { dev.register(buf.as_mut_ptr(), buf.len(), access).unwrap() }
+}
+
+#[test]
+fn write_with_immediate_lands_and_completes_in_order() {
+    let p = pair(DEFAULT_LIMITS, caps(8), 64);
+    let mut src = vec![7u8; 4096];
+    let mut dst = vec![0u8; 4096];
+    let smr = registered(&p._devs.0, &mut src, Access::LOCAL);
+    let dmr = registered(&p._devs.1, &mut dst, Access::REMOTE_WRITE);
+    for i in 0..4 {
+        p.qps.1.post_recv(100 + i).unwrap();
+    }
+    for i in 0..4u64 {
+        let wr = SendWr {
+            wr_id: i,
+            op: SendOp::WriteImm {
+                remote_addr: dmr.info().addr + i * 1024,
+                rkey: dmr.info().rkey,
+                imm: i as u32,
+            },
+            local: Some(Sge {
+                addr: smr.info().addr,
+                len: 1024,
+                lkey: smr.info().lkey,
+            }),
+        };
+        unsafe { p.qps.0.post_send(&wr).unwrap() };
+    }
+    let sent = poll_n(p.cqs.0.as_ref(), 4);
+    assert_eq!(sent.iter().map(|c| c.wr_id).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+    assert!(sent.iter().all(|c| c.status == WcStatus::Success && c.kind == WcKind::Write));
+    let got = poll_n(p.cqs.1.as_ref(), 4);
+    assert_eq!(got.iter().map(|c| c.imm).collect::<Vec<_>>(), vec![Some(0), Some(1), Some(2), Some(3)]);
+    assert_eq!(got.iter().map(|c| c.wr_id).collect::<Vec<_>>(), vec![100, 101, 102, 103]);
+    assert!(dst.iter().all(|&b| b == 7));
+    drop((smr, dmr));
+    assert!(p.fabric.violations().is_empty(), "{:?}", p.fabric.violations());
+}
+
+#[test]
+fn posting_beyond_the_queue_depth_fails_until_completions_are_polled() {
+    let p = pair(DEFAULT_LIMITS, caps(2), 64);
+    for i in 0..2 {
+        p.qps.1.post_recv(i).unwrap();
+    }
+    assert!(matches!(p.qps.1.post_recv(9), Err(VerbsError::QueueFull { depth: 2, .. })));
+    let send = |id| SendWr {
+        wr_id: id,
+        op: SendOp::SendImm { imm: 1 },
+        local: None,
+    };
+    unsafe {
+        p.qps.0.post_send(&send(1)).unwrap();
+        p.qps.0.post_send(&send(2)).unwrap();
+        assert!(matches!(p.qps.0.post_send(&send(3)), Err(VerbsError::QueueFull { .. })));
+    }
+    // Executed is not enough: the slot frees when the completion is polled.
+    poll_n(p.cqs.0.as_ref(), 1);
+    unsafe { p.qps.0.post_send(&send(3)).unwrap() };
+}
+
+#[test]
+fn wrong_keys_and_out_of_range_addresses_fail_and_break_the_queue_pairs() {
+    let p = pair(DEFAULT_LIMITS, caps(8), 64);
+    let mut src = vec![1u8; 64];
+    let mut dst = vec![0u8; 64];
+    let smr = registered(&p._devs.0, &mut src, Access::LOCAL);
+    let dmr = registered(&p._devs.1, &mut dst, Access::REMOTE_WRITE);
+    p.qps.1.post_recv(0).unwrap();
+    let write = |id, addr, rkey, lkey, len| SendWr {
+        wr_id: id,
+        op: SendOp::WriteImm {
+            remote_addr: addr,
+            rkey,
+            imm: 0,
+        },
+        local: Some(Sge {
+            addr: smr.info().addr,
+            len,
+            lkey,
+        }),
+    };
+    // Past the end of the remote region.
+    unsafe {
+        p.qps
+            .0
+            .post_send(&write(1, dmr.info().addr + 32, dmr.info().rkey, smr.info().lkey, 64))
+            .unwrap();
+        // Queued behind it: flushed.
+        p.qps
+            .0
+            .post_send(&write(2, dmr.info().addr, dmr.info().rkey, smr.info().lkey, 8))
+            .unwrap();
+    }
+    let c = poll_n(p.cqs.0.as_ref(), 2);
+    assert_eq!(c[0].status, WcStatus::RemoteAccess);
+    assert_eq!(c[1].status, WcStatus::Flushed);
+    // The responder's queue pair went to error too: its receive is flushed.
+    let r = poll_n(p.cqs.1.as_ref(), 1);
+    assert_eq!(r[0].status, WcStatus::Flushed);
+    assert!(dst.iter().all(|&b| b == 0), "nothing may land");
+
+    // A wrong rkey and a wrong lkey, on a fresh pair.
+    let q = pair(DEFAULT_LIMITS, caps(8), 64);
+    let mut src2 = vec![1u8; 64];
+    let mut dst2 = vec![0u8; 64];
+    let smr2 = registered(&q._devs.0, &mut src2, Access::LOCAL);
+    let dmr2 = registered(&q._devs.1, &mut dst2, Access::LOCAL); // no remote write right
+    q.qps.1.post_recv(0).unwrap();
+    let wr = SendWr {
+        wr_id: 5,
+        op: SendOp::WriteImm {
+            remote_addr: dmr2.info().addr,
+            rkey: dmr2.info().rkey,
+            imm: 0,
+        },
+        local: Some(Sge {
+            addr: smr2.info().addr,
+            len: 8,
+            lkey: smr2.info().lkey,
+        }),
+    };
+    unsafe { q.qps.0.post_send(&wr).unwrap() };
+    assert_eq!(poll_n(q.cqs.0.as_ref(), 1)[0].status, WcStatus::RemoteAccess);
+    let r = SendWr {
+        wr_id: 6,
+        local: Some(Sge {
+            addr: smr2.info().addr,
+            len: 8,
+            lkey: smr2.info().lkey ^ 0x55,
+        }),
+        ..wr
+    };
+    let z = pair(DEFAULT_LIMITS, caps(8), 64);
+    unsafe { z.qps.0.post_send(&r).unwrap() };
+    assert_eq!(poll_n(z.cqs.0.as_ref(), 1)[0].status, WcStatus::LocalProtection);
+    drop((smr, dmr, smr2, dmr2));
+}
+
+#[test]
+fn rdma_read_copies_remote_memory_and_needs_the_right() {
+    let p = pair(DEFAULT_LIMITS, caps(8), 64);
+    let mut remote: Vec<u8> = (0..=255).collect();
+    let mut local = vec![0u8; 256];
+    let rmr = registered(&p._devs.1, &mut remote, Access::REMOTE_READ);
+    let lmr = registered(&p._devs.0, &mut local, Access::LOCAL);
+    let wr = SendWr {
+        wr_id: 1,
+        op: SendOp::Read {
+            remote_addr: rmr.info().addr,
+            rkey: rmr.info().rkey,
+        },
+        local: Some(Sge {
+            addr: lmr.info().addr,
+            len: 256,
+            lkey: lmr.info().lkey,
+        }),
+    };
+    unsafe { p.qps.0.post_send(&wr).unwrap() };
+    let c = poll_n(p.cqs.0.as_ref(), 1);
+    assert_eq!((c[0].status, c[0].kind), (WcStatus::Success, WcKind::Read));
+    drop((rmr, lmr));
+    assert_eq!(local, remote);
+}
+
+#[test]
+fn the_error_state_flushes_everything_outstanding_in_order() {
+    let p = pair(DEFAULT_LIMITS, caps(8), 64);
+    for i in 0..5 {
+        p.qps.0.post_recv(i).unwrap();
+    }
+    p.qps.0.set_error().unwrap();
+    let c = poll_n(p.cqs.0.as_ref(), 5);
+    assert_eq!(c.iter().map(|c| c.wr_id).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4]);
+    assert!(c.iter().all(|c| c.status == WcStatus::Flushed));
+    // Posting in the error state completes as flushed.
+    unsafe {
+        p.qps
+            .0
+            .post_send(&SendWr {
+                wr_id: 9,
+                op: SendOp::SendImm { imm: 0 },
+                local: None,
+            })
+            .unwrap()
+    };
+    assert_eq!(poll_n(p.cqs.0.as_ref(), 1)[0].status, WcStatus::Flushed);
+    // The peer's sends now find nobody: retries exceeded.
+    unsafe {
+        p.qps
+            .1
+            .post_send(&SendWr {
+                wr_id: 10,
+                op: SendOp::SendImm { imm: 0 },
+                local: None,
+            })
+            .unwrap()
+    };
+    assert_eq!(poll_n(p.cqs.1.as_ref(), 1)[0].status, WcStatus::RetryExceeded);
+}
+
+#[test]
+fn a_send_without_a_posted_receive_waits_for_one() {
+    let p = pair(DEFAULT_LIMITS, caps(8), 64);
+    unsafe {
+        p.qps
+            .0
+            .post_send(&SendWr {
+                wr_id: 1,
+                op: SendOp::SendImm { imm: 42 },
+                local: None,
+            })
+            .unwrap()
+    };
+    std::thread::sleep(Duration::from_millis(30));
+    let mut none = Vec::new();
+    p.cqs.0.poll(&mut none, 8).unwrap();
+    assert!(none.is_empty(), "completed without a receive: {none:?}");
+    assert_eq!(p.fabric.stats().rnr_waits, 1);
+    p.qps.1.post_recv(7).unwrap();
+    assert_eq!(poll_n(p.cqs.1.as_ref(), 1)[0].imm, Some(42));
+    assert_eq!(poll_n(p.cqs.0.as_ref(), 1)[0].status, WcStatus::Success);
+}
+
+#[test]
+fn overrunning_a_completion_queue_is_a_violation() {
+    let p = pair(DEFAULT_LIMITS, caps(8), 2);
+    for i in 0..3 {
+        p.qps.0.post_recv(i).unwrap();
+    }
+    p.qps.0.set_error().unwrap();
+    std::thread::sleep(Duration::from_millis(10));
+    assert!(p.fabric.violations().iter().any(|v| v.contains("overran")));
+}
+
+#[test]
+fn freeing_memory_or_queue_pairs_before_draining_is_a_violation() {
+    let p = pair(DEFAULT_LIMITS, caps(8), 64);
+    let mut src = vec![0u8; 64];
+    let smr = registered(&p._devs.0, &mut src, Access::LOCAL);
+    // No receive at the peer: the write stays queued (receiver not ready).
+    unsafe {
+        p.qps
+            .0
+            .post_send(&SendWr {
+                wr_id: 1,
+                op: SendOp::WriteImm {
+                    remote_addr: 0,
+                    rkey: 0,
+                    imm: 0,
+                },
+                local: Some(Sge {
+                    addr: smr.info().addr,
+                    len: 8,
+                    lkey: smr.info().lkey,
+                }),
+            })
+            .unwrap()
+    };
+    std::thread::sleep(Duration::from_millis(10));
+    drop(smr);
+    let Pair { fabric, qps, .. } = p;
+    drop(qps);
+    let v = fabric.violations();
+    assert!(v.iter().any(|v| v.contains("deregistered while")), "{v:?}");
+    assert!(v.iter().any(|v| v.contains("destroyed with")), "{v:?}");
+}
+
+#[test]
+fn limits_bound_queue_and_completion_queue_sizes() {
+    let limits = Limits {
+        max_qp_wr: 16,
+        max_cqe: 64,
+        ..DEFAULT_LIMITS
+    };
+    let fabric = ModelFabric::new();
+    let d = fabric.device("small", limits);
+    assert!(d.create_cq(65).is_err());
+    let cq = d.create_cq(64).unwrap();
+    assert!(d.create_qp(cq.as_ref(), caps(17)).is_err());
+    // The transport derives its depths from the limits and refuses connections beyond the CQ.
+    let t = IbvTransport::with_device(d, IbvOptions::default());
+    t.viability().unwrap();
+    let r = t.reactor().unwrap();
+    assert_eq!((r.caps.send_depth, r.caps.recv_depth), (16, 16));
+    assert_eq!(r.cq_entries, 64);
+    let _q1 = r.new_qp().unwrap();
+    let _q2 = r.new_qp().unwrap();
+    let err = r.new_qp().err().expect("CQ fully reserved").to_string();
+    assert!(err.contains("fully reserved"), "{err}");
+}
+
+#[test]
+fn hello_round_trips_and_junk_is_refused() {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let hello = Hello {
+            fabric: "model;fabric=1".into(),
+            endpoint: Endpoint {
+                lid: 3,
+                gid: [9; 16],
+                qpn: 77,
+                psn: 5,
+            },
+            inbox_addr: 0x1000,
+            inbox_rkey: 0xabc,
+            inbox_len: 1 << 20,
+        };
+        let bytes = hello.encode();
+        let mut bad_version = bytes.clone();
+        bad_version[8] = 9;
+        let mut huge_fabric = bytes.clone();
+        huge_fabric[10..12].copy_from_slice(&60_000u16.to_le_bytes());
+        for (input, want) in [
+            (bytes.clone(), None),
+            (b"GET / HTTP/1.1\r\n\r\n".to_vec(), Some("not an ibverbs hello")),
+            (bad_version, Some("protocol version 9")),
+            (huge_fabric, Some("fabric descriptor of 60000 bytes")),
+            (bytes[..20].to_vec(), Some("")),
+        ] {
+            let mut c = TcpStream::connect(addr).await.unwrap();
+            let (mut s, _) = l.accept().await.unwrap();
+            c.write_all(&input).await.unwrap();
+            drop(c);
+            match (Hello::read(&mut s).await, want) {
+                (Ok(h), None) => assert_eq!(h, hello),
+                (Err(e), Some(w)) => assert!(e.contains(w), "{e}"),
+                (r, w) => panic!("{r:?} for {w:?}"),
+            }
+        }
+    });
+}
+
+#[test]
+fn without_the_rdma_feature_or_a_device_hardware_is_not_viable() {
+    let t = IbvTransport::new(IbvOptions {
+        device: DeviceChoice::Hardware {
+            device: None,
+            port: None,
+            gid_index: None,
+        },
+        ..IbvOptions::default()
+    });
+    let err = t.viability().expect_err("no RDMA device on this machine").to_string();
+    assert!(err.contains("not viable"), "{err}");
+    assert!(t.domain_descriptor().is_empty());
+    assert!(!t.can_communicate_with(""));
+}
