@@ -23,6 +23,7 @@ use std::time::Duration;
 
 use sluice_transport::any::{AnyConnection, AnyReader, AnyWriter};
 use sluice_transport::auth::{self, Secret};
+use sluice_transport::ibv::{IbvListener, IbvOptions, IbvTransport};
 use sluice_transport::shm::{ShmListener, ShmOptions, ShmTransport};
 use sluice_transport::tcp::{TcpListener, TcpOptions, TcpTransport};
 use sluice_transport::{Connection, FrameReader, FrameWriter, Listener, Transport};
@@ -31,6 +32,7 @@ use tokio::task::JoinHandle;
 
 use crate::channel::cma::{self, CmaContext};
 use crate::channel::cuda::{process_token, CudaIpcContext, CudaP2pContext, CudaStagedContext};
+use crate::channel::rdma::RdmaContext;
 use crate::channel::{BasicContext, ChannelContext, ChannelKind, MultiLaneContext};
 use crate::device::Device;
 use crate::error::{PipeError, Result};
@@ -46,6 +48,7 @@ type Halves = (AnyReader, AnyWriter);
 pub enum TransportKind {
     Shm,
     Tcp,
+    Ibv,
 }
 
 impl TransportKind {
@@ -53,11 +56,12 @@ impl TransportKind {
         match self {
             TransportKind::Shm => "shm",
             TransportKind::Tcp => "tcp",
+            TransportKind::Ibv => "ibv",
         }
     }
 
     pub fn from_name(name: &str) -> Option<Self> {
-        [TransportKind::Shm, TransportKind::Tcp]
+        [TransportKind::Shm, TransportKind::Tcp, TransportKind::Ibv]
             .into_iter()
             .find(|k| k.name() == name)
     }
@@ -73,6 +77,9 @@ pub struct ContextOptions {
     pub channels: Vec<ChannelKind>,
     pub tcp: TcpOptions,
     pub shm: ShmOptions,
+    /// The ibverbs transport (device choice from `SLUICE_IB_DEVICE` and friends by default; not
+    /// viable without the `rdma` feature or a device, unless the model is chosen).
+    pub ibv: IbvOptions,
     /// TCP connections per pipe for the multi-lane channel.
     pub lanes: usize,
     /// Deadline for each stage of pipe setup (and for a silent incoming connection).
@@ -92,10 +99,11 @@ impl Default for ContextOptions {
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
         ContextOptions {
             name: format!("pid{}", std::process::id()),
-            transports: vec![TransportKind::Shm, TransportKind::Tcp],
+            transports: vec![TransportKind::Shm, TransportKind::Ibv, TransportKind::Tcp],
             channels: ChannelKind::ALL.to_vec(),
             tcp: TcpOptions::default(),
             shm: ShmOptions::default(),
+            ibv: IbvOptions::default(),
             lanes: cores.clamp(2, 4),
             setup_timeout: Duration::from_secs(10),
             max_descriptor_bytes: 64 << 20,
@@ -111,6 +119,7 @@ struct ContextInner {
     /// Viable and enabled transports, in priority order.
     transports: Vec<TransportKind>,
     shm: Option<ShmTransport>,
+    ibv: Option<IbvTransport>,
     /// Viable and enabled channels, in priority order.
     channels: Vec<Box<dyn ChannelContext>>,
 }
@@ -128,6 +137,7 @@ impl Context {
         let tcp = TcpTransport::new(options.tcp.clone());
         let mut transports = Vec::new();
         let mut shm = None;
+        let mut ibv = None;
         for &kind in &options.transports {
             match kind {
                 TransportKind::Tcp => transports.push(kind),
@@ -141,6 +151,16 @@ impl Context {
                         Err(e) => tracing::info!("shm transport not offered: {e}"),
                     }
                 }
+                TransportKind::Ibv => {
+                    let t = IbvTransport::new(options.ibv.clone());
+                    match t.viability() {
+                        Ok(()) => {
+                            transports.push(kind);
+                            ibv = Some(t);
+                        }
+                        Err(e) => tracing::info!("ibv transport not offered: {e}"),
+                    }
+                }
             }
         }
         if transports.is_empty() {
@@ -152,6 +172,7 @@ impl Context {
                 ChannelKind::Basic => Box::new(BasicContext),
                 ChannelKind::Cma => Box::new(CmaContext::new()),
                 ChannelKind::MultiLane => Box::new(MultiLaneContext { lanes: options.lanes }),
+                ChannelKind::Rdma => Box::new(RdmaContext::new(ibv.as_ref())),
                 ChannelKind::CudaIpc => Box::new(CudaIpcContext::new()),
                 ChannelKind::CudaP2p => Box::new(CudaP2pContext::new(options.cuda_p2p_loopback)),
                 ChannelKind::CudaStaged => {
@@ -181,6 +202,7 @@ impl Context {
                 tcp,
                 transports,
                 shm,
+                ibv,
                 channels,
             }),
         })
@@ -209,16 +231,28 @@ impl Context {
             Some(t) => Some(t.listen("").await?),
             None => None,
         };
+        // The ibverbs bootstrap listens on the pipe listener's host, on a port of its own.
+        let ibv = match &self.inner.ibv {
+            Some(t) => {
+                let host = address.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
+                Some(t.listen(&format!("{host}:0")).await?)
+            }
+            None => None,
+        };
         let shared = Arc::new(ListenerShared {
             ctx: self.clone(),
             tcp_address: address.clone(),
             shm_address: shm.as_ref().map(|l| l.address()),
+            ibv_address: ibv.as_ref().map(|l| l.address()),
             tokens: Mutex::new(HashMap::new()),
         });
         let (tx, rx) = mpsc::channel(64);
         let mut tasks = vec![tokio::spawn(accept_tcp(tcp, shared.clone(), tx.clone()))];
         if let Some(l) = shm {
-            tasks.push(tokio::spawn(accept_shm(l, shared.clone(), tx)));
+            tasks.push(tokio::spawn(accept_shm(l, shared.clone(), tx.clone())));
+        }
+        if let Some(l) = ibv {
+            tasks.push(tokio::spawn(accept_ibv(l, shared.clone(), tx)));
         }
         Ok(PipeListener {
             address,
@@ -289,6 +323,12 @@ impl Context {
                         .as_ref()
                         .map(|s| s.domain_descriptor())
                         .unwrap_or_default(),
+                    TransportKind::Ibv => self
+                        .inner
+                        .ibv
+                        .as_ref()
+                        .map(|s| s.domain_descriptor())
+                        .unwrap_or_default(),
                 },
             })
             .collect()
@@ -309,6 +349,7 @@ impl Context {
         match TransportKind::from_name(name) {
             Some(TransportKind::Tcp) => self.inner.tcp.can_communicate_with(remote),
             Some(TransportKind::Shm) => self.inner.shm.as_ref().is_some_and(|s| s.can_communicate_with(remote)),
+            Some(TransportKind::Ibv) => self.inner.ibv.as_ref().is_some_and(|s| s.can_communicate_with(remote)),
             None => false,
         }
     }
@@ -351,17 +392,46 @@ impl Context {
         })
         .map_err(negotiation)?;
         let cpu = cpu_channel(&answer.choices).ok_or_else(|| negotiation("no channel for CPU tensors".into()))?;
+        if kind != TransportKind::Ibv {
+            if let Some(c) = answer
+                .choices
+                .iter()
+                .find(|c| ChannelKind::from_name(&c.channel).is_some_and(|k| k.needs_ibv()))
+            {
+                return Err(negotiation(format!(
+                    "server chose channel {} over transport {}, but it needs the ibv transport",
+                    c.channel, answer.transport
+                )));
+            }
+        }
         if cpu == ChannelKind::Cma {
             cma::probe_peer(answer.pid as i32, answer.cma_probe)
                 .map_err(|e| negotiation(format!("cma chosen but {e}")))?;
         }
-        let shm_address = answer.address.as_str();
+        // The ibverbs bootstrap port is on the host we reached the listener at (the server may
+        // have bound a wildcard address).
+        let joined;
+        let shm_address = if kind == TransportKind::Ibv {
+            joined = with_port_of(addr, &answer.address)
+                .ok_or_else(|| negotiation(format!("bad ibv bootstrap address {:?}", answer.address)))?;
+            joined.as_str()
+        } else {
+            answer.address.as_str()
+        };
         let join = |token: u64| async move {
             let conn: AnyConnection = match kind {
                 TransportKind::Tcp => self.inner.tcp.connect(addr).await?.into(),
                 TransportKind::Shm => self
                     .inner
                     .shm
+                    .as_ref()
+                    .expect("offered, so present")
+                    .connect(shm_address)
+                    .await?
+                    .into(),
+                TransportKind::Ibv => self
+                    .inner
+                    .ibv
                     .as_ref()
                     .expect("offered, so present")
                     .connect(shm_address)
@@ -399,6 +469,14 @@ impl Context {
             self.inner.options.max_descriptor_bytes,
         ))
     }
+}
+
+/// `host:port` with the host of `addr` and the port of `other`.
+fn with_port_of(addr: &str, other: &str) -> Option<String> {
+    let (host, _) = addr.rsplit_once(':')?;
+    let (_, port) = other.rsplit_once(':')?;
+    port.parse::<u16>().ok()?;
+    Some(format!("{host}:{port}"))
 }
 
 /// Who the other end is.
@@ -455,6 +533,7 @@ struct ListenerShared {
     ctx: Context,
     tcp_address: String,
     shm_address: Option<String>,
+    ibv_address: Option<String>,
     tokens: Mutex<HashMap<u64, oneshot::Sender<Halves>>>,
 }
 
@@ -512,6 +591,22 @@ async fn accept_shm(mut listener: ShmListener, shared: Arc<ListenerShared>, tx: 
             }
             Err(e) => {
                 tracing::warn!("shm connection refused: {e}");
+                if tx.send(Err(e.into())).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+async fn accept_ibv(mut listener: IbvListener, shared: Arc<ListenerShared>, tx: mpsc::Sender<Result<Pipe>>) {
+    loop {
+        match listener.accept().await {
+            Ok(conn) => {
+                tokio::spawn(handle_incoming(conn.into(), shared.clone(), tx.clone()));
+            }
+            Err(e) => {
+                tracing::warn!("ibv connection refused: {e}");
                 if tx.send(Err(e.into())).await.is_err() {
                     return;
                 }
@@ -601,6 +696,10 @@ async fn serve_pipe(shared: &ListenerShared, peer: &str, bootstrap: Halves, broc
     })
     .and_then(|t| TransportKind::from_name(&t.name));
     let mut channels = ctx.channel_offers();
+    // Channels that borrow the ibverbs control connection need it to be ibverbs.
+    if transport != Some(TransportKind::Ibv) {
+        channels.retain(|c| !ChannelKind::from_name(&c.name).is_some_and(|k| k.needs_ibv()));
+    }
     // CMA needs permission to read this very peer; find out before offering it.
     if channels.iter().any(|c| c.name == ChannelKind::Cma.name())
         && brochure.channels.iter().any(|c| c.name == ChannelKind::Cma.name())
@@ -665,6 +764,7 @@ async fn serve_pipe(shared: &ListenerShared, peer: &str, bootstrap: Halves, broc
             .unwrap_or_default(),
         address: match kind {
             TransportKind::Shm => shared.shm_address.clone().unwrap_or_default(),
+            TransportKind::Ibv => shared.ibv_address.clone().unwrap_or_default(),
             TransportKind::Tcp => shared.tcp_address.clone(),
         },
         control_token,

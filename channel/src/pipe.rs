@@ -9,7 +9,7 @@
 //! - **Ordering.** Writes complete in the order they were issued, reads likewise (each side
 //!   runs under a fair lock, one operation at a time).
 //! - **A write completes when its buffers may be reused**: frames handed to the transport,
-//!   lanes drained, and for CMA the receiver's acknowledgement received. So a CMA write waits
+//!   lanes drained, and for CMA and rdma the receiver's acknowledgement received. So such a write waits
 //!   until the peer has *read* the message: do not await a write and then, on the same task,
 //!   the read the peer's reply depends on being made by this side. If a write is
 //!   cancelled while the peer may still be reading its memory, the pipe keeps the buffers alive
@@ -37,16 +37,18 @@ use std::sync::{Arc, OnceLock};
 
 use bytes::{Bytes, BytesMut};
 use sluice_transport::any::{AnyReader, AnyWriter};
+use sluice_transport::ibv::{Access, RdmaHandle, Sge};
 use sluice_transport::{Closer, FrameReader, FrameWriter};
 use tokio::sync::Mutex;
 
+use crate::channel::rdma::{self, RegCache};
 use crate::channel::{cma, multilane, ChannelKind};
 use crate::cuda::events::{self, EventSlot};
 use crate::cuda::{driver, ipc, staged, CudaBuffer, CudaError};
 use crate::device::{Device, RecvBuffer, SendBuffer};
 use crate::error::{PipeError, Result};
 use crate::message::{Allocation, Descriptor, Message, TensorDescriptor};
-use crate::wire::{self, Ack, CudaDone, CudaSource, WireDescriptor, WireTensor};
+use crate::wire::{self, Ack, CudaDone, CudaSource, RdmaSource, WireDescriptor, WireTensor};
 
 /// Tensors at least this long are copied by CMA on a blocking thread rather than inline.
 const CMA_OFFLOAD: usize = 1 << 20;
@@ -109,8 +111,10 @@ struct WriteSide {
     acks: AnyReader,
     lanes: Vec<AnyWriter>,
     seq: u64,
-    /// Sources the peer may still be reading (CMA, CUDA), cleared once acknowledged.
+    /// Sources the peer may still be reading (CMA, rdma, CUDA), cleared once acknowledged.
     exposed: Vec<SendBuffer>,
+    /// The rdma channel's registrations of sent tensors.
+    registrations: Option<RegCache>,
 }
 
 struct ReadSide {
@@ -136,6 +140,8 @@ struct Inner {
     failed: AtomicBool,
     error: OnceLock<PipeError>,
     closers: Vec<Closer>,
+    /// One-sided RDMA on the control connection (when it is ibverbs).
+    rdma: Option<RdmaHandle>,
     writer: Mutex<WriteSide>,
     reader: Mutex<ReadSide>,
 }
@@ -206,6 +212,9 @@ impl Pipe {
         let mut closers = vec![links.control.0.closer(), links.reply.0.closer()];
         closers.extend(links.lanes.iter().map(|(r, _)| r.closer()));
         let (lane_readers, lane_writers): (Vec<_>, Vec<_>) = links.lanes.into_iter().unzip();
+        let rdma = links.control.1.rdma();
+        // Bounded: 256 registrations or 4 GiB of sent tensors kept registered (and alive).
+        let registrations = rdma.as_ref().map(|h| RegCache::new(h.device(), 256, 4 << 30));
         Pipe {
             inner: Arc::new(Inner {
                 info,
@@ -217,12 +226,14 @@ impl Pipe {
                 failed: AtomicBool::new(false),
                 error: OnceLock::new(),
                 closers,
+                rdma,
                 writer: Mutex::new(WriteSide {
                     control: links.control.1,
                     acks: links.reply.0,
                     lanes: lane_writers,
                     seq: 0,
                     exposed: Vec::new(),
+                    registrations,
                 }),
                 reader: Mutex::new(ReadSide {
                     control: links.control.0,
@@ -318,8 +329,24 @@ impl Pipe {
                 .map_err(|e| PipeError::Misuse(e.to_string()))?;
             let mut address = None;
             let mut cuda = None;
+            let mut rdma = None;
             match (&t.buffer, channel) {
                 (SendBuffer::Cpu(b), ChannelKind::Cma) => address = Some(b.as_ptr() as u64),
+                (SendBuffer::Cpu(b), ChannelKind::Rdma) if b.len() >= rdma::INLINE_MAX => {
+                    let cache = side
+                        .registrations
+                        .as_mut()
+                        .ok_or_else(|| self.inner.protocol("rdma negotiated without an ibverbs connection"))?;
+                    let mr = cache.get(b).map_err(|e| PipeError::Channel {
+                        peer: self.inner.info.peer.clone(),
+                        channel: "rdma",
+                        detail: format!("registering a {} byte tensor: {e}", b.len()),
+                    })?;
+                    rdma = Some(RdmaSource {
+                        addr: b.as_ptr() as u64,
+                        rkey: mr.rkey,
+                    });
+                }
                 (SendBuffer::Cuda(b), k) if k.is_direct_cuda() => {
                     let (source, event) = self
                         .export(b)
@@ -337,6 +364,7 @@ impl Pipe {
                 metadata: t.metadata.clone(),
                 address,
                 cuda,
+                rdma,
             });
         }
         // Counted only once the message is known to be sendable (a refused one leaves no gap).
@@ -348,8 +376,8 @@ impl Pipe {
             tensors,
         };
         let mut acked = Vec::new();
-        for (t, &channel) in message.tensors.iter().zip(&channels) {
-            if channel == ChannelKind::Cma || channel.is_direct_cuda() {
+        for ((t, &channel), w) in message.tensors.iter().zip(&channels).zip(&descriptor.tensors) {
+            if channel == ChannelKind::Cma || channel.is_direct_cuda() || w.rdma.is_some() {
                 // Kept alive until acknowledged, even if this write is cancelled.
                 side.exposed.push(t.buffer.clone());
                 if channel.is_direct_cuda() {
@@ -378,6 +406,13 @@ impl Pipe {
                     staged::send_gpu(&mut side.control, b, &self.inner.info.peer).await?
                 }
                 (_, ChannelKind::Cma) => needs_ack = true,
+                (SendBuffer::Cpu(bytes), ChannelKind::Rdma) => {
+                    if bytes.len() >= rdma::INLINE_MAX {
+                        needs_ack = true;
+                    } else {
+                        side.control.write(&[bytes]).await?
+                    }
+                }
                 (_, k) if k.is_direct_cuda() => needs_ack = true,
                 (b, k) => {
                     return Err(self.inner.protocol(format!(
@@ -407,6 +442,9 @@ impl Pipe {
                 self.wait_for_receiver(buffer, done)?;
             }
             side.exposed.clear();
+            if let Some(c) = side.registrations.as_mut() {
+                c.unpin_all();
+            }
             drop(ready_events);
         }
         Ok(())
@@ -478,7 +516,11 @@ impl Pipe {
             let channel = self
                 .channel_for(t.target.unwrap_or(t.source), t.source)
                 .map_err(|e| self.inner.fail(e))?;
-            if (channel == ChannelKind::Cma) != t.address.is_some() || channel.is_direct_cuda() != t.cuda.is_some() {
+            let by_rdma = channel == ChannelKind::Rdma && t.length >= rdma::INLINE_MAX as u64;
+            if (channel == ChannelKind::Cma) != t.address.is_some()
+                || channel.is_direct_cuda() != t.cuda.is_some()
+                || by_rdma != t.rdma.is_some()
+            {
                 return Err(self.inner.fail(
                     self.inner
                         .protocol("tensor address does not match the negotiated channel"),
@@ -569,6 +611,13 @@ impl Pipe {
                             detail,
                         })?;
                 }
+                (RecvBuffer::Cpu(dst), ChannelKind::Rdma) => match t.rdma {
+                    Some(source) => {
+                        cma = true;
+                        self.rdma_read(dst, source).await?;
+                    }
+                    None => read_exact_frame(&mut side.control, dst, &self.inner).await?,
+                },
                 (RecvBuffer::Cpu(dst), ChannelKind::CudaStaged) => {
                     staged::recv_cpu(&mut side.control, dst, &self.inner.info.peer).await?
                 }
@@ -596,6 +645,59 @@ impl Pipe {
             side.acks.write(&[&wire::encode(&ack)]).await?;
         }
         Ok(())
+    }
+
+    /// RDMA-reads an rdma tensor from the sender's registered memory into `dst`, in pieces of at
+    /// most [`rdma::MAX_READ`]. If this future is dropped mid-read, the destination and its
+    /// registration are leaked (the NIC may still write there) and the pipe fails.
+    async fn rdma_read(&self, dst: &mut BytesMut, source: RdmaSource) -> Result<()> {
+        let channel_error = |detail: String| PipeError::Channel {
+            peer: self.inner.info.peer.clone(),
+            channel: "rdma",
+            detail,
+        };
+        let handle = self
+            .inner
+            .rdma
+            .as_ref()
+            .ok_or_else(|| self.inner.protocol("rdma negotiated without an ibverbs connection"))?;
+        let device = handle.device();
+        let mut buf = std::mem::take(dst);
+        // SAFETY: `buf` is owned by the lease below until the registration is dropped; if the
+        // lease is abandoned mid-read, both are leaked rather than freed.
+        let mr = match unsafe { device.register(buf.as_mut_ptr(), buf.len(), Access::LOCAL) } {
+            Ok(mr) => mr,
+            Err(e) => {
+                *dst = buf;
+                return Err(channel_error(format!("registering the destination: {e}")));
+            }
+        };
+        let info = mr.info();
+        let mut lease = ReadLease {
+            held: Some((buf, mr)),
+            inner: &self.inner,
+        };
+        let mut done = 0usize;
+        let mut result = Ok(());
+        while done < info.len {
+            let len = (info.len - done).min(rdma::MAX_READ);
+            let sge = Sge {
+                addr: info.addr + done as u64,
+                len: len as u32,
+                lkey: info.lkey,
+            };
+            // SAFETY: `sge` lies in the registration the lease holds; the lease keeps the memory
+            // (or leaks it if this future is dropped) until the read completes.
+            if let Err(e) = unsafe { handle.read(sge, source.addr + done as u64, source.rkey) }.await {
+                result = Err(PipeError::from(e));
+                break;
+            }
+            done += len;
+        }
+        let (buf, mr) = lease.held.take().expect("held until here");
+        drop(mr);
+        *dst = buf;
+        result
     }
 
     /// Queues the copy of a cuda_ipc/cuda_p2p tensor into `dst` on its stream, after the
@@ -699,6 +801,27 @@ fn check_allocation(d: &WireDescriptor, a: &Allocation) -> std::result::Result<(
         }
     }
     Ok(())
+}
+
+/// A destination lent to an RDMA read. Dropped before the read finished (the future was
+/// cancelled), it leaks the memory and its registration, since the NIC may still write there, and
+/// fails the pipe.
+struct ReadLease<'a> {
+    held: Option<(BytesMut, Box<dyn sluice_transport::ibv::VerbsMr>)>,
+    inner: &'a Inner,
+}
+
+impl Drop for ReadLease<'_> {
+    fn drop(&mut self) {
+        if let Some(held) = self.held.take() {
+            std::mem::forget(held);
+            self.inner.fail(PipeError::Channel {
+                peer: self.inner.info.peer.clone(),
+                channel: "rdma",
+                detail: "a read was cancelled while the NIC could still write its memory".into(),
+            });
+        }
+    }
 }
 
 async fn read_exact_frame(reader: &mut AnyReader, dst: &mut [u8], inner: &Inner) -> Result<()> {

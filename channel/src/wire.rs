@@ -18,7 +18,7 @@ use crate::error::PipeError;
 
 pub const MAGIC: [u8; 4] = *b"SLCE";
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 const ENVELOPE: usize = 6;
 
 /// Largest setup frame accepted (hello or answer).
@@ -116,6 +116,15 @@ pub struct WireTensor {
     pub address: Option<u64>,
     /// For cuda_ipc and cuda_p2p: where the receiver copies from, and what it waits for.
     pub cuda: Option<CudaSource>,
+    /// For rdma (tensors of at least `rdma::INLINE_MAX` bytes): the sender's registered memory.
+    pub rdma: Option<RdmaSource>,
+}
+
+/// Where the receiver RDMA-reads an rdma tensor from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RdmaSource {
+    pub addr: u64,
+    pub rkey: u32,
 }
 
 /// Where a cuda_ipc or cuda_p2p tensor sits, and the event recorded on the sender's stream
@@ -240,6 +249,7 @@ mod tests {
                     offset: 5,
                     event: Bytes::from_static(&[2; 64]),
                 }),
+                rdma: Some(RdmaSource { addr: 1 << 40, rkey: 7 }),
             }],
         });
         for cut in 0..sample.len() {

@@ -96,6 +96,7 @@ fn main() {
         metadata: vec![1, 2].into(),
         address: Some(0x1000),
         cuda: None,
+        rdma: None,
     };
     let gpu = WireTensor {
         length: 1 << 20,
@@ -108,6 +109,16 @@ fn main() {
             offset: 4096,
             event: vec![9; 64].into(),
         }),
+        rdma: None,
+    };
+    let rdma = WireTensor {
+        length: 1 << 24,
+        address: None,
+        rdma: Some(sluice_channel::wire::RdmaSource {
+            addr: 0x7f00_0000_0000,
+            rkey: 0x1234,
+        }),
+        ..t.clone()
     };
     let local = WireTensor {
         cuda: Some(CudaSource::Local {
@@ -123,7 +134,7 @@ fn main() {
                 seq: 3,
                 metadata: vec![0; 16].into(),
                 payloads: vec![100, 0],
-                tensors: vec![t, gpu, local],
+                tensors: vec![t, gpu, local, rdma],
             }),
             encode(&Ack { seq: 3, cuda: vec![] }),
             encode(&Ack {

@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+use sluice_channel::channel::rdma;
 use sluice_channel::{
     Allocation, ChannelKind, Context, ContextOptions, Message, Pipe, PipeError, RecvBuffer, Tensor, TransportKind,
 };
@@ -118,6 +119,67 @@ channel_over_transport!(cma_over_tcp, TransportKind::Tcp, ChannelKind::Cma);
 channel_over_transport!(cma_over_shm, TransportKind::Shm, ChannelKind::Cma);
 channel_over_transport!(multilane_over_tcp, TransportKind::Tcp, ChannelKind::MultiLane);
 channel_over_transport!(multilane_over_shm, TransportKind::Shm, ChannelKind::MultiLane);
+
+fn ibv_model(channels: &[ChannelKind]) -> ContextOptions {
+    ContextOptions {
+        ibv: sluice_transport::ibv::IbvOptions {
+            device: sluice_transport::ibv::DeviceChoice::Model,
+            ..Default::default()
+        },
+        ..options(&[TransportKind::Ibv], channels)
+    }
+}
+
+/// The ibverbs transport (on the verbs model) carries pipes; rdma moves CPU tensors by one-sided
+/// reads (small ones through the ring), basic through the ring.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_and_basic_over_ibv_model() {
+    watchdog("ibv pipes", async {
+        for channel in [ChannelKind::Rdma, ChannelKind::Basic] {
+            let (a, b) = pair_with(ibv_model(&[channel])).await;
+            assert_eq!(a.info().transport, "ibv");
+            assert_eq!((a.info().cpu_channel, b.info().cpu_channel), (channel, channel));
+            exercise(a, b).await;
+        }
+        // Sizes around the inline bound, and one tensor read in several pieces.
+        let (a, b) = pair_with(ibv_model(&[ChannelKind::Rdma])).await;
+        let sizes = [rdma::INLINE_MAX - 1, rdma::INLINE_MAX, rdma::MAX_READ * 2 + 5];
+        let m = message(7, &sizes);
+        let (w, r) = tokio::join!(a.write(&m), receive(&b));
+        w.unwrap();
+        check(7, &sizes, &r);
+        drop((a, b));
+        let v = sluice_transport::ibv::model::ModelFabric::global().violations();
+        assert!(v.is_empty(), "verbs rules broken: {v:?}");
+    })
+    .await
+}
+
+/// rdma borrows the ibverbs control connection: where another transport wins (shm on one host),
+/// rdma is not chosen even though both sides offer it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_needs_the_ibv_transport() {
+    watchdog("rdma needs ibv", async {
+        let opts = ContextOptions {
+            transports: vec![TransportKind::Shm, TransportKind::Ibv, TransportKind::Tcp],
+            ..ibv_model(&ChannelKind::ALL)
+        };
+        let server = Context::new(opts.clone()).unwrap();
+        assert!(server.transports().contains(&TransportKind::Ibv));
+        assert!(server.channels().contains(&ChannelKind::Rdma));
+        let (a, b) = pair_with(opts).await;
+        assert_eq!(a.info().transport, "shm");
+        assert_eq!(a.info().cpu_channel, ChannelKind::Cma);
+        exercise(a, b).await;
+        // Without the model (no rdma feature or no device here) neither is offered.
+        let plain = Context::new(ContextOptions::default()).unwrap();
+        if !cfg!(feature = "rdma") {
+            assert!(!plain.transports().contains(&TransportKind::Ibv));
+            assert!(!plain.channels().contains(&ChannelKind::Rdma));
+        }
+    })
+    .await
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_common_channel_is_a_clear_error_on_both_sides() {

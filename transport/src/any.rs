@@ -1,7 +1,8 @@
 //! Run-time choice of a transport without boxing every operation: enums over the backends that
-//! implement the same traits by delegation. A new backend (ibverbs) adds one variant to each.
+//! implement the same traits by delegation. A new backend adds one variant to each.
 
 use crate::error::Result;
+use crate::ibv::{IbvConnection, IbvReader, IbvWriter, RdmaHandle};
 use crate::shm::{ShmConnection, ShmReader, ShmWriter};
 use crate::tcp::{TcpConnection, TcpReader, TcpWriter};
 use crate::{Closer, Connection, FrameReader, FrameWriter};
@@ -11,6 +12,7 @@ macro_rules! delegate {
         match $self {
             Self::Tcp($inner) => $e,
             Self::Shm($inner) => $e,
+            Self::Ibv($inner) => $e,
         }
     };
 }
@@ -19,18 +21,21 @@ macro_rules! delegate {
 pub enum AnyConnection {
     Tcp(TcpConnection),
     Shm(ShmConnection),
+    Ibv(IbvConnection),
 }
 
 /// The receiving half of a connection of any backend.
 pub enum AnyReader {
     Tcp(TcpReader),
     Shm(ShmReader),
+    Ibv(IbvReader),
 }
 
 /// The sending half of a connection of any backend.
 pub enum AnyWriter {
     Tcp(TcpWriter),
     Shm(ShmWriter),
+    Ibv(IbvWriter),
 }
 
 impl AnyConnection {
@@ -39,7 +44,24 @@ impl AnyConnection {
         match self {
             AnyConnection::Tcp(_) => "tcp",
             AnyConnection::Shm(_) => "shm",
+            AnyConnection::Ibv(_) => "ibv",
         }
+    }
+}
+
+impl AnyWriter {
+    /// One-sided RDMA on the connection's queue pair, when it is an ibverbs connection.
+    pub fn rdma(&self) -> Option<RdmaHandle> {
+        match self {
+            AnyWriter::Ibv(w) => Some(w.rdma()),
+            _ => None,
+        }
+    }
+}
+
+impl From<IbvConnection> for AnyConnection {
+    fn from(c: IbvConnection) -> Self {
+        AnyConnection::Ibv(c)
     }
 }
 
@@ -72,6 +94,10 @@ impl Connection for AnyConnection {
             AnyConnection::Shm(c) => {
                 let (r, w) = c.split();
                 (AnyReader::Shm(r), AnyWriter::Shm(w))
+            }
+            AnyConnection::Ibv(c) => {
+                let (r, w) = c.split();
+                (AnyReader::Ibv(r), AnyWriter::Ibv(w))
             }
         }
     }

@@ -21,10 +21,13 @@
 //!   the same way.
 //! - **cuda_staged**: any pair with a GPU on one side, through pinned host memory in pipelined
 //!   chunks on the pipe's connection; works across hosts.
+//! - **rdma**: CPU to CPU over the pipe's ibverbs connection: the receiver RDMA-reads the
+//!   tensor straight from the sender's memory (zero copies; small tensors ride the ring).
 
 pub mod cma;
 pub mod cuda;
 pub mod multilane;
+pub mod rdma;
 
 use crate::device::Device;
 
@@ -37,11 +40,13 @@ pub enum ChannelKind {
     CudaIpc,
     CudaP2p,
     CudaStaged,
+    Rdma,
 }
 
 impl ChannelKind {
     /// Every channel, in the default priority order.
-    pub const ALL: [ChannelKind; 6] = [
+    pub const ALL: [ChannelKind; 7] = [
+        ChannelKind::Rdma,
         ChannelKind::Cma,
         ChannelKind::MultiLane,
         ChannelKind::Basic,
@@ -58,6 +63,7 @@ impl ChannelKind {
             ChannelKind::CudaIpc => "cuda_ipc",
             ChannelKind::CudaP2p => "cuda_p2p",
             ChannelKind::CudaStaged => "cuda_staged",
+            ChannelKind::Rdma => "rdma",
         }
     }
 
@@ -67,6 +73,11 @@ impl ChannelKind {
             self,
             ChannelKind::CudaIpc | ChannelKind::CudaP2p | ChannelKind::CudaStaged
         )
+    }
+
+    /// Whether it borrows the queue pair of an ibverbs control connection.
+    pub fn needs_ibv(self) -> bool {
+        matches!(self, ChannelKind::Rdma)
     }
 
     /// Whether the receiver copies straight from the sender's GPU memory (and acknowledges).

@@ -26,7 +26,10 @@ pub fn skip<B: Backend>(test: &str) -> bool {
         Ok(()) => false,
         Err(why) => {
             if std::env::var_os("SLUICE_REQUIRE_RDMA").is_some() {
-                panic!("{test}: SLUICE_REQUIRE_RDMA is set but {} is unavailable: {why}", B::NAME);
+                panic!(
+                    "{test}: SLUICE_REQUIRE_RDMA is set but {} is unavailable: {why}",
+                    B::NAME
+                );
             }
             eprintln!("SKIPPED {test} on {}: {why}", B::NAME);
             true

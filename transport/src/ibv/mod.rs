@@ -33,7 +33,7 @@ mod region;
 pub mod verbs;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -397,7 +397,12 @@ impl Hello {
 
 /// Sets up the queue pair and rings over a fresh TCP connection (both sides run the same
 /// steps: send hello, read hello, connect the queue pair, post receives, exchange ready).
-async fn establish(mut stream: TcpStream, peer: String, reactor: Arc<Reactor>, options: &IbvOptions) -> Result<IbvConnection> {
+async fn establish(
+    mut stream: TcpStream,
+    peer: String,
+    reactor: Arc<Reactor>,
+    options: &IbvOptions,
+) -> Result<IbvConnection> {
     let fail = |reason: String| TransportError::Handshake {
         peer: peer.clone(),
         reason,
@@ -423,7 +428,9 @@ async fn establish(mut stream: TcpStream, peer: String, reactor: Arc<Reactor>, o
             .write_all(&mine.encode())
             .await
             .map_err(|e| TransportError::io(&peer, "send hello", e))?;
-        let theirs = Hello::read(&mut stream).await.map_err(|e| fail(format!("peer's hello: {e}")))?;
+        let theirs = Hello::read(&mut stream)
+            .await
+            .map_err(|e| fail(format!("peer's hello: {e}")))?;
         if theirs.fabric != mine.fabric {
             return Err(fail(format!(
                 "peer is on fabric {:?}, this side on {:?}",
@@ -432,29 +439,16 @@ async fn establish(mut stream: TcpStream, peer: String, reactor: Arc<Reactor>, o
         }
         let cap = theirs.inbox_len as usize;
         if !cap.is_power_of_two() || !(MIN_RING..=MAX_RING).contains(&cap) {
-            return Err(fail(format!("peer's ring of {cap} bytes is not a power of two in 4 KiB..1 GiB")));
+            return Err(fail(format!(
+                "peer's ring of {cap} bytes is not a power of two in 4 KiB..1 GiB"
+            )));
         }
         let outbox = Half::new(&reactor, cap, Access::LOCAL).map_err(|e| fail(e.to_string()))?;
         qp.qp
             .connect(mine.endpoint.psn, &theirs.endpoint)
             .map_err(|e| fail(e.to_string()))?;
         for i in 0..qp.caps.recv_depth {
-            qp.qp
-                .post_recv(TAG_RECV | i as u64)
-                .map_err(|e| fail(e.to_string()))?;
-        }
-        // Both queue pairs can receive now: say so, and wait for the peer to say so.
-        stream
-            .write_all(&[1])
-            .await
-            .map_err(|e| TransportError::io(&peer, "send ready", e))?;
-        let mut ready = [0u8; 1];
-        stream
-            .read_exact(&mut ready)
-            .await
-            .map_err(|e| fail(format!("waiting for ready: {e}")))?;
-        if ready != [1] {
-            return Err(fail(format!("unexpected ready byte {}", ready[0])));
+            qp.qp.post_recv(TAG_RECV | i as u64).map_err(|e| fail(e.to_string()))?;
         }
         Ok((qp, half, outbox, theirs))
     };
@@ -480,9 +474,16 @@ async fn establish(mut stream: TcpStream, peer: String, reactor: Arc<Reactor>, o
         write_events: AtomicU64::new(0),
         next_read: AtomicU64::new(0),
     });
-    // The connection starts with its receives posted (in the handshake).
+    // The connection starts with its receives posted (in the handshake). It is registered
+    // before the peer hears we are ready, so no completion of its first write finds it missing.
     conn.lock().rq = conn.qp.caps.recv_depth;
     reactor.register(conn.clone());
+    let ready = tokio::time::timeout(options.handshake_timeout, exchange_ready(&conn.socket)).await;
+    if let Err(reason) = ready.unwrap_or_else(|_| Err("timed out waiting for ready".into())) {
+        let e = fail(reason);
+        conn.fail(e.clone());
+        return Err(e);
+    }
     let watcher = conn.clone();
     tokio::spawn(async move {
         let mut b = [0u8; 1];
@@ -495,6 +496,30 @@ async fn establish(mut stream: TcpStream, peer: String, reactor: Arc<Reactor>, o
         conn: conn.clone(),
         _guard: Arc::new(CloseOnDrop(conn)),
     })
+}
+
+/// Both queue pairs can receive now: say so, and wait for the peer to say so.
+async fn exchange_ready(socket: &TcpStream) -> std::result::Result<(), String> {
+    loop {
+        socket.writable().await.map_err(|e| e.to_string())?;
+        match socket.try_write(&[1]) {
+            Ok(1) => break,
+            Ok(_) => return Err("could not send ready".into()),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(format!("sending ready: {e}")),
+        }
+    }
+    let mut ready = [0u8; 1];
+    loop {
+        socket.readable().await.map_err(|e| e.to_string())?;
+        match socket.try_read(&mut ready) {
+            Ok(1) if ready == [1] => return Ok(()),
+            Ok(0) => return Err("peer hung up before ready".into()),
+            Ok(_) => return Err(format!("unexpected ready byte {}", ready[0])),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(format!("waiting for ready: {e}")),
+        }
+    }
 }
 
 /// A ring's memory and its registration (field order: the registration goes first).
@@ -630,7 +655,9 @@ impl Conn {
     }
 
     fn close(&self) {
-        if self.stopped.stop(TransportError::Closed { peer: self.peer.clone() }) {
+        if self.stopped.stop(TransportError::Closed {
+            peer: self.peer.clone(),
+        }) {
             self.begin_close(true);
         }
         self.wake_all();
@@ -815,7 +842,11 @@ impl Conn {
             match tag {
                 TAG_READ => {
                     if let Some(tx) = st.reads.remove(&c.wr_id) {
-                        let _ = tx.send(if c.status == WcStatus::Success { Ok(()) } else { Err(c.status) });
+                        let _ = tx.send(if c.status == WcStatus::Success {
+                            Ok(())
+                        } else {
+                            Err(c.status)
+                        });
                     }
                 }
                 TAG_CLOSE => st.close_done = true,
@@ -1023,10 +1054,9 @@ impl Conn {
         };
         match rx.await {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(WcStatus::Flushed)) | Err(_) => Err(self
-                .stopped
-                .error()
-                .unwrap_or_else(|| self.peer_lost(&self.lock()))),
+            Ok(Err(WcStatus::Flushed)) | Err(_) => {
+                Err(self.stopped.error().unwrap_or_else(|| self.peer_lost(&self.lock())))
+            }
             Ok(Err(status)) => Err(self.completion_error(status)),
         }
     }
@@ -1074,7 +1104,9 @@ impl Reactor {
     fn start(device: Arc<dyn VerbsDevice>, options: &IbvOptions) -> std::result::Result<Arc<ReactorOwner>, String> {
         let ring = options.ring_capacity;
         if !ring.is_power_of_two() || !(MIN_RING..=MAX_RING).contains(&ring) {
-            return Err(format!("ring capacity {ring} is not a power of two between 4 KiB and 1 GiB"));
+            return Err(format!(
+                "ring capacity {ring} is not a power of two between 4 KiB and 1 GiB"
+            ));
         }
         let limits = device.limits();
         let caps = QpCaps {
@@ -1082,7 +1114,10 @@ impl Reactor {
             recv_depth: options.recv_depth.min(limits.max_qp_wr).max(4),
         };
         if caps.send_depth > limits.max_qp_wr || caps.recv_depth > limits.max_qp_wr {
-            return Err(format!("device allows only {} work requests per queue", limits.max_qp_wr));
+            return Err(format!(
+                "device allows only {} work requests per queue",
+                limits.max_qp_wr
+            ));
         }
         let cq_entries = options.cq_entries.min(limits.max_cqe);
         if cq_entries < caps.send_depth + caps.recv_depth {
@@ -1349,12 +1384,8 @@ impl FrameReader for IbvReader {
 
     async fn read_vec(&mut self, limit: usize) -> Result<Vec<u8>> {
         let conn = self.conn.clone();
-        self.guarded(async move {
-            conn.read_frame(limit, None)
-                .await
-                .map(|(_, v)| v.expect("allocated"))
-        })
-        .await
+        self.guarded(async move { conn.read_frame(limit, None).await.map(|(_, v)| v.expect("allocated")) })
+            .await
     }
 
     fn close(&self) {

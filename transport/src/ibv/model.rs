@@ -164,10 +164,7 @@ impl ModelFabric {
     pub fn device(&self, name: &str, limits: Limits) -> Arc<ModelDevice> {
         let mut st = self.lock();
         let id = alloc_id(&mut st);
-        st.devices.insert(
-            id,
-            Dev { alive: true },
-        );
+        st.devices.insert(id, Dev { alive: true });
         Arc::new(ModelDevice {
             fabric: self.clone(),
             id,
@@ -234,7 +231,12 @@ impl ModelDevice {
         if let Some(d) = st.devices.get_mut(&self.id) {
             d.alive = false;
         }
-        let mine: Vec<u32> = st.qps.iter().filter(|(_, q)| q.dev == self.id).map(|(&n, _)| n).collect();
+        let mine: Vec<u32> = st
+            .qps
+            .iter()
+            .filter(|(_, q)| q.dev == self.id)
+            .map(|(&n, _)| n)
+            .collect();
         for n in mine {
             st.qps.remove(&n);
         }
@@ -689,9 +691,7 @@ fn execute(st: &mut State, n: u32) {
         let dev = qp.dev;
         let remote = qp.remote.and_then(|r| st.qps.get(&r).map(|q| (r, q)));
         let (rn, rdev, rstate, r_has_recv) = match remote {
-            Some((r, q)) if st.devices.get(&q.dev).is_some_and(|d| d.alive) => {
-                (r, q.dev, q.state, !q.rq.is_empty())
-            }
+            Some((r, q)) if st.devices.get(&q.dev).is_some_and(|d| d.alive) => (r, q.dev, q.state, !q.rq.is_empty()),
             _ => {
                 fail(st, n, wr, WcStatus::RetryExceeded, None);
                 return;

@@ -22,8 +22,8 @@ use sideway::ibverbs::device_context::{DeviceContext, LinkLayer, PortState};
 use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::queue_pair::{
-    BasicQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairState, QueuePairType,
-    SetScatterGatherEntry, WorkRequestFlags,
+    BasicQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairState, QueuePairType, SetScatterGatherEntry,
+    WorkRequestFlags,
 };
 use sideway::ibverbs::AccessFlags;
 
@@ -89,7 +89,12 @@ pub fn open(device: Option<&str>, port: Option<u8>, gid_index: Option<u32>) -> R
     Err(tried.join("; "))
 }
 
-fn choose_port(ctx: &Arc<DeviceContext>, name: &str, port: Option<u8>, gid_index: Option<u32>) -> Result<RealDevice, String> {
+fn choose_port(
+    ctx: &Arc<DeviceContext>,
+    name: &str,
+    port: Option<u8>,
+    gid_index: Option<u32>,
+) -> Result<RealDevice, String> {
     let attr = ctx.query_device().map_err(|e| format!("query_device: {e}"))?;
     let ports: Vec<u8> = match port {
         Some(p) => vec![p],
@@ -342,7 +347,10 @@ impl VerbsCq for RealCq {
         // SAFETY: the CQ is live; arming it for the next completion has no memory effects.
         let rc = unsafe { sys::ibv_req_notify_cq(self.cq.cq().as_ptr(), 0) };
         if rc != 0 {
-            return Err(VerbsError::failed("req_notify_cq", std::io::Error::from_raw_os_error(rc)));
+            return Err(VerbsError::failed(
+                "req_notify_cq",
+                std::io::Error::from_raw_os_error(rc),
+            ));
         }
         // The caller polls again after this returns, so a completion that raced the arming is
         // not lost; block until the channel or the wake eventfd is readable.

@@ -55,7 +55,10 @@ fn poll_n(cq: &dyn VerbsCq, n: usize) -> Vec<Completion> {
         let want = n - out.len();
         cq.poll(&mut out, want).unwrap();
         if out.len() < n {
-            assert!(start.elapsed() < Duration::from_secs(10), "only {out:?} of {n} completions");
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "only {out:?} of {n} completions"
+            );
             cq.wait(Duration::from_millis(10)).unwrap();
         }
     }
@@ -95,10 +98,18 @@ fn write_with_immediate_lands_and_completes_in_order() {
     }
     let sent = poll_n(p.cqs.0.as_ref(), 4);
     assert_eq!(sent.iter().map(|c| c.wr_id).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
-    assert!(sent.iter().all(|c| c.status == WcStatus::Success && c.kind == WcKind::Write));
+    assert!(sent
+        .iter()
+        .all(|c| c.status == WcStatus::Success && c.kind == WcKind::Write));
     let got = poll_n(p.cqs.1.as_ref(), 4);
-    assert_eq!(got.iter().map(|c| c.imm).collect::<Vec<_>>(), vec![Some(0), Some(1), Some(2), Some(3)]);
-    assert_eq!(got.iter().map(|c| c.wr_id).collect::<Vec<_>>(), vec![100, 101, 102, 103]);
+    assert_eq!(
+        got.iter().map(|c| c.imm).collect::<Vec<_>>(),
+        vec![Some(0), Some(1), Some(2), Some(3)]
+    );
+    assert_eq!(
+        got.iter().map(|c| c.wr_id).collect::<Vec<_>>(),
+        vec![100, 101, 102, 103]
+    );
     assert!(dst.iter().all(|&b| b == 7));
     drop((smr, dmr));
     assert!(p.fabric.violations().is_empty(), "{:?}", p.fabric.violations());
@@ -110,7 +121,10 @@ fn posting_beyond_the_queue_depth_fails_until_completions_are_polled() {
     for i in 0..2 {
         p.qps.1.post_recv(i).unwrap();
     }
-    assert!(matches!(p.qps.1.post_recv(9), Err(VerbsError::QueueFull { depth: 2, .. })));
+    assert!(matches!(
+        p.qps.1.post_recv(9),
+        Err(VerbsError::QueueFull { depth: 2, .. })
+    ));
     let send = |id| SendWr {
         wr_id: id,
         op: SendOp::SendImm { imm: 1 },
@@ -359,7 +373,10 @@ fn limits_bound_queue_and_completion_queue_sizes() {
 
 #[test]
 fn hello_round_trips_and_junk_is_refused() {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     rt.block_on(async {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();

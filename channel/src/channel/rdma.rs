@@ -1,0 +1,190 @@
+//! Zero-copy RDMA for CPU tensors: the receiver RDMA-reads the tensor straight from the
+//! sender's memory into the memory it chose, on the queue pair of the pipe's ibverbs control
+//! connection. No ring, no copy on either side (TensorPipe copied CPU tensors twice through a
+//! 2 MiB ring and reached 1.9–2.3 GB/s on links several times faster).
+//!
+//! - Only offered when the pipe's transport is ibverbs (the server drops it otherwise), since it
+//!   borrows that connection's queue pair.
+//! - Tensors below [`INLINE_MAX`] bytes travel through the ring instead: a read costs a round
+//!   trip and a registration, a ring write neither.
+//! - The sender's registrations are cached per pipe ([`RegCache`], bounded by count and bytes);
+//!   an entry keeps its buffer alive, so a cached address can never be freed and reused under
+//!   a stale registration. The receiver registers its destination for the read and drops the
+//!   registration after it (its buffers are caller-owned `BytesMut`, which a cache could not
+//!   keep alive).
+//! - The sender's write completes when the receiver acknowledges its reads (as with CMA).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use sluice_transport::ibv::{Access, IbvTransport, MrInfo, VerbsDevice, VerbsError, VerbsMr};
+use sluice_transport::Transport;
+
+use super::{ChannelContext, ChannelKind};
+use crate::device::Device;
+
+/// Smaller CPU tensors go through the transport's ring even when rdma was negotiated.
+pub const INLINE_MAX: usize = 64 << 10;
+/// Largest single RDMA read (devices take up to 1–2 GiB per request).
+pub const MAX_READ: usize = 64 << 20;
+
+/// The rdma channel's context: viable where the ibverbs transport is.
+pub struct RdmaContext {
+    descriptor: Result<String, String>,
+}
+
+impl RdmaContext {
+    pub fn new(ibv: Option<&IbvTransport>) -> RdmaContext {
+        let descriptor = match ibv {
+            Some(t) => t.viability().map(|_| t.domain_descriptor()).map_err(|e| e.to_string()),
+            None => Err("the ibv transport is not enabled".into()),
+        };
+        RdmaContext { descriptor }
+    }
+}
+
+impl ChannelContext for RdmaContext {
+    fn kind(&self) -> ChannelKind {
+        ChannelKind::Rdma
+    }
+
+    fn viability(&self) -> Result<(), String> {
+        self.descriptor.as_ref().map(|_| ()).map_err(|e| e.clone())
+    }
+
+    fn device_descriptors(&self) -> Vec<(Device, String)> {
+        match &self.descriptor {
+            Ok(d) => vec![(Device::Cpu, d.clone())],
+            Err(_) => Vec::new(),
+        }
+    }
+}
+
+struct Entry {
+    addr: u64,
+    len: usize,
+    mr: Box<dyn VerbsMr>,
+    /// Keeps the memory alive (and so unreusable) while registered.
+    _keep: Bytes,
+    pinned: bool,
+}
+
+/// A bounded cache of the sender's registrations, most recently used last.
+pub struct RegCache {
+    device: Arc<dyn VerbsDevice>,
+    entries: VecDeque<Entry>,
+    bytes: usize,
+    max_entries: usize,
+    max_bytes: usize,
+    pub hits: u64,
+    pub misses: u64,
+}
+
+impl RegCache {
+    pub fn new(device: Arc<dyn VerbsDevice>, max_entries: usize, max_bytes: usize) -> RegCache {
+        RegCache {
+            device,
+            entries: VecDeque::new(),
+            bytes: 0,
+            max_entries,
+            max_bytes,
+            hits: 0,
+            misses: 0,
+        }
+    }
+
+    /// The registration of `b` (readable remotely), pinned until [`unpin_all`](Self::unpin_all).
+    pub fn get(&mut self, b: &Bytes) -> Result<MrInfo, VerbsError> {
+        let (addr, len) = (b.as_ptr() as u64, b.len());
+        if let Some(i) = self.entries.iter().position(|e| e.addr == addr && e.len == len) {
+            self.hits += 1;
+            let mut e = self.entries.remove(i).expect("found");
+            e.pinned = true;
+            let info = e.mr.info();
+            self.entries.push_back(e);
+            return Ok(info);
+        }
+        self.misses += 1;
+        // SAFETY: the entry keeps a clone of `b`, so the memory stays valid (and is never
+        // reused) until the registration is dropped; the NIC only reads it (remote read).
+        let mr = unsafe { self.device.register(b.as_ptr() as *mut u8, len, Access::REMOTE_READ)? };
+        let info = mr.info();
+        self.bytes += len;
+        self.entries.push_back(Entry {
+            addr,
+            len,
+            mr,
+            _keep: b.clone(),
+            pinned: true,
+        });
+        self.evict();
+        Ok(info)
+    }
+
+    /// Called once the peer acknowledged: no registration is in use by it any more.
+    pub fn unpin_all(&mut self) {
+        for e in &mut self.entries {
+            e.pinned = false;
+        }
+        self.evict();
+    }
+
+    /// Drops least recently used, unpinned entries while over either bound.
+    fn evict(&mut self) {
+        while self.entries.len() > self.max_entries || self.bytes > self.max_bytes {
+            let Some(i) = self.entries.iter().position(|e| !e.pinned) else {
+                return; // everything is in flight: over budget until the acknowledgement
+            };
+            let e = self.entries.remove(i).expect("found");
+            self.bytes -= e.len;
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_transport::ibv::model::{ModelFabric, DEFAULT_LIMITS};
+
+    #[test]
+    fn the_cache_is_bounded_keeps_pinned_entries_and_holds_its_buffers() {
+        let dev = ModelFabric::new().device("cache", DEFAULT_LIMITS);
+        let mut c = RegCache::new(dev, 2, 1 << 20);
+        let a = Bytes::from(vec![1u8; 1000]);
+        let b = Bytes::from(vec![2u8; 1000]);
+        let d = Bytes::from(vec![3u8; 1000]);
+        let ka = c.get(&a).unwrap();
+        assert_eq!(c.get(&a).unwrap(), ka);
+        assert_eq!((c.hits, c.misses), (1, 1));
+        c.get(&b).unwrap();
+        // Three pinned entries: over the bound until the acknowledgement.
+        c.get(&d).unwrap();
+        assert_eq!(c.len(), 3);
+        c.unpin_all();
+        assert_eq!(c.len(), 2);
+        // `a` was least recently used: evicted; `d` is still cached.
+        assert_eq!(c.get(&d).unwrap().addr, d.as_ptr() as u64);
+        assert_eq!(c.hits, 2);
+        // The byte bound applies too.
+        let mut small = RegCache::new(ModelFabric::new().device("s", DEFAULT_LIMITS), 10, 1500);
+        small.get(&a).unwrap();
+        small.get(&b).unwrap();
+        small.unpin_all();
+        assert_eq!(small.len(), 1);
+        // A cached entry holds its memory: dropping ours does not free it.
+        let weak_probe = Bytes::from(vec![9u8; 10]);
+        let addr = weak_probe.as_ptr() as u64;
+        small.get(&weak_probe).unwrap();
+        drop(weak_probe);
+        assert!(small.entries.iter().any(|e| e.addr == addr));
+    }
+}
