@@ -41,10 +41,11 @@ enum Commands {
         #[arg(long, value_name = "ADDR")]
         connect: Option<String>,
         /// Comma-separated suites: raw, transport, pipe, idle, rpc, autograd, cuda (the cuda
-        /// suite says so and measures nothing without a GPU).
+        /// suite says so and measures nothing without a GPU), ibverbs (on the verbs model where
+        /// there is no RDMA device).
         #[arg(
             long,
-            default_value = "raw,transport,pipe,idle,rpc,autograd,cuda",
+            default_value = "raw,transport,pipe,idle,rpc,autograd,cuda,ibverbs",
             value_delimiter = ','
         )]
         suites: Vec<String>,
@@ -167,8 +168,8 @@ fn main() -> anyhow::Result<()> {
     let suites = if only.is_empty() { suites } else { only };
     for s in &suites {
         anyhow::ensure!(
-            ["raw", "transport", "pipe", "idle", "rpc", "autograd", "cuda"].contains(&s.as_str()),
-            "unknown suite `{s}`: expected raw, transport, pipe, idle, rpc, autograd or cuda"
+            ["raw", "transport", "pipe", "idle", "rpc", "autograd", "cuda", "ibverbs"].contains(&s.as_str()),
+            "unknown suite `{s}`: expected raw, transport, pipe, idle, rpc, autograd, cuda or ibverbs"
         );
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -187,10 +188,12 @@ fn main() -> anyhow::Result<()> {
         idle_seconds: idle_seconds.unwrap_or(if quick { 1.0 } else { 5.0 }),
     };
     let remote = connect.is_some();
-    let needs_peer = suites.iter().any(|s| !["autograd", "cuda"].contains(&s.as_str()));
+    let needs_peer = suites
+        .iter()
+        .any(|s| !["autograd", "cuda", "ibverbs"].contains(&s.as_str()));
     let peer_suites = suites
         .iter()
-        .any(|s| !["rpc", "autograd", "cuda"].contains(&s.as_str()));
+        .any(|s| !["rpc", "autograd", "cuda", "ibverbs"].contains(&s.as_str()));
     let (addr, _peer) = match connect {
         Some(a) => (a, None),
         None if needs_peer => {
@@ -223,6 +226,9 @@ fn main() -> anyhow::Result<()> {
         } else {
             records.extend(sluice_benches::cuda::run(&options, &spawn_cuda_peer)?);
         }
+    }
+    if options.suites.iter().any(|s| s == "ibverbs") {
+        records.extend(sluice_benches::ibverbs::run(&options)?);
     }
     print!("{}", report::table(&records));
     if let Some(path) = json {

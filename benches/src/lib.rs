@@ -7,7 +7,8 @@
 //! ping-pong and stream with the same tokio waiting strategy as the TCP transport, memcpy);
 //! [`run`] drives the suites, [`rpc`] the RPC agent suite (two agent processes), [`autograd`]
 //! the training-step suite (same two processes), [`cuda`] the CUDA channels against the
-//! device's own copies (with its own peer process), and [`report`]
+//! device's own copies (with its own peer process), [`ibverbs`] the ibverbs transport and rdma
+//! channel against raw verbs (on the verbs model where there is no RDMA hardware), and [`report`]
 //! prints the table and the JSON lines.
 //!
 //! Nothing here asserts a speed: targets are checked by reading the ratios.
@@ -16,6 +17,7 @@
 
 pub mod autograd;
 pub mod cuda;
+pub mod ibverbs;
 pub mod peer;
 pub mod raw;
 pub mod report;

@@ -103,7 +103,7 @@ impl Record {
     pub fn against(&mut self, baseline: &Record) {
         self.baseline = format!("{}/{}", baseline.suite, baseline.backend);
         self.ratio = match self.metric {
-            "rtt" => Some(self.p50_ns.unwrap_or(0.0) / baseline.p50_ns.unwrap_or(f64::NAN)),
+            "rtt" | "cpu/msg" => Some(self.p50_ns.unwrap_or(0.0) / baseline.p50_ns.unwrap_or(f64::NAN)),
             "rate" | "gflops" => Some(self.per_second.unwrap_or(0.0) / baseline.per_second.unwrap_or(f64::NAN)),
             _ => Some(self.gbps.unwrap_or(0.0) / baseline.gbps.unwrap_or(f64::NAN)),
         };
@@ -133,14 +133,14 @@ fn human_ns(ns: f64) -> String {
 /// The results as an aligned text table.
 pub fn table(records: &[Record]) -> String {
     let mut out = format!(
-        "{:<10} {:<16} {:<6} {:>9} {:>12} {:>12} {:>10}  {:<24} {:>7}\n",
+        "{:<10} {:<16} {:<7} {:>9} {:>12} {:>12} {:>10}  {:<24} {:>7}\n",
         "suite", "backend", "metric", "size", "p50", "p99", "GB/s", "baseline", "ratio"
     );
     for r in records {
         let (p50, p99, gbps) = match r.metric {
-            "rtt" => (
+            "rtt" | "cpu/msg" => (
                 human_ns(r.p50_ns.unwrap_or(0.0)),
-                human_ns(r.p99_ns.unwrap_or(0.0)),
+                r.p99_ns.map(human_ns).unwrap_or_default(),
                 String::new(),
             ),
             "cpu" => (
@@ -162,7 +162,7 @@ pub fn table(records: &[Record]) -> String {
         };
         let ratio = r.ratio.map(|x| format!("{x:.2}x")).unwrap_or_default();
         out.push_str(&format!(
-            "{:<10} {:<16} {:<6} {:>9} {:>12} {:>12} {:>10}  {:<24} {:>7}\n",
+            "{:<10} {:<16} {:<7} {:>9} {:>12} {:>12} {:>10}  {:<24} {:>7}\n",
             r.suite,
             r.backend,
             r.metric,

@@ -26,6 +26,7 @@
 //! `real` (libibverbs loaded at run time through `sideway`, device, port and GID chosen
 //! automatically or by configuration).
 
+pub mod baseline;
 pub mod model;
 #[cfg(feature = "rdma")]
 pub mod real;

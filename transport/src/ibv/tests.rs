@@ -432,3 +432,14 @@ fn without_the_rdma_feature_or_a_device_hardware_is_not_viable() {
     assert!(t.domain_descriptor().is_empty());
     assert!(!t.can_communicate_with(""));
 }
+
+#[test]
+fn baselines_run_on_the_model() {
+    let fabric = ModelFabric::new();
+    let dev = fabric.device("bench", DEFAULT_LIMITS);
+    let s = baseline::ping_pong(dev.as_ref(), 64, Duration::from_millis(20)).unwrap();
+    assert!(s.len() >= 100);
+    let (bps, n) = baseline::write_bandwidth(dev.as_ref(), 1 << 20, Duration::from_millis(20)).unwrap();
+    assert!(bps > 0.0 && n >= 8);
+    assert!(fabric.violations().is_empty(), "{:?}", fabric.violations());
+}
