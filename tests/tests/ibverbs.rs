@@ -48,6 +48,47 @@ mod hardware {
     }
 
     transport_conformance!(ibv_hardware, Hardware, &sluice_tests::peer_exe(PEER));
+
+    /// A pipe over the real device: rdma (and, for small tensors, the ring) both ways.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pipe_rdma_on_hardware() {
+        use sluice_channel::{Allocation, ChannelKind, ContextOptions, Message, Tensor, TransportKind};
+        if sluice_tests::conformance::transport::skip::<Hardware>("pipe_rdma_on_hardware") {
+            return;
+        }
+        watchdog("rdma pipe on hardware", async {
+            let opts = ContextOptions {
+                transports: vec![TransportKind::Ibv],
+                channels: vec![ChannelKind::Rdma],
+                ..ContextOptions::default()
+            };
+            let (a, b) = sluice_tests::pipe_pair(opts).await;
+            assert_eq!((a.info().transport, a.info().cpu_channel), ("ibv", ChannelKind::Rdma));
+            let sizes = [0usize, 1, 65_535, 65_536, (1 << 20) + 3, 200 << 20];
+            for round in 0..4u64 {
+                let (from, to) = if round % 2 == 0 { (&a, &b) } else { (&b, &a) };
+                let m = Message {
+                    metadata: bytes::Bytes::new(),
+                    payloads: Vec::new(),
+                    tensors: sizes
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &n)| Tensor::cpu(pattern(round * 10 + i as u64, n)))
+                        .collect(),
+                };
+                let recv = async {
+                    let d = to.read_descriptor().await.unwrap();
+                    to.read(Allocation::for_descriptor(&d)).await.unwrap()
+                };
+                let (w, got) = tokio::join!(from.write(&m), recv);
+                w.unwrap();
+                for (i, &n) in sizes.iter().enumerate() {
+                    assert!(got.tensors[i].as_cpu().unwrap()[..] == pattern(round * 10 + i as u64, n)[..]);
+                }
+            }
+        })
+        .await
+    }
 }
 
 /// Waits until every connection of `t` has been released (flushed and drained).

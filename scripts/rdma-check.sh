@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The ibverbs checks that need an RDMA device: the transport conformance suite, the rdma pipe and
+# `sluice bench ibverbs` on real hardware, with `ib_write_bw` / `ib_write_lat` beside them when
+# perftest is installed. Run it on a host with a device (InfiniBand, RoCE, or SoftRoCE:
+# `rdma link add rxe0 type rxe netdev eth0`, which needs a kernel with rdma_rxe).
+#
+#   scripts/rdma-check.sh                      # automatic device, port and GID
+#   SLUICE_IB_DEVICE=mlx5_0 SLUICE_IB_PORT=1 SLUICE_IB_GID_INDEX=3 scripts/rdma-check.sh
+#
+# Needs rdma-core (libibverbs) at run time, and cmake + libclang to build the `rdma` feature
+# (Debian: apt-get install rdma-core libibverbs1 cmake libclang-dev). A device that is missing or
+# unusable fails the run (SLUICE_REQUIRE_RDMA=1): nothing is skipped silently here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export SLUICE_REQUIRE_RDMA=1
+OUT=${OUT:-target/rdma-check}
+mkdir -p "$OUT"
+
+command -v ibv_devinfo >/dev/null && ibv_devinfo | tee "$OUT/devinfo.txt" || echo "(ibv_devinfo not installed)"
+
+# The conformance suite (model and hardware), one test at a time so the hardware is not shared.
+cargo test --release -p sluice-tests --features rdma --test ibverbs -- --test-threads=1 --nocapture 2>&1 \
+    | tee "$OUT/tests.txt"
+
+# The transport and the rdma channel against raw verbs on the same device.
+cargo run --release --features rdma -- bench --suites ibverbs --json "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.txt"
+
+# The link's own figures, for the targets (>= 0.9x ib_write_bw for large tensors, <= 1.5x
+# ib_write_lat for small messages). Loopback on this host: server and client on one device.
+if command -v ib_write_bw >/dev/null; then
+    dev_args=()
+    [ -n "${SLUICE_IB_DEVICE:-}" ] && dev_args+=(-d "$SLUICE_IB_DEVICE")
+    [ -n "${SLUICE_IB_GID_INDEX:-}" ] && dev_args+=(-x "$SLUICE_IB_GID_INDEX")
+    for tool in ib_write_bw ib_write_lat; do
+        extra=()
+        [ "$tool" = ib_write_bw ] && extra=(-s 67108864)
+        [ "$tool" = ib_write_lat ] && extra=(-s 64)
+        "$tool" "${dev_args[@]}" "${extra[@]}" >"$OUT/$tool.server.txt" 2>&1 &
+        server=$!
+        sleep 1
+        "$tool" "${dev_args[@]}" "${extra[@]}" localhost 2>&1 | tee "$OUT/$tool.txt"
+        wait "$server" || true
+    done
+else
+    echo "(perftest not installed: no ib_write_bw / ib_write_lat figures to compare with)"
+fi
+echo "results in $OUT"
