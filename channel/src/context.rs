@@ -32,6 +32,7 @@ use tokio::task::JoinHandle;
 
 use crate::channel::cma::{self, CmaContext};
 use crate::channel::cuda::{process_token, CudaIpcContext, CudaP2pContext, CudaStagedContext};
+use crate::channel::gdr::GdrContext;
 use crate::channel::rdma::RdmaContext;
 use crate::channel::{BasicContext, ChannelContext, ChannelKind, MultiLaneContext};
 use crate::device::Device;
@@ -173,6 +174,7 @@ impl Context {
                 ChannelKind::Cma => Box::new(CmaContext::new()),
                 ChannelKind::MultiLane => Box::new(MultiLaneContext { lanes: options.lanes }),
                 ChannelKind::Rdma => Box::new(RdmaContext::new(ibv.as_ref())),
+                ChannelKind::CudaGdr => Box::new(GdrContext::new(ibv.as_ref())),
                 ChannelKind::CudaIpc => Box::new(CudaIpcContext::new()),
                 ChannelKind::CudaP2p => Box::new(CudaP2pContext::new(options.cuda_p2p_loopback)),
                 ChannelKind::CudaStaged => {

@@ -41,6 +41,7 @@ use sluice_transport::ibv::{Access, RdmaHandle, Sge};
 use sluice_transport::{Closer, FrameReader, FrameWriter};
 use tokio::sync::Mutex;
 
+use crate::channel::gdr;
 use crate::channel::rdma::{self, RegCache};
 use crate::channel::{cma, multilane, ChannelKind};
 use crate::cuda::events::{self, EventSlot};
@@ -115,6 +116,8 @@ struct WriteSide {
     exposed: Vec<SendBuffer>,
     /// The rdma channel's registrations of sent tensors.
     registrations: Option<RegCache>,
+    /// cuda_gdr's registrations of sent GPU allocations.
+    gpu_registrations: Option<RegCache>,
 }
 
 struct ReadSide {
@@ -126,6 +129,8 @@ struct ReadSide {
     /// Events whose handles went to the sender in the last acknowledgement: it may still be
     /// queueing a wait on them until its next message arrives, so they are not reused before.
     held: Vec<EventSlot>,
+    /// cuda_gdr's registrations of receiving GPU allocations.
+    gpu_targets: Option<RegCache>,
 }
 
 struct Inner {
@@ -215,6 +220,9 @@ impl Pipe {
         let rdma = links.control.1.rdma();
         // Bounded: 256 registrations or 4 GiB of sent tensors kept registered (and alive).
         let registrations = rdma.as_ref().map(|h| RegCache::new(h.device(), 256, 4 << 30));
+        // GPU registrations use BAR space: fewer of them.
+        let gpu_cache = || rdma.as_ref().map(|h| RegCache::new(h.device(), 64, 16 << 30));
+        let (gpu_registrations, gpu_targets) = (gpu_cache(), gpu_cache());
         Pipe {
             inner: Arc::new(Inner {
                 info,
@@ -234,6 +242,7 @@ impl Pipe {
                     seq: 0,
                     exposed: Vec::new(),
                     registrations,
+                    gpu_registrations,
                 }),
                 reader: Mutex::new(ReadSide {
                     control: links.control.0,
@@ -242,6 +251,7 @@ impl Pipe {
                     seq: 0,
                     pending: None,
                     held: Vec::new(),
+                    gpu_targets,
                 }),
             }),
         }
@@ -347,6 +357,13 @@ impl Pipe {
                         rkey: mr.rkey,
                     });
                 }
+                (SendBuffer::Cuda(b), ChannelKind::CudaGdr) if !b.is_empty() => {
+                    let cache = side
+                        .gpu_registrations
+                        .as_mut()
+                        .ok_or_else(|| self.inner.protocol("cuda_gdr negotiated without an ibverbs connection"))?;
+                    rdma = Some(self.expose_gpu(cache, b)?);
+                }
                 (SendBuffer::Cuda(b), k) if k.is_direct_cuda() => {
                     let (source, event) = self
                         .export(b)
@@ -414,6 +431,7 @@ impl Pipe {
                     }
                 }
                 (_, k) if k.is_direct_cuda() => needs_ack = true,
+                (SendBuffer::Cuda(b), ChannelKind::CudaGdr) => needs_ack |= !b.is_empty(),
                 (b, k) => {
                     return Err(self.inner.protocol(format!(
                         "channel {k} was negotiated for a {} buffer it cannot carry",
@@ -442,7 +460,10 @@ impl Pipe {
                 self.wait_for_receiver(buffer, done)?;
             }
             side.exposed.clear();
-            if let Some(c) = side.registrations.as_mut() {
+            for c in [side.registrations.as_mut(), side.gpu_registrations.as_mut()]
+                .into_iter()
+                .flatten()
+            {
                 c.unpin_all();
             }
             drop(ready_events);
@@ -516,7 +537,7 @@ impl Pipe {
             let channel = self
                 .channel_for(t.target.unwrap_or(t.source), t.source)
                 .map_err(|e| self.inner.fail(e))?;
-            let by_rdma = channel == ChannelKind::Rdma && t.length >= rdma::INLINE_MAX as u64;
+            let by_rdma = carried_by_rdma(channel, t.length);
             if (channel == ChannelKind::Cma) != t.address.is_some()
                 || channel.is_direct_cuda() != t.cuda.is_some()
                 || by_rdma != t.rdma.is_some()
@@ -624,6 +645,16 @@ impl Pipe {
                 (RecvBuffer::Cuda(dst), ChannelKind::CudaStaged) => {
                     staged::recv_gpu(&mut side.control, dst, &self.inner.info.peer).await?
                 }
+                (RecvBuffer::Cuda(dst), ChannelKind::CudaGdr) => {
+                    if let Some(source) = t.rdma {
+                        cma = true;
+                        let cache = side
+                            .gpu_targets
+                            .as_mut()
+                            .ok_or_else(|| self.inner.protocol("cuda_gdr negotiated without an ibverbs connection"))?;
+                        self.gdr_read(cache, dst, source).await?;
+                    }
+                }
                 (RecvBuffer::Cuda(dst), k) if k.is_direct_cuda() => {
                     let source = t.cuda.as_ref().expect("checked in read_descriptor");
                     let (ack, event) = self.copy_in(dst, t.source, source, k)?;
@@ -637,6 +668,9 @@ impl Pipe {
                 }
             }
         }
+        if let Some(c) = side.gpu_targets.as_mut() {
+            c.unpin_all();
+        }
         if cma || !done.is_empty() {
             let ack = Ack {
                 seq: descriptor.seq,
@@ -647,21 +681,49 @@ impl Pipe {
         Ok(())
     }
 
-    /// RDMA-reads an rdma tensor from the sender's registered memory into `dst`, in pieces of at
-    /// most [`rdma::MAX_READ`]. If this future is dropped mid-read, the destination and its
-    /// registration are leaked (the NIC may still write there) and the pipe fails.
-    async fn rdma_read(&self, dst: &mut BytesMut, source: RdmaSource) -> Result<()> {
-        let channel_error = |detail: String| PipeError::Channel {
+    fn rdma_error(&self, channel: &'static str, detail: String) -> PipeError {
+        PipeError::Channel {
             peer: self.inner.info.peer.clone(),
-            channel: "rdma",
+            channel,
             detail,
-        };
-        let handle = self
-            .inner
-            .rdma
-            .as_ref()
-            .ok_or_else(|| self.inner.protocol("rdma negotiated without an ibverbs connection"))?;
-        let device = handle.device();
+        }
+    }
+
+    fn rdma_handle(&self) -> Result<&RdmaHandle> {
+        self.inner.rdma.as_ref().ok_or_else(|| {
+            self.inner
+                .protocol("an RDMA channel negotiated without an ibverbs connection")
+        })
+    }
+
+    /// RDMA-reads `len` bytes at the sender's `source` into registered local memory at `addr`,
+    /// in pieces of at most [`rdma::MAX_READ`].
+    ///
+    /// # Safety
+    /// `addr..addr+len` lies in a registration with `lkey` allowing local writes, and stays
+    /// valid until this future completes (callers leak it if the future is dropped).
+    async unsafe fn pull(&self, addr: u64, lkey: u32, len: usize, source: RdmaSource) -> Result<()> {
+        let handle = self.rdma_handle()?;
+        let mut done = 0usize;
+        while done < len {
+            let piece = (len - done).min(rdma::MAX_READ);
+            let sge = Sge {
+                addr: addr + done as u64,
+                len: piece as u32,
+                lkey,
+            };
+            // SAFETY: forwarded from this function's contract.
+            unsafe { handle.read(sge, source.addr + done as u64, source.rkey) }.await?;
+            done += piece;
+        }
+        Ok(())
+    }
+
+    /// Reads an rdma tensor into `dst` (registered for the read only). If this future is
+    /// dropped mid-read, the destination and its registration are leaked (the NIC may still
+    /// write there) and the pipe fails.
+    async fn rdma_read(&self, dst: &mut BytesMut, source: RdmaSource) -> Result<()> {
+        let device = self.rdma_handle()?.device();
         let mut buf = std::mem::take(dst);
         // SAFETY: `buf` is owned by the lease below until the registration is dropped; if the
         // lease is abandoned mid-read, both are leaked rather than freed.
@@ -669,34 +731,65 @@ impl Pipe {
             Ok(mr) => mr,
             Err(e) => {
                 *dst = buf;
-                return Err(channel_error(format!("registering the destination: {e}")));
+                return Err(self.rdma_error("rdma", format!("registering the destination: {e}")));
             }
         };
         let info = mr.info();
-        let mut lease = ReadLease {
+        let mut lease = Lease {
             held: Some((buf, mr)),
             inner: &self.inner,
+            channel: "rdma",
         };
-        let mut done = 0usize;
-        let mut result = Ok(());
-        while done < info.len {
-            let len = (info.len - done).min(rdma::MAX_READ);
-            let sge = Sge {
-                addr: info.addr + done as u64,
-                len: len as u32,
-                lkey: info.lkey,
-            };
-            // SAFETY: `sge` lies in the registration the lease holds; the lease keeps the memory
-            // (or leaks it if this future is dropped) until the read completes.
-            if let Err(e) = unsafe { handle.read(sge, source.addr + done as u64, source.rkey) }.await {
-                result = Err(PipeError::from(e));
-                break;
-            }
-            done += len;
-        }
+        // SAFETY: the lease holds the registered memory until the read completes, or leaks it.
+        let result = unsafe { self.pull(info.addr, info.lkey, info.len, source) }.await;
         let (buf, mr) = lease.held.take().expect("held until here");
         drop(mr);
         *dst = buf;
+        result
+    }
+
+    /// Makes a cuda_gdr source readable by the peer's NIC: its stream's pending work done, its
+    /// allocation registered (cached).
+    fn expose_gpu(&self, cache: &mut RegCache, b: &CudaBuffer) -> Result<RdmaSource> {
+        let fail = |detail: String| self.rdma_error("cuda_gdr", detail);
+        // The NIC does not follow streams: the data must be complete before the peer reads.
+        b.stream()
+            .synchronize()
+            .map_err(|e| fail(format!("synchronizing the source stream: {e}")))?;
+        let (base, size) = gdr::allocation(b).map_err(|e| fail(e.to_string()))?;
+        let device = cache.device().clone();
+        let info = cache
+            .get_or_register(base, size, gdr::keep(b), || {
+                gdr::register(device.as_ref(), b, Access::REMOTE_READ).map(|(mr, _)| mr)
+            })
+            .map_err(|e| fail(format!("registering the source: {e}")))?;
+        Ok(RdmaSource {
+            addr: b.ptr(),
+            rkey: info.rkey,
+        })
+    }
+
+    /// Reads a cuda_gdr tensor straight into `dst`'s GPU memory (its allocation registered and
+    /// cached, kept alive by the cache). If this future is dropped mid-read, a clone of `dst` is
+    /// leaked so the memory outlives the NIC's writes, and the pipe fails.
+    async fn gdr_read(&self, cache: &mut RegCache, dst: &CudaBuffer, source: RdmaSource) -> Result<()> {
+        let fail = |detail: String| self.rdma_error("cuda_gdr", detail);
+        let (base, size) = gdr::allocation(dst).map_err(|e| fail(e.to_string()))?;
+        let device = cache.device().clone();
+        let info = cache
+            .get_or_register(base, size, gdr::keep(dst), || {
+                gdr::register(device.as_ref(), dst, Access::LOCAL).map(|(mr, _)| mr)
+            })
+            .map_err(|e| fail(format!("registering the destination: {e}")))?;
+        let mut lease = Lease {
+            held: Some(dst.clone()),
+            inner: &self.inner,
+            channel: "cuda_gdr",
+        };
+        // SAFETY: `dst` lies in the registered allocation (addressed by device addresses), which
+        // the cache and the lease keep allocated until the read completes (or for ever).
+        let result = unsafe { self.pull(dst.ptr(), info.lkey, dst.len(), source) }.await;
+        lease.held = None;
         result
     }
 
@@ -803,21 +896,31 @@ fn check_allocation(d: &WireDescriptor, a: &Allocation) -> std::result::Result<(
     Ok(())
 }
 
-/// A destination lent to an RDMA read. Dropped before the read finished (the future was
-/// cancelled), it leaks the memory and its registration, since the NIC may still write there, and
-/// fails the pipe.
-struct ReadLease<'a> {
-    held: Option<(BytesMut, Box<dyn sluice_transport::ibv::VerbsMr>)>,
-    inner: &'a Inner,
+/// Whether a tensor of `length` bytes on `channel` travels by RDMA read (the descriptor then
+/// carries its source), rather than through the control connection or not at all.
+fn carried_by_rdma(channel: ChannelKind, length: u64) -> bool {
+    match channel {
+        ChannelKind::Rdma => length >= rdma::INLINE_MAX as u64,
+        ChannelKind::CudaGdr => length > 0,
+        _ => false,
+    }
 }
 
-impl Drop for ReadLease<'_> {
+/// What an RDMA read writes into. Dropped before the read finished (the future was cancelled),
+/// it leaks what it holds, since the NIC may still write there, and fails the pipe.
+struct Lease<'a, T> {
+    held: Option<T>,
+    inner: &'a Inner,
+    channel: &'static str,
+}
+
+impl<T> Drop for Lease<'_, T> {
     fn drop(&mut self) {
         if let Some(held) = self.held.take() {
             std::mem::forget(held);
             self.inner.fail(PipeError::Channel {
                 peer: self.inner.info.peer.clone(),
-                channel: "rdma",
+                channel: self.channel,
                 detail: "a read was cancelled while the NIC could still write its memory".into(),
             });
         }

@@ -49,6 +49,62 @@ mod hardware {
 
     transport_conformance!(ibv_hardware, Hardware, &sluice_tests::peer_exe(PEER));
 
+    /// GPUDirect RDMA where the host has both a GPU and a NIC that can register its memory:
+    /// GPU tensors (at offsets inside their allocations) land intact in the peer's GPU memory.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn cuda_gdr_on_hardware() {
+        use sluice_channel::channel::gdr::GdrContext;
+        use sluice_channel::channel::ChannelContext;
+        use sluice_channel::cuda::Stream;
+        use sluice_channel::{
+            Allocation, ChannelKind, ContextOptions, CudaBuffer, Device, Message, Tensor, TransportKind,
+        };
+        if sluice_tests::conformance::transport::skip::<Hardware>("cuda_gdr_on_hardware") {
+            return;
+        }
+        if let Err(why) = GdrContext::new(Some(&IbvTransport::default())).viability() {
+            if std::env::var_os("SLUICE_REQUIRE_GPU").is_some() {
+                panic!("cuda_gdr_on_hardware: SLUICE_REQUIRE_GPU is set but GPUDirect RDMA is unavailable: {why}");
+            }
+            eprintln!("SKIPPED cuda_gdr_on_hardware: {why}");
+            return;
+        }
+        watchdog("cuda_gdr on hardware", async {
+            let opts = ContextOptions {
+                transports: vec![TransportKind::Ibv],
+                channels: vec![ChannelKind::Rdma, ChannelKind::CudaGdr],
+                ..ContextOptions::default()
+            };
+            let (a, b) = sluice_tests::pipe_pair(opts).await;
+            assert_eq!(
+                a.info().channel(Device::Cuda(0), Device::Cuda(0)),
+                Some(ChannelKind::CudaGdr)
+            );
+            let stream = Stream::new(0).unwrap();
+            for (round, len) in [1usize, 4096, (1 << 20) + 7, 80 << 20].into_iter().enumerate() {
+                let whole = CudaBuffer::alloc(len + 512, &stream).unwrap();
+                let src = whole.slice(512..512 + len).unwrap();
+                let data = pattern(round as u64, len);
+                src.write_from_host(&data).unwrap();
+                let m = Message {
+                    metadata: bytes::Bytes::new(),
+                    payloads: Vec::new(),
+                    tensors: vec![Tensor::cuda(src, Device::Cuda(0))],
+                };
+                let recv = async {
+                    let d = b.read_descriptor().await.unwrap();
+                    let alloc = Allocation::try_for_descriptor(&d, Stream::new).unwrap();
+                    b.read(alloc).await.unwrap()
+                };
+                let (w, got) = tokio::join!(a.write(&m), recv);
+                w.unwrap();
+                let out = got.tensors[0].as_cuda().unwrap().read_to_host().unwrap();
+                assert!(out == data, "{len} bytes corrupted through cuda_gdr");
+            }
+        })
+        .await
+    }
+
     /// A pipe over the real device: rdma (and, for small tensors, the ring) both ways.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn pipe_rdma_on_hardware() {

@@ -23,9 +23,13 @@
 //!   chunks on the pipe's connection; works across hosts.
 //! - **rdma**: CPU to CPU over the pipe's ibverbs connection: the receiver RDMA-reads the
 //!   tensor straight from the sender's memory (zero copies; small tensors ride the ring).
+//! - **cuda_gdr**: GPU to GPU (or a GPU and a CPU) over the pipe's ibverbs connection with
+//!   GPUDirect RDMA: the NIC reads and writes GPU memory registered through dma-buf or the
+//!   peer-memory module.
 
 pub mod cma;
 pub mod cuda;
+pub mod gdr;
 pub mod multilane;
 pub mod rdma;
 
@@ -41,17 +45,19 @@ pub enum ChannelKind {
     CudaP2p,
     CudaStaged,
     Rdma,
+    CudaGdr,
 }
 
 impl ChannelKind {
     /// Every channel, in the default priority order.
-    pub const ALL: [ChannelKind; 7] = [
+    pub const ALL: [ChannelKind; 8] = [
         ChannelKind::Rdma,
         ChannelKind::Cma,
         ChannelKind::MultiLane,
         ChannelKind::Basic,
         ChannelKind::CudaIpc,
         ChannelKind::CudaP2p,
+        ChannelKind::CudaGdr,
         ChannelKind::CudaStaged,
     ];
 
@@ -64,6 +70,7 @@ impl ChannelKind {
             ChannelKind::CudaP2p => "cuda_p2p",
             ChannelKind::CudaStaged => "cuda_staged",
             ChannelKind::Rdma => "rdma",
+            ChannelKind::CudaGdr => "cuda_gdr",
         }
     }
 
@@ -71,13 +78,13 @@ impl ChannelKind {
     pub fn is_cuda(self) -> bool {
         matches!(
             self,
-            ChannelKind::CudaIpc | ChannelKind::CudaP2p | ChannelKind::CudaStaged
+            ChannelKind::CudaIpc | ChannelKind::CudaP2p | ChannelKind::CudaStaged | ChannelKind::CudaGdr
         )
     }
 
     /// Whether it borrows the queue pair of an ibverbs control connection.
     pub fn needs_ibv(self) -> bool {
-        matches!(self, ChannelKind::Rdma)
+        matches!(self, ChannelKind::Rdma | ChannelKind::CudaGdr)
     }
 
     /// Whether the receiver copies straight from the sender's GPU memory (and acknowledges).

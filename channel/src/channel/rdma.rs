@@ -65,8 +65,9 @@ struct Entry {
     addr: u64,
     len: usize,
     mr: Box<dyn VerbsMr>,
-    /// Keeps the memory alive (and so unreusable) while registered.
-    _keep: Bytes,
+    /// Keeps the memory alive (and so unreusable) while registered: a `Bytes` or `CudaBuffer`
+    /// clone.
+    _keep: Box<dyn std::any::Any + Send + Sync>,
     pinned: bool,
 }
 
@@ -96,7 +97,24 @@ impl RegCache {
 
     /// The registration of `b` (readable remotely), pinned until [`unpin_all`](Self::unpin_all).
     pub fn get(&mut self, b: &Bytes) -> Result<MrInfo, VerbsError> {
-        let (addr, len) = (b.as_ptr() as u64, b.len());
+        let device = self.device.clone();
+        let keep = b.clone();
+        self.get_or_register(b.as_ptr() as u64, b.len(), Box::new(b.clone()), move || {
+            // SAFETY: the entry keeps a clone of `b`, so the memory stays valid (and is never
+            // reused) until the registration is dropped; the NIC only reads it (remote read).
+            unsafe { device.register(keep.as_ptr() as *mut u8, keep.len(), Access::REMOTE_READ) }
+        })
+    }
+
+    /// The cached registration of `addr..addr+len`, or a new one from `register`; `keep` holds
+    /// the memory alive while cached. Pinned until [`unpin_all`](Self::unpin_all).
+    pub fn get_or_register(
+        &mut self,
+        addr: u64,
+        len: usize,
+        keep: Box<dyn std::any::Any + Send + Sync>,
+        register: impl FnOnce() -> Result<Box<dyn VerbsMr>, VerbsError>,
+    ) -> Result<MrInfo, VerbsError> {
         if let Some(i) = self.entries.iter().position(|e| e.addr == addr && e.len == len) {
             self.hits += 1;
             let mut e = self.entries.remove(i).expect("found");
@@ -106,20 +124,22 @@ impl RegCache {
             return Ok(info);
         }
         self.misses += 1;
-        // SAFETY: the entry keeps a clone of `b`, so the memory stays valid (and is never
-        // reused) until the registration is dropped; the NIC only reads it (remote read).
-        let mr = unsafe { self.device.register(b.as_ptr() as *mut u8, len, Access::REMOTE_READ)? };
+        let mr = register()?;
         let info = mr.info();
         self.bytes += len;
         self.entries.push_back(Entry {
             addr,
             len,
             mr,
-            _keep: b.clone(),
+            _keep: keep,
             pinned: true,
         });
         self.evict();
         Ok(info)
+    }
+
+    pub fn device(&self) -> &Arc<dyn VerbsDevice> {
+        &self.device
     }
 
     /// Called once the peer acknowledged: no registration is in use by it any more.

@@ -132,6 +132,46 @@ pub fn device_name(dev: i32) -> Result<String> {
     Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
 }
 
+/// The device's PCI address, lower case (`0000:3b:00.0`), as sysfs names it.
+pub fn pci_bus_id(dev: i32) -> Result<String> {
+    let mut buf = [0 as std::ffi::c_char; 32];
+    // SAFETY: the driver writes a NUL-terminated string of at most `len` bytes into `buf`.
+    check("cuDeviceGetPCIBusId", unsafe {
+        sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as c_int, dev)
+    })?;
+    // SAFETY: NUL-terminated, as above.
+    Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().to_lowercase())
+}
+
+/// A dma-buf file descriptor for `base..base+size` (an allocation, page aligned), for a NIC to
+/// register (GPUDirect RDMA without the peer-memory module). The caller closes it.
+///
+/// # Safety
+/// The context owning the allocation is current on this thread, and the range lies within a
+/// live allocation that stays allocated while anything registered from the descriptor exists.
+pub unsafe fn dmabuf_fd(base: DevicePtr, size: usize) -> Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    let mut fd: c_int = -1;
+    check("cuMemGetHandleForAddressRange", unsafe {
+        sys::cuMemGetHandleForAddressRange(
+            &mut fd as *mut c_int as *mut c_void,
+            base,
+            size,
+            sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+            0,
+        )
+    })?;
+    if fd < 0 {
+        return Err(DriverError {
+            call: "cuMemGetHandleForAddressRange",
+            code: -1,
+            name: "no descriptor returned".into(),
+        });
+    }
+    // SAFETY: a fresh descriptor the driver handed to us.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
 /// Whether `dev` can access `peer`'s memory directly (NVLink or PCIe peer-to-peer).
 pub fn can_access_peer(dev: i32, peer: i32) -> Result<bool> {
     let mut can: c_int = 0;

@@ -77,6 +77,8 @@ pub struct Gpu {
     pub name: String,
     /// Indices of the devices it can access directly (peer access), itself excluded.
     pub peers: Vec<u32>,
+    /// Its PCI address (`0000:3b:00.0`), to find the NIC nearest to it.
+    pub pci: Option<String>,
     pub(crate) context: RawContext,
 }
 
@@ -165,6 +167,7 @@ fn probe() -> Result<Cuda, Unavailable> {
             uuid: Uuid(driver::device_uuid(dev).map_err(failed)?),
             name: driver::device_name(dev).unwrap_or_default(),
             peers: Vec::new(),
+            pci: driver::pci_bus_id(dev).ok(),
             context: driver::primary_context(dev).map_err(failed)?,
         });
     }

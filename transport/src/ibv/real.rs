@@ -242,6 +242,24 @@ impl VerbsDevice for RealDevice {
         Ok(Box::new(RealMr(mr)))
     }
 
+    unsafe fn register_dmabuf(
+        &self,
+        fd: std::os::fd::RawFd,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: Access,
+    ) -> VerbsResult<Box<dyn VerbsMr>> {
+        // SAFETY: forwarded contract: the dma-buf's memory outlives the registration.
+        let mr = unsafe { self.pd.reg_dmabuf_mr(offset, len, iova, fd, access_flags(access)) }
+            .map_err(|e| VerbsError::failed("reg_dmabuf_mr", e))?;
+        Ok(Box::new(RealMr(mr)))
+    }
+
+    fn pci_path(&self) -> Option<std::path::PathBuf> {
+        std::fs::canonicalize(format!("/sys/class/infiniband/{}/device", self.name)).ok()
+    }
+
     fn create_qp(&self, cq: &dyn VerbsCq, caps: QpCaps) -> VerbsResult<Box<dyn VerbsQp>> {
         let cq = cq
             .as_any()

@@ -32,7 +32,7 @@ pub enum VerbsError {
 }
 
 impl VerbsError {
-    pub(crate) fn failed(op: &'static str, reason: impl std::fmt::Display) -> Self {
+    pub fn failed(op: &'static str, reason: impl std::fmt::Display) -> Self {
         VerbsError::Failed {
             op,
             reason: reason.to_string(),
@@ -185,6 +185,28 @@ pub trait VerbsDevice: Send + Sync + 'static {
     /// The memory must stay valid (not freed, not unmapped) until the returned region is
     /// dropped, and every work request using it has completed before then.
     unsafe fn register(&self, addr: *mut u8, len: usize, access: Access) -> VerbsResult<Box<dyn VerbsMr>>;
+    /// Registers `len` bytes at `offset` of a dma-buf (GPU memory exported by its driver) so
+    /// that they are addressed from `iova` on. Devices or backends without dma-buf support say
+    /// so.
+    ///
+    /// # Safety
+    /// `fd` is a dma-buf whose exported memory stays allocated until the region is dropped.
+    unsafe fn register_dmabuf(
+        &self,
+        fd: std::os::fd::RawFd,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: Access,
+    ) -> VerbsResult<Box<dyn VerbsMr>> {
+        let _ = (fd, offset, len, iova, access);
+        Err(VerbsError::failed("reg_dmabuf_mr", "not supported by this device"))
+    }
+    /// The device's place in the PCI hierarchy (its canonical sysfs path), to pair GPUs with
+    /// their nearest NIC. `None` when unknown (the model).
+    fn pci_path(&self) -> Option<std::path::PathBuf> {
+        None
+    }
     /// Creates a reliable-connected queue pair whose completions go to `cq` (in the reset
     /// state: connect it before posting).
     fn create_qp(&self, cq: &dyn VerbsCq, caps: QpCaps) -> VerbsResult<Box<dyn VerbsQp>>;
