@@ -23,8 +23,8 @@ use std::time::Duration;
 
 use sluice_transport::any::{AnyConnection, AnyReader, AnyWriter};
 use sluice_transport::auth::{self, Secret};
-use sluice_transport::ibv::{IbvListener, IbvOptions, IbvTransport};
-use sluice_transport::shm::{ShmListener, ShmOptions, ShmTransport};
+use sluice_transport::ibv::{IbvOptions, IbvTransport};
+use sluice_transport::shm::{ShmOptions, ShmTransport};
 use sluice_transport::tcp::{TcpListener, TcpOptions, TcpTransport};
 use sluice_transport::{Connection, FrameReader, FrameWriter, Listener, Transport};
 use tokio::sync::{mpsc, oneshot};
@@ -251,10 +251,10 @@ impl Context {
         let (tx, rx) = mpsc::channel(64);
         let mut tasks = vec![tokio::spawn(accept_tcp(tcp, shared.clone(), tx.clone()))];
         if let Some(l) = shm {
-            tasks.push(tokio::spawn(accept_shm(l, shared.clone(), tx.clone())));
+            tasks.push(tokio::spawn(accept_upgraded(l, shared.clone(), tx.clone())));
         }
         if let Some(l) = ibv {
-            tasks.push(tokio::spawn(accept_ibv(l, shared.clone(), tx)));
+            tasks.push(tokio::spawn(accept_upgraded(l, shared.clone(), tx)));
         }
         Ok(PipeListener {
             address,
@@ -585,30 +585,20 @@ async fn accept_tcp(mut listener: TcpListener, shared: Arc<ListenerShared>, tx: 
     }
 }
 
-async fn accept_shm(mut listener: ShmListener, shared: Arc<ListenerShared>, tx: mpsc::Sender<Result<Pipe>>) {
+/// Accepts the connections of an upgraded transport (shm, ibv): each is served like a TCP one;
+/// a failed handshake is reported to `accept`.
+async fn accept_upgraded<L>(mut listener: L, shared: Arc<ListenerShared>, tx: mpsc::Sender<Result<Pipe>>)
+where
+    L: Listener,
+    L::Connection: Into<AnyConnection>,
+{
     loop {
         match listener.accept().await {
             Ok(conn) => {
                 tokio::spawn(handle_incoming(conn.into(), shared.clone(), tx.clone()));
             }
             Err(e) => {
-                tracing::warn!("shm connection refused: {e}");
-                if tx.send(Err(e.into())).await.is_err() {
-                    return;
-                }
-            }
-        }
-    }
-}
-
-async fn accept_ibv(mut listener: IbvListener, shared: Arc<ListenerShared>, tx: mpsc::Sender<Result<Pipe>>) {
-    loop {
-        match listener.accept().await {
-            Ok(conn) => {
-                tokio::spawn(handle_incoming(conn.into(), shared.clone(), tx.clone()));
-            }
-            Err(e) => {
-                tracing::warn!("ibv connection refused: {e}");
+                tracing::warn!("upgraded connection refused: {e}");
                 if tx.send(Err(e.into())).await.is_err() {
                     return;
                 }

@@ -756,13 +756,8 @@ impl Pipe {
         b.stream()
             .synchronize()
             .map_err(|e| fail(format!("synchronizing the source stream: {e}")))?;
-        let (base, size) = gdr::allocation(b).map_err(|e| fail(e.to_string()))?;
-        let device = cache.device().clone();
-        let info = cache
-            .get_or_register(base, size, gdr::keep(b), || {
-                gdr::register(device.as_ref(), b, Access::REMOTE_READ).map(|(mr, _)| mr)
-            })
-            .map_err(|e| fail(format!("registering the source: {e}")))?;
+        let info =
+            gdr::cached(cache, b, Access::REMOTE_READ).map_err(|e| fail(format!("registering the source: {e}")))?;
         Ok(RdmaSource {
             addr: b.ptr(),
             rkey: info.rkey,
@@ -773,14 +768,8 @@ impl Pipe {
     /// cached, kept alive by the cache). If this future is dropped mid-read, a clone of `dst` is
     /// leaked so the memory outlives the NIC's writes, and the pipe fails.
     async fn gdr_read(&self, cache: &mut RegCache, dst: &CudaBuffer, source: RdmaSource) -> Result<()> {
-        let fail = |detail: String| self.rdma_error("cuda_gdr", detail);
-        let (base, size) = gdr::allocation(dst).map_err(|e| fail(e.to_string()))?;
-        let device = cache.device().clone();
-        let info = cache
-            .get_or_register(base, size, gdr::keep(dst), || {
-                gdr::register(device.as_ref(), dst, Access::LOCAL).map(|(mr, _)| mr)
-            })
-            .map_err(|e| fail(format!("registering the destination: {e}")))?;
+        let info = gdr::cached(cache, dst, Access::LOCAL)
+            .map_err(|e| self.rdma_error("cuda_gdr", format!("registering the destination: {e}")))?;
         let mut lease = Lease {
             held: Some(dst.clone()),
             inner: &self.inner,

@@ -21,9 +21,10 @@
 
 use std::path::{Path, PathBuf};
 
-use sluice_transport::ibv::{Access, IbvTransport, VerbsDevice, VerbsError, VerbsMr};
+use sluice_transport::ibv::{Access, IbvTransport, MrInfo, VerbsDevice, VerbsError, VerbsMr};
 use sluice_transport::Transport;
 
+use super::rdma::RegCache;
 use super::{ChannelContext, ChannelKind};
 use crate::cuda::{self, driver, CudaBuffer};
 use crate::device::Device;
@@ -151,15 +152,14 @@ pub fn register(
     Ok((mr, "peer memory"))
 }
 
-/// Keeps a registered GPU buffer's allocation alive in a registration cache.
-pub fn keep(buf: &CudaBuffer) -> Box<dyn std::any::Any + Send + Sync> {
-    Box::new(buf.clone())
-}
-
-/// The allocation around `buf`: (base device address, size).
-pub fn allocation(buf: &CudaBuffer) -> Result<(u64, usize), VerbsError> {
+/// The registration of the allocation holding `buf`, from `cache` or made now (the cache then
+/// holds a clone of `buf`, keeping the allocation alive while registered).
+pub fn cached(cache: &mut RegCache, buf: &CudaBuffer, access: Access) -> Result<MrInfo, VerbsError> {
     let info = driver::pointer_info(buf.ptr()).map_err(|e| VerbsError::failed("pointer info", e))?;
-    Ok((info.base, info.size))
+    let device = cache.device().clone();
+    cache.get_or_register(info.base, info.size, Box::new(buf.clone()), || {
+        register(device.as_ref(), buf, access).map(|(mr, _)| mr)
+    })
 }
 
 #[cfg(test)]

@@ -1359,34 +1359,44 @@ pub struct IbvWriter {
     _guard: Arc<CloseOnDrop>,
 }
 
-impl IbvReader {
-    async fn guarded<T>(&mut self, op: impl std::future::Future<Output = Result<T>>) -> Result<T> {
-        self.conn.stopped.check()?;
-        let conn = self.conn.clone();
-        let guard = OpGuard::new(move || {
-            conn.fail(TransportError::Poisoned {
-                peer: conn.peer.clone(),
-                op: "read",
-            });
+/// Runs one read or write: fails at once on a stopped connection, poisons the connection if
+/// the operation is cancelled part-way, and records its error as the connection's.
+async fn guarded<T>(
+    conn: &Arc<Conn>,
+    op: &'static str,
+    run: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    conn.stopped.check()?;
+    let c = conn.clone();
+    let guard = OpGuard::new(move || {
+        c.fail(TransportError::Poisoned {
+            peer: c.peer.clone(),
+            op,
         });
-        let r = op.await;
-        guard.finish();
-        r.map_err(|e| self.conn.fail(e))
-    }
+    });
+    let r = run.await;
+    guard.finish();
+    r.map_err(|e| conn.fail(e))
+}
+
+fn closer(conn: &Arc<Conn>) -> Closer {
+    let conn = conn.clone();
+    Closer::new(move || conn.close())
 }
 
 impl FrameReader for IbvReader {
     async fn read(&mut self, buf: &mut [u8]) -> Result<usize> {
-        let conn = self.conn.clone();
         let limit = buf.len();
-        self.guarded(async move { conn.read_frame(limit, Some(buf)).await.map(|(n, _)| n) })
-            .await
+        let run = self.conn.read_frame(limit, Some(buf));
+        guarded(&self.conn, "read", async move { run.await.map(|(n, _)| n) }).await
     }
 
     async fn read_vec(&mut self, limit: usize) -> Result<Vec<u8>> {
-        let conn = self.conn.clone();
-        self.guarded(async move { conn.read_frame(limit, None).await.map(|(_, v)| v.expect("allocated")) })
-            .await
+        let run = self.conn.read_frame(limit, None);
+        guarded(&self.conn, "read", async move {
+            run.await.map(|(_, v)| v.expect("allocated"))
+        })
+        .await
     }
 
     fn close(&self) {
@@ -1394,8 +1404,7 @@ impl FrameReader for IbvReader {
     }
 
     fn closer(&self) -> Closer {
-        let conn = self.conn.clone();
-        Closer::new(move || conn.close())
+        closer(&self.conn)
     }
 
     fn peer(&self) -> &str {
@@ -1405,17 +1414,7 @@ impl FrameReader for IbvReader {
 
 impl FrameWriter for IbvWriter {
     async fn write(&mut self, parts: &[&[u8]]) -> Result<()> {
-        self.conn.stopped.check()?;
-        let conn = self.conn.clone();
-        let guard = OpGuard::new(move || {
-            conn.fail(TransportError::Poisoned {
-                peer: conn.peer.clone(),
-                op: "write",
-            });
-        });
-        let r = self.conn.write_frame(parts).await;
-        guard.finish();
-        r.map_err(|e| self.conn.fail(e))
+        guarded(&self.conn, "write", self.conn.write_frame(parts)).await
     }
 
     fn close(&self) {
@@ -1423,8 +1422,7 @@ impl FrameWriter for IbvWriter {
     }
 
     fn closer(&self) -> Closer {
-        let conn = self.conn.clone();
-        Closer::new(move || conn.close())
+        closer(&self.conn)
     }
 
     fn peer(&self) -> &str {
