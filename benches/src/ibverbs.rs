@@ -40,24 +40,13 @@ fn cpu_time() -> Duration {
     }
 }
 
-/// A "cpu" record: CPU nanoseconds per message (in `p50_ns`).
+/// A "cpu/msg" record: CPU nanoseconds per message (in `p50_ns`) over `iterations` messages.
 fn cpu_record(backend: String, bytes: usize, ns: f64, iterations: u64) -> Record {
     Record {
         metric: "cpu/msg",
         p99_ns: None,
-        ..Record::rtt(SUITE, backend, bytes, vec![ns; 1])
-    }
-    .with_iterations(iterations)
-}
-
-trait WithIterations {
-    fn with_iterations(self, n: u64) -> Self;
-}
-
-impl WithIterations for Record {
-    fn with_iterations(mut self, n: u64) -> Self {
-        self.iterations = n;
-        self
+        iterations,
+        ..Record::rtt(SUITE, backend, bytes, vec![ns])
     }
 }
 

@@ -142,26 +142,8 @@ impl Context {
         for &kind in &options.transports {
             match kind {
                 TransportKind::Tcp => transports.push(kind),
-                TransportKind::Shm => {
-                    let t = ShmTransport::new(options.shm.clone());
-                    match t.viability() {
-                        Ok(()) => {
-                            transports.push(kind);
-                            shm = Some(t);
-                        }
-                        Err(e) => tracing::info!("shm transport not offered: {e}"),
-                    }
-                }
-                TransportKind::Ibv => {
-                    let t = IbvTransport::new(options.ibv.clone());
-                    match t.viability() {
-                        Ok(()) => {
-                            transports.push(kind);
-                            ibv = Some(t);
-                        }
-                        Err(e) => tracing::info!("ibv transport not offered: {e}"),
-                    }
-                }
+                TransportKind::Shm => shm = viable(ShmTransport::new(options.shm.clone()), kind, &mut transports),
+                TransportKind::Ibv => ibv = viable(IbvTransport::new(options.ibv.clone()), kind, &mut transports),
             }
         }
         if transports.is_empty() {
@@ -470,6 +452,20 @@ impl Context {
             Links { control, reply, lanes },
             self.inner.options.max_descriptor_bytes,
         ))
+    }
+}
+
+/// `t` if it can run here (then `kind` is offered); otherwise logs why not.
+fn viable<T: Transport>(t: T, kind: TransportKind, offered: &mut Vec<TransportKind>) -> Option<T> {
+    match t.viability() {
+        Ok(()) => {
+            offered.push(kind);
+            Some(t)
+        }
+        Err(e) => {
+            tracing::info!("{} transport not offered: {e}", kind.name());
+            None
+        }
     }
 }
 
