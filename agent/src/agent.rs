@@ -34,6 +34,7 @@ use sluice_channel::{Allocation, Context, Descriptor, Device, Message, Pipe, Pip
 use crate::completion::{Completion, Slot};
 use crate::device_map::{self, DeviceMap, WorkerDevices};
 use crate::error::{HandlerError, InitError, RpcError, ShutdownError};
+use crate::gpu::{self, StreamPool};
 use crate::handler::{BoxFuture, CallContext, Handler, Registry};
 use crate::membership::{self, Announce, MembershipEvent, Subscribers};
 use crate::name::{validate_name, Dest, WorkerInfo};
@@ -138,6 +139,8 @@ pub(crate) struct AgentInner {
     held: Mutex<HashMap<(u32, u64), Held>>,
     drop_control: AtomicUsize,
     recv_pool: Mutex<Vec<Bytes>>,
+    /// Streams incoming CUDA tensors land on, and fetched RRef values leave from.
+    streams: StreamPool,
 }
 
 /// A handle to this process's agent. Cheap to clone.
@@ -374,6 +377,9 @@ fn store_error(e: StoreError) -> InitError {
 
 fn init(options: AgentOptions, mut registry: Registry) -> Result<Agent, InitError> {
     validate_name(&options.name)?;
+    if let Some(devices) = &options.devices {
+        gpu::check_local(&options.name, devices)?;
+    }
     let resolved = options::resolve(&options)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(options.io_threads)
@@ -448,7 +454,7 @@ fn init(options: AgentOptions, mut registry: Registry) -> Result<Agent, InitErro
             address: listener.address().to_owned(),
             devices: WorkerDevices {
                 name: options.name.clone(),
-                devices: options.devices.clone().unwrap_or_else(|| vec![Device::Cpu]),
+                devices: options.devices.clone().unwrap_or_else(gpu::local_devices),
                 maps: options.device_maps.clone(),
             },
         };
@@ -578,6 +584,7 @@ fn init(options: AgentOptions, mut registry: Registry) -> Result<Agent, InitErro
         held: Mutex::new(HashMap::new()),
         drop_control: AtomicUsize::new(options.faults.drop_control),
         recv_pool: Mutex::new(Vec::new()),
+        streams: StreamPool::default(),
         options,
     });
     {
@@ -1374,20 +1381,44 @@ impl AgentInner {
         })
     }
 
-    /// Memory for an incoming message: recycled for large tensors when possible.
-    fn allocate(&self, d: &Descriptor) -> Allocation {
-        Allocation {
+    /// Memory for an incoming message: recycled CPU buffers for large tensors when possible;
+    /// CUDA tensors on their target device, one pooled stream per device. A target this
+    /// worker does not have (a peer's stale or hostile map) or a failed device allocation is
+    /// an error: the message cannot be placed.
+    fn allocate(&self, d: &Descriptor) -> Result<Allocation, String> {
+        let mut streams: Vec<(u32, sluice_channel::Stream)> = Vec::new();
+        let mut tensors = Vec::with_capacity(d.tensors.len());
+        for t in &d.tensors {
+            let len = t.length as usize;
+            tensors.push(match t.target_device.unwrap_or(Device::Cpu) {
+                Device::Cuda(i) => {
+                    let stream = match streams.iter().find(|(d, _)| *d == i) {
+                        Some((_, s)) => s.clone(),
+                        None => {
+                            let s = self
+                                .streams
+                                .next(i)
+                                .map_err(|e| format!("cannot place a tensor on cuda:{i}: {e}"))?;
+                            streams.push((i, s.clone()));
+                            s
+                        }
+                    };
+                    RecvBuffer::Cuda(
+                        sluice_channel::CudaBuffer::alloc(len, &stream)
+                            .map_err(|e| format!("cannot allocate {len} bytes on cuda:{i}: {e}"))?,
+                    )
+                }
+                _ => RecvBuffer::Cpu(self.recv_buffer(len)),
+            });
+        }
+        Ok(Allocation {
             payloads: d
                 .payload_lengths
                 .iter()
                 .map(|&l| BytesMut::zeroed(l as usize))
                 .collect(),
-            tensors: d
-                .tensors
-                .iter()
-                .map(|t| RecvBuffer::Cpu(self.recv_buffer(t.length as usize)))
-                .collect(),
-        }
+            tensors,
+        })
     }
 
     fn recv_buffer(&self, len: usize) -> BytesMut {
@@ -1465,7 +1496,15 @@ impl AgentInner {
                     .iter()
                     .map(|w| self.rrefs.materialize(self, w, sender))
                     .collect();
-                Some(Payload { bytes, tensors, rrefs })
+                let mut payload = Payload {
+                    bytes,
+                    tensors,
+                    rrefs,
+                    events: Vec::new(),
+                };
+                // The copies into CUDA tensors are queued, not done: mark them.
+                gpu::record_events(&mut payload).map_err(|e| format!("recording arrival events: {e}"))?;
+                Some(payload)
             }
         };
         Ok((envelope, payload))
@@ -1485,6 +1524,7 @@ impl AgentInner {
         let ctx = CallContext {
             agent: Agent { inner: self.clone() },
             caller: self.worker_info(caller),
+            streams: payload.streams(),
         };
         let id = request.id;
         match request.body {
@@ -1501,7 +1541,15 @@ impl AgentInner {
                 self.handlers_running.fetch_add(1, Ordering::AcqRel);
                 Some(Box::pin(async move {
                     let result = match value.await {
-                        Ok(v) => v.to_payload().map_err(|e| WireError::Failed(e.to_string())),
+                        Ok(v) => v
+                            .to_payload()
+                            .and_then(|mut p| {
+                                // Send from a stream that waits for the value's own events.
+                                gpu::restream(&mut p, &inner.streams)
+                                    .map_err(|e| RpcError::Encode(format!("ordering the value's CUDA tensors: {e}")))?;
+                                Ok(p)
+                            })
+                            .map_err(|e| WireError::Failed(e.to_string())),
                         Err(e) => Err(WireError::Failed(format!("RRef creation failed: {e}"))),
                     };
                     inner.reply(&pipe, caller, id, result).await;
@@ -1601,6 +1649,14 @@ impl AgentInner {
                     Err(e) => Err(WireError::Handler(e.clone())),
                 };
                 let me = inner.me.name.clone();
+                // A value on a GPU keeps events marking the work that made it, for fetches.
+                let result = result.and_then(|v| match v {
+                    Value::Payload(mut p) => match gpu::record_events(&mut p) {
+                        Ok(()) => Ok(Value::Payload(p)),
+                        Err(e) => Err(HandlerError::new("CudaError", e.to_string())),
+                    },
+                    other => Ok(other),
+                });
                 inner.rrefs.set_value(
                     r,
                     result.map_err(|e| RpcError::Remote {
@@ -1891,7 +1947,19 @@ async fn finish_read(
     if let Some((b, size)) = budget {
         b.acquire(size).await;
     }
-    let allocation = inner.allocate(&d);
+    let allocation = match inner.allocate(&d) {
+        Ok(a) => a,
+        Err(detail) => {
+            if let Some((b, size)) = budget {
+                b.release(size);
+            }
+            pipe.close();
+            return Err(PipeError::Protocol {
+                peer: pipe.info().peer.clone(),
+                detail,
+            });
+        }
+    };
     let allocation = match pipe.read(allocation).await {
         Ok(a) => a,
         Err(e) => {

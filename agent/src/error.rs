@@ -156,6 +156,8 @@ pub enum InitError {
         second: Device,
         target: Device,
     },
+    #[error("{worker} offers {device}, which is not usable here: {reason}")]
+    DeviceNotPresent { worker: String, device: Device, reason: String },
     #[error("pipe setup: {0}")]
     Pipe(#[from] PipeError),
     #[error("invalid option: {0}")]

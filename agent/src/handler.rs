@@ -28,6 +28,10 @@ pub struct CallContext {
     pub agent: Agent,
     /// Who called.
     pub caller: WorkerInfo,
+    /// The streams the request's CUDA tensors arrived on (one per device): work queued on
+    /// them is ordered after the tensors' arrival, with no synchronize. Empty without CUDA
+    /// tensors.
+    pub streams: Vec<sluice_channel::Stream>,
 }
 
 pub type HandlerResult = Result<Value, HandlerError>;

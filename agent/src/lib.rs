@@ -32,6 +32,7 @@ pub mod agent;
 pub mod completion;
 pub mod device_map;
 pub mod error;
+pub mod gpu;
 pub mod handler;
 pub mod membership;
 pub mod name;

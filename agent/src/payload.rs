@@ -12,7 +12,8 @@ use std::sync::Arc;
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use sluice_channel::Tensor;
+use sluice_channel::cuda::Event;
+use sluice_channel::{CudaError, SendBuffer, Stream, Tensor};
 
 use crate::error::RpcError;
 use crate::rref::RRefState;
@@ -30,6 +31,9 @@ pub struct Payload {
     pub(crate) bytes: Bytes,
     pub tensors: Vec<Tensor>,
     pub(crate) rrefs: Vec<Arc<RRefState>>,
+    /// For a received payload: one event per stream its CUDA tensors arrived on, recorded
+    /// after the incoming copies (see [`crate::gpu`]).
+    pub(crate) events: Vec<Event>,
 }
 
 impl std::fmt::Debug for Payload {
@@ -38,6 +42,7 @@ impl std::fmt::Debug for Payload {
             .field("bytes", &self.bytes.len())
             .field("tensors", &self.tensors.len())
             .field("rrefs", &self.rrefs.len())
+            .field("events", &self.events.len())
             .finish()
     }
 }
@@ -58,8 +63,8 @@ impl Payload {
         let bytes = result.map_err(|e| RpcError::Encode(e.to_string()))?;
         Ok(Payload {
             bytes: Bytes::from(bytes),
-            tensors: Vec::new(),
             rrefs,
+            ..Payload::default()
         })
     }
 
@@ -95,6 +100,63 @@ impl Payload {
     /// Takes the tensors out.
     pub fn take_tensors(&mut self) -> Vec<Tensor> {
         std::mem::take(&mut self.tensors)
+    }
+
+    /// The events of a received payload: one per stream its CUDA tensors landed on, marking
+    /// the incoming copies. Empty for CPU-only payloads.
+    pub fn events(&self) -> &[Event] {
+        &self.events
+    }
+
+    /// The streams the CUDA tensors are ordered by (for a received payload: the streams they
+    /// arrived on, so work queued there sees their data).
+    pub fn streams(&self) -> Vec<Stream> {
+        crate::gpu::streams_of(self)
+    }
+
+    /// Makes work queued later on `stream` wait until every CUDA tensor of this payload has
+    /// landed (no host wait). Use it before touching the tensors on a stream of your own.
+    pub fn wait_on(&self, stream: &Stream) -> Result<(), CudaError> {
+        if self.events.is_empty() {
+            // Not a received payload: order after the tensors' own streams instead.
+            for s in self.streams() {
+                sluice_channel::cuda::Event::record(&s)?.wait_on(stream)?;
+            }
+        }
+        for e in &self.events {
+            e.wait_on(stream)?;
+        }
+        Ok(())
+    }
+
+    /// Blocks until every CUDA tensor of this payload has landed (or, for one built here, until
+    /// its streams have finished their queued work).
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        if self.events.is_empty() {
+            for s in self.streams() {
+                s.synchronize()?;
+            }
+        }
+        for e in &self.events {
+            e.synchronize()?;
+        }
+        Ok(())
+    }
+
+    /// The `i`th tensor's CUDA buffer ordered by `stream` instead, which is made to wait for the
+    /// tensor's arrival first: the safe way to hand a received tensor to your own stream.
+    pub fn cuda_tensor_on(&self, i: usize, stream: &Stream) -> Result<sluice_channel::CudaBuffer, CudaError> {
+        match self.tensors.get(i).map(|t| &t.buffer) {
+            Some(SendBuffer::Cuda(b)) => {
+                self.wait_on(stream)?;
+                b.with_stream(stream)
+            }
+            Some(_) => Err(CudaError::Invalid(format!("tensor {i} is not a CUDA tensor"))),
+            None => Err(CudaError::Invalid(format!(
+                "tensor {i} of a payload with {} tensors",
+                self.tensors.len()
+            ))),
+        }
     }
 }
 

@@ -466,9 +466,8 @@ worker_test!(init_rejects_duplicate_names, 2, |env| {
 });
 
 worker_test!(init_rejects_bad_device_maps_everywhere, 2, |env| {
-    // Rank 0 maps its cuda:0 to a device rank 1 does not have: both workers refuse.
-    let mut options = env.options().map_device("worker1", Device::Cuda(0), Device::Cuda(5));
-    options.devices = Some(vec![Device::Cpu, Device::Cuda(0)]);
+    // Rank 0 maps its CPU to a device rank 1 does not have: both workers refuse, naming it.
+    let options = env.options().map_device("worker1", Device::Cpu, Device::Cuda(5));
     let e = Agent::init(options, registry()).unwrap_err();
     assert!(
         matches!(&e, InitError::UnknownDevice { device: Device::Cuda(5), owner, .. } if owner == "worker1"),
@@ -476,10 +475,18 @@ worker_test!(init_rejects_bad_device_maps_everywhere, 2, |env| {
     );
 });
 
+worker_test!(init_rejects_a_map_to_an_unknown_peer_everywhere, 2, |env| {
+    let options = env.options().map_device("worker7", Device::Cpu, Device::Cpu);
+    let e = Agent::init(options, registry()).unwrap_err();
+    assert!(
+        matches!(&e, InitError::UnknownPeer { worker, peer } if worker == "worker0" && peer == "worker7"),
+        "{e}"
+    );
+});
+
 worker_test!(device_maps_are_applied_and_checked, 2, |env| {
     let peer = name(1 - env.rank);
-    let mut options = env.options().map_device(&peer, Device::Cpu, Device::Cpu);
-    options.devices = Some(vec![Device::Cpu, Device::Cuda(0)]);
+    let options = env.options().map_device(&peer, Device::Cpu, Device::Cpu);
     let agent = Agent::init(options, registry()).unwrap();
     let t = Bytes::from(pattern(1, 1000));
     let reply = agent
@@ -490,8 +497,29 @@ worker_test!(device_maps_are_applied_and_checked, 2, |env| {
         )
         .unwrap();
     assert_eq!(reply.tensors[0].buffer.as_cpu().unwrap(), &t);
+    // CPU tensors carry no events; waiting on them is a no-op.
+    assert!(reply.events().is_empty());
     agent.shutdown().unwrap();
 });
+
+#[test]
+fn offering_a_gpu_this_machine_lacks_fails_init() {
+    let _turn = IN_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
+    if sluice_channel::cuda::available() {
+        eprintln!("SKIPPED: this machine has a GPU (the check is for machines without one)");
+        return;
+    }
+    let mut options = AgentOptions::new("gpuless").rank(0, 1).store("127.0.0.1:1");
+    options.devices = Some(vec![Device::Cpu, Device::Cuda(0)]);
+    let e = Agent::init(options, Registry::new()).unwrap_err();
+    assert!(
+        matches!(&e, InitError::DeviceNotPresent { device: Device::Cuda(0), .. }),
+        "{e}"
+    );
+    assert!(e.to_string().contains("cuda:0"), "{e}");
+    // By default a worker offers what it has: the CPU alone here.
+    assert_eq!(sluice_agent::gpu::local_devices(), vec![Device::Cpu]);
+}
 
 #[test]
 fn init_checks_names_and_second_init_errors() {
@@ -562,6 +590,27 @@ fn hostile_pipes_are_closed_and_the_agent_keeps_serving() {
             .unwrap(),
         ),
     ];
+    // A message asking for a device no channel of the pipe serves is refused by the sender's
+    // own pipe, before anything travels (the agent's side refuses such a target too, see
+    // `allocate`, should a peer's pipe not check).
+    rt.block_on(async {
+        let pipe = Context::new(ContextOptions::default())
+            .unwrap()
+            .connect(agent.address())
+            .await
+            .unwrap();
+        let mut tensor = Tensor::cpu(Bytes::from(vec![7u8; 64]));
+        tensor.target_device = Some(Device::Cuda(7));
+        let e = pipe
+            .write(&Message {
+                metadata: Bytes::from_static(b"x"),
+                payloads: Vec::new(),
+                tensors: vec![tensor],
+            })
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("cuda:7"), "{e}");
+    });
     for metadata in garbage {
         rt.block_on(async {
             let pipe = Context::new(ContextOptions::default())

@@ -502,3 +502,75 @@ pub unsafe fn copy_dtoh_async(dst: *mut u8, src: DevicePtr, len: usize, s: RawSt
 pub unsafe fn memset_async(dst: DevicePtr, value: u8, len: usize, s: RawStream) -> Result<()> {
     check("cuMemsetD8Async", sys::cuMemsetD8Async(dst, value, len, s.ptr()))
 }
+
+/// A loaded module (compiled kernels) of one context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RawModule(pub usize);
+
+/// A kernel of a loaded module.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RawFunction(pub usize);
+
+/// The device's compute capability, `(major, minor)`.
+pub fn compute_capability(dev: i32) -> Result<(i32, i32)> {
+    use sys::CUdevice_attribute as A;
+    let mut major: c_int = 0;
+    let mut minor: c_int = 0;
+    // SAFETY: each call writes one int through a valid pointer; the driver checks `dev`.
+    check("cuDeviceGetAttribute", unsafe {
+        sys::cuDeviceGetAttribute(&mut major, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)
+    })?;
+    // SAFETY: as above.
+    check("cuDeviceGetAttribute", unsafe {
+        sys::cuDeviceGetAttribute(&mut minor, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)
+    })?;
+    Ok((major, minor))
+}
+
+/// Loads PTX (NUL-terminated) into the current context.
+pub fn module_load_ptx(ptx: &CStr) -> Result<RawModule> {
+    let mut m: sys::CUmodule = std::ptr::null_mut();
+    // SAFETY: `ptx` is a NUL-terminated image the driver reads during the call; writes one
+    // handle through a valid pointer.
+    check("cuModuleLoadData", unsafe {
+        sys::cuModuleLoadData(&mut m, ptx.as_ptr() as *const c_void)
+    })?;
+    Ok(RawModule(m as usize))
+}
+
+/// The kernel `name` of a loaded module.
+///
+/// # Safety
+/// `m` is a live module.
+pub unsafe fn module_function(m: RawModule, name: &CStr) -> Result<RawFunction> {
+    let mut f: sys::CUfunction = std::ptr::null_mut();
+    check("cuModuleGetFunction", sys::cuModuleGetFunction(&mut f, m.0 as sys::CUmodule, name.as_ptr()))?;
+    Ok(RawFunction(f as usize))
+}
+
+/// Queues `f` on `s` with a 1-D grid.
+///
+/// # Safety
+/// `f` is a live kernel of the current context's module, `s` a live stream of that context,
+/// and `params` holds one pointer per kernel parameter, each to a value of exactly the type
+/// the kernel declares (read during the call). Every address the kernel dereferences must be
+/// device memory that stays allocated until the stream has passed the kernel, and every
+/// write must stay inside memory the caller owns.
+pub unsafe fn launch(f: RawFunction, grid: u32, block: u32, s: RawStream, params: &mut [*mut c_void]) -> Result<()> {
+    check(
+        "cuLaunchKernel",
+        sys::cuLaunchKernel(
+            f.0 as sys::CUfunction,
+            grid,
+            1,
+            1,
+            block,
+            1,
+            1,
+            0,
+            s.ptr(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        ),
+    )
+}

@@ -122,3 +122,82 @@ pub(crate) async fn wait_raw(device: u32, event: RawEvent) -> Result<(), CudaErr
     .await
     .map_err(|e| CudaError::Invalid(format!("event wait thread failed: {e}")))?
 }
+
+/// A plain (in-process) CUDA event of one device: what a future or an RRef keeps so that a
+/// consumer's stream can wait for the work that produced a value, and nothing after it.
+/// Destroyed with its last clone (waits already queued on it are unaffected).
+#[derive(Clone)]
+pub struct Event {
+    inner: Arc<EventInner>,
+}
+
+struct EventInner {
+    device: u32,
+    raw: RawEvent,
+}
+
+impl Drop for EventInner {
+    fn drop(&mut self) {
+        if let Ok(cuda) = runtime() {
+            if cuda.bind(self.device).is_ok() {
+                // SAFETY: created by `Event::record`, destroyed once (last clone); queued
+                // waits on it keep their meaning after destruction.
+                let _ = unsafe { driver::event_destroy(self.raw) };
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Event(cuda:{}, {:#x})", self.inner.device, self.inner.raw.0)
+    }
+}
+
+impl Event {
+    /// A new event recording the work queued so far on `stream`.
+    pub fn record(stream: &Stream) -> Result<Event, CudaError> {
+        runtime()?.bind(stream.device())?;
+        let raw = driver::event_create(false)?;
+        let event = Event {
+            inner: Arc::new(EventInner {
+                device: stream.device(),
+                raw,
+            }),
+        };
+        // SAFETY: both handles are alive (the event is ours, the stream is held).
+        unsafe { driver::event_record(raw, stream.handle()) }?;
+        Ok(event)
+    }
+
+    pub fn device(&self) -> u32 {
+        self.inner.device
+    }
+
+    /// Makes work queued later on `stream` wait for the recorded work (no host wait).
+    /// Streams of another device of this process may wait too.
+    pub fn wait_on(&self, stream: &Stream) -> Result<(), CudaError> {
+        stream_wait(stream, self.inner.raw)
+    }
+
+    /// Whether the recorded work has finished.
+    pub fn is_done(&self) -> Result<bool, CudaError> {
+        runtime()?.bind(self.inner.device)?;
+        // SAFETY: the event is alive while `self` is.
+        Ok(unsafe { driver::event_query(self.inner.raw) }?)
+    }
+
+    /// Blocks this thread until the recorded work has finished.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        runtime()?.bind(self.inner.device)?;
+        // SAFETY: as above.
+        unsafe { driver::event_synchronize(self.inner.raw) }?;
+        Ok(())
+    }
+
+    /// As [`synchronize`](Self::synchronize), without blocking the async runtime.
+    pub async fn wait(&self) -> Result<(), CudaError> {
+        let keep = self.clone();
+        wait_raw(keep.inner.device, keep.inner.raw).await
+    }
+}

@@ -16,6 +16,7 @@
 //! [`descriptor`] is the pure negotiation logic; `events`, `ipc` and `staged` are the channels'
 //! machinery, used by the pipe.
 
+pub mod compute;
 pub mod descriptor;
 pub mod driver;
 pub(crate) mod events;
@@ -26,6 +27,7 @@ pub mod staged;
 use std::sync::OnceLock;
 
 pub use driver::{DevicePtr, DriverError};
+pub use events::Event;
 pub use memory::{time_raw_copies, CudaBuffer, DeviceMemory, PinnedMemory, RawCopy, Stream};
 
 use driver::RawContext;
