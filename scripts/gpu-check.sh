@@ -16,7 +16,18 @@
 #      inside allocations, default negotiation;
 #   3. tests/tests/pipe.rs: the CPU pipe suite, now on a machine where the CUDA channels are
 #      offered too;
-#   4. `sluice bench cuda`, writing its JSON lines to $OUT/cuda.jsonl (or gpu-bin/cuda.jsonl).
+#   4. `sluice bench cuda`, writing its JSON lines to $OUT/cuda.jsonl (or gpu-bin/cuda.jsonl);
+#   5. the autograd crate's unit tests (the NVRTC compile of every kernel, with its parameters
+#      checked against the launches);
+#   6. tests/tests/cuda_autograd.rs: every op forward and backward on the GPU against the CPU,
+#      dtype and device moves, training steps with each optimizer;
+#   7. tests/tests/cuda_rpc.rs (two processes on one GPU): device maps (request mapped,
+#      response reverse-mapped, stream order without any synchronize), CPU->GPU maps, the
+#      missing-map error, RRefs owned on the GPU, a distributed backward across a map;
+#   8. `sluice bench rpc autograd` (their CUDA records: 4 KiB rpc_sync round trip, 256 MiB
+#      rpc_sync against a raw device copy, the dist-autograd step with CUDA parameters against
+#      the local GPU step), to $OUT/rpc-autograd.jsonl;
+#   9. the parameter-server demo with its parameters on the GPU.
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")/.." && pwd)"
@@ -28,8 +39,9 @@ build() {
     cargo build --release --bin sluice
     cargo build --release -p sluice-tests --bin sluice-test-peer
     # Test executables, by target name, from cargo's own report.
-    cargo test --release --no-run --message-format=json -p sluice-channel -p sluice-tests \
-        --lib --test cuda --test pipe 2>/dev/null |
+    cargo build --release --example parameter_server
+    cargo test --release --no-run --message-format=json -p sluice-channel -p sluice-autograd -p sluice-tests \
+        --lib --test cuda --test pipe --test cuda_autograd --test cuda_rpc 2>/dev/null |
         python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -42,7 +54,7 @@ for line in sys.stdin:
 ' | while read -r name exe; do
             cp "$exe" "$bin/test-$name"
         done
-    cp target/release/sluice target/release/sluice-test-peer "$bin/"
+    cp target/release/sluice target/release/sluice-test-peer target/release/examples/parameter_server "$bin/"
     strip "$bin"/* 2>/dev/null || true
     ls -la "$bin"
 }
@@ -63,6 +75,16 @@ run() {
     echo "== sluice bench cuda"
     local out="${OUT:-$bin}"
     "$bin/sluice" bench cuda --json "$out/cuda.jsonl"
+    echo "== autograd unit tests (kernels compiled by NVRTC, parameters checked)"
+    SLUICE_REQUIRE_NVRTC=1 "$bin/test-sluice_autograd" --test-threads=1
+    echo "== autograd on CUDA against the CPU (tests/tests/cuda_autograd.rs)"
+    "$bin/test-cuda_autograd" --test-threads=1 --nocapture
+    echo "== CUDA tensors through RPC and distributed autograd (tests/tests/cuda_rpc.rs)"
+    "$bin/test-cuda_rpc" --test-threads=1 --nocapture
+    echo "== sluice bench rpc autograd (CUDA records included)"
+    "$bin/sluice" bench rpc autograd --json "$out/rpc-autograd.jsonl"
+    echo "== parameter server with its parameters on the GPU"
+    "$bin/parameter_server" --trainers 2 --epochs 100 --gpu
     echo "== all GPU checks passed"
 }
 

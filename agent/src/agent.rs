@@ -1404,7 +1404,7 @@ impl AgentInner {
                         }
                     };
                     RecvBuffer::Cuda(
-                        sluice_channel::CudaBuffer::alloc(len, &stream)
+                        sluice_channel::CudaBuffer::alloc_cached(len, &stream)
                             .map_err(|e| format!("cannot allocate {len} bytes on cuda:{i}: {e}"))?,
                     )
                 }
@@ -1540,12 +1540,13 @@ impl AgentInner {
                 let inner = self.clone();
                 self.handlers_running.fetch_add(1, Ordering::AcqRel);
                 Some(Box::pin(async move {
+                    let mut pairs = Vec::new();
                     let result = match value.await {
                         Ok(v) => v
                             .to_payload()
                             .and_then(|mut p| {
                                 // Send from a stream that waits for the value's own events.
-                                gpu::restream(&mut p, &inner.streams)
+                                pairs = gpu::restream(&mut p, &inner.streams)
                                     .map_err(|e| RpcError::Encode(format!("ordering the value's CUDA tensors: {e}")))?;
                                 Ok(p)
                             })
@@ -1553,6 +1554,7 @@ impl AgentInner {
                         Err(e) => Err(WireError::Failed(format!("RRef creation failed: {e}"))),
                     };
                     inner.reply(&pipe, caller, id, result).await;
+                    gpu::rejoin(&pairs);
                     inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
                 }))
             }

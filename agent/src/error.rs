@@ -157,7 +157,11 @@ pub enum InitError {
         target: Device,
     },
     #[error("{worker} offers {device}, which is not usable here: {reason}")]
-    DeviceNotPresent { worker: String, device: Device, reason: String },
+    DeviceNotPresent {
+        worker: String,
+        device: Device,
+        reason: String,
+    },
     #[error("pipe setup: {0}")]
     Pipe(#[from] PipeError),
     #[error("invalid option: {0}")]

@@ -80,7 +80,10 @@ pub(crate) fn streams_of(payload: &Payload) -> Vec<Stream> {
     let mut out: Vec<Stream> = Vec::new();
     for t in &payload.tensors {
         if let SendBuffer::Cuda(b) = &t.buffer {
-            if !out.iter().any(|s| s.raw() == b.stream().raw() && s.device() == b.device()) {
+            if !out
+                .iter()
+                .any(|s| s.raw() == b.stream().raw() && s.device() == b.device())
+            {
                 out.push(b.stream().clone());
             }
         }
@@ -99,12 +102,14 @@ pub(crate) fn record_events(payload: &mut Payload) -> Result<(), CudaError> {
     Ok(())
 }
 
-/// For a payload that carries events (a received value, an RRef's stored value), moves each
-/// CUDA tensor onto a fresh stream of `pool` that waits on those events, so sending it waits
-/// for the work that produced it and nothing queued on its old stream since.
-pub(crate) fn restream(payload: &mut Payload, pool: &StreamPool) -> Result<(), CudaError> {
+/// For a payload that carries events (an RRef's stored value), moves each CUDA tensor onto a
+/// stream of `pool` that waits on those events, so sending it waits for the work that produced
+/// it and nothing queued on its old stream since. Returns (old, new) stream pairs for
+/// [`rejoin`] once the send has completed.
+pub(crate) fn restream(payload: &mut Payload, pool: &StreamPool) -> Result<Vec<(Stream, Stream)>, CudaError> {
+    let mut pairs: Vec<(Stream, Stream)> = Vec::new();
     if payload.events.is_empty() {
-        return Ok(());
+        return Ok(pairs);
     }
     let mut chosen: HashMap<u32, Stream> = HashMap::new();
     for t in &mut payload.tensors {
@@ -120,7 +125,21 @@ pub(crate) fn restream(payload: &mut Payload, pool: &StreamPool) -> Result<(), C
                 s
             }
         };
+        if !pairs.iter().any(|(o, _)| o.raw() == b.stream().raw()) {
+            pairs.push((b.stream().clone(), stream.clone()));
+        }
         t.buffer = SendBuffer::Cuda(b.with_stream(&stream)?);
     }
-    Ok(())
+    Ok(pairs)
+}
+
+/// After a restreamed send completed (the pipe made the new streams wait for the peer's
+/// copies), makes each old stream wait for its new one, so memory freed back to the old
+/// stream's cache is not reused before the peer has read it.
+pub(crate) fn rejoin(pairs: &[(Stream, Stream)]) {
+    for (old, new) in pairs {
+        if let Err(e) = Event::record(new).and_then(|ev| ev.wait_on(old)) {
+            tracing::warn!(error = %e, "could not order a stream after a fetch's copies");
+        }
+    }
 }

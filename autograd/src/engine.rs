@@ -21,13 +21,19 @@ pub(crate) trait Sink {
 
 /// Adds two gradients of one tensor (dense or sparse rows, in any combination).
 pub(crate) fn add_grads(a: Tensor, b: Tensor) -> Result<Tensor> {
+    // Gradients of one tensor that arrived on different devices meet on the first's.
+    let b = if b.device() != a.device() && !b.is_sparse() {
+        crate::cuda::to_device(&b, a.device())?
+    } else {
+        b
+    };
     match (a.is_sparse(), b.is_sparse()) {
         (false, false) => crate::cpu::binary_add(&a, &b),
         (true, true) => {
             let mut indices = a.sparse_indices().unwrap_or_default().to_vec();
             indices.extend_from_slice(b.sparse_indices().unwrap_or_default());
             let rows = crate::cpu::cat_raw(&[a.sparse_values(), b.sparse_values()], 0)?;
-            Ok(Tensor::sparse_rows(indices, rows, a.shape().to_vec()))
+            Tensor::sparse_rows(indices, rows, a.shape().to_vec())
         }
         (false, true) => crate::cpu::index_add_rows(&a, b.sparse_indices().unwrap_or_default(), &b.sparse_values()),
         (true, false) => crate::cpu::index_add_rows(&b, a.sparse_indices().unwrap_or_default(), &a.sparse_values()),

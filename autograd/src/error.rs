@@ -43,6 +43,8 @@ pub enum Error {
     Rpc(#[from] RpcError),
     #[error("optimizer: {0}")]
     Optimizer(String),
+    #[error("CUDA: {0}")]
+    Cuda(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -5,12 +5,15 @@
 //! [`engine`] (how a backward runs), then [`dist`] (contexts, recorded RPCs, the distributed
 //! backward) and [`optim`] (parameters, optimizers, the distributed optimizer).
 //!
-//! Devices: every kernel lives in [`cpu`]; ops check the device first, so a CUDA tensor gets a
-//! clear "no kernels for this device yet" error until the CUDA kernels join beside them.
+//! Devices: CPU kernels live in [`cpu`], CUDA kernels (NVRTC-compiled, cuBLAS for matmul) in
+//! [`cuda`]; each `cpu` entry point hands a CUDA tensor to its CUDA kernel first. Embedding's
+//! sparse gradients and f16/bf16 compute are CPU-only and say so.
 
+#![deny(unsafe_code)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod cpu;
+pub mod cuda;
 pub mod dist;
 pub mod dtype;
 pub mod engine;

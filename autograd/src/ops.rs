@@ -2,7 +2,10 @@
 //! whose backward is written with the same kernels. Saved tensors are detached, so a node never
 //! holds its own outputs' graph (no reference cycles).
 
+use sluice_channel::Device;
+
 use crate::cpu::{self, dispatch, map, zip_map};
+use crate::cuda::{self as gpu, Op};
 use crate::dtype::Float;
 use crate::error::{shape_err, Result};
 use crate::graph::record1;
@@ -21,20 +24,37 @@ fn dim_index(op: &'static str, t: &Tensor, dim: isize) -> Result<usize> {
     Ok(d as usize)
 }
 
+/// `zip_map` of two same-dtype tensors through a per-type closure on the CPU, the kernel op
+/// `$cuda` on a GPU.
+macro_rules! zip {
+    ($a:expr, $b:expr, $cuda:ident, $op:literal, |$x:ident, $y:ident| $e:expr) => {
+        if $a.device() != Device::Cpu {
+            gpu::binary(Op::$cuda, $a, $b)?
+        } else {
+            dispatch!($a, $op, T => zip_map::<T>($op, $a, $b, |$x: T, $y: T| $e))?
+        }
+    };
+}
+
 /// `t` repeated to `shape` along broadcast dimensions (a materialized copy).
 fn broadcast_to(t: &Tensor, shape: &[usize]) -> Result<Tensor> {
     if t.shape() == shape {
         return Ok(t.clone());
     }
+    if t.device() != Device::Cpu {
+        // A view with zero strides along broadcast dimensions, copied out.
+        let view = t.view_raw(shape.to_vec(), cpu::broadcast_strides(t, shape), t.inner.offset);
+        return gpu::contiguous(&view);
+    }
     let zeros = Tensor::zeros(shape, t.dtype())?;
-    dispatch!(t, "expand", T => zip_map::<T>("expand", &zeros, t, |_, y| y))
+    Ok(zip!(&zeros, t, Second, "expand", |_x, y| y))
 }
 
 macro_rules! binary_op {
-    ($(#[$doc:meta])* $name:ident, $node:literal, |$x:ident, $y:ident| $fwd:expr, |$g:ident, $a:ident, $b:ident| ($ga:expr, $gb:expr)) => {
+    ($(#[$doc:meta])* $name:ident, $node:literal, $cuda:ident, |$x:ident, $y:ident| $fwd:expr, |$g:ident, $a:ident, $b:ident| ($ga:expr, $gb:expr)) => {
         $(#[$doc])*
         pub fn $name(&self, other: &Tensor) -> Result<Tensor> {
-            let out = dispatch!(self, $node, T => zip_map::<T>($node, self, other, |$x, $y| $fwd))?;
+            let out = zip!(self, other, $cuda, $node, |$x, $y| $fwd);
             let ($a, $b) = (self.detach(), other.detach());
             let needed = need(&[self, other]);
             Ok(record1($node, &[self, other], out, move |$g| {
@@ -47,18 +67,15 @@ macro_rules! binary_op {
     };
 }
 
-/// `zip_map` of two same-dtype tensors through a per-type closure.
-macro_rules! zip {
-    ($a:expr, $b:expr, $op:literal, |$x:ident, $y:ident| $e:expr) => {
-        dispatch!($a, $op, T => zip_map::<T>($op, $a, $b, |$x: T, $y: T| $e))?
-    };
-}
-
 macro_rules! unary_op {
-    ($(#[$doc:meta])* $name:ident, $node:literal, |$x:ident| $fwd:expr, save = $save:ident, |$g:ident, $s:ident| $bwd:expr) => {
+    ($(#[$doc:meta])* $name:ident, $node:literal, $cuda:ident, |$x:ident| $fwd:expr, save = $save:ident, |$g:ident, $s:ident| $bwd:expr) => {
         $(#[$doc])*
         pub fn $name(&self) -> Result<Tensor> {
-            let out = dispatch!(self, $node, T => map::<T>(self, |$x: T| $fwd))?;
+            let out = if self.device() != Device::Cpu {
+                gpu::unary(Op::$cuda, self, 0.0)?
+            } else {
+                dispatch!(self, $node, T => map::<T>(self, |$x: T| $fwd))?
+            };
             let saved = unary_op!(@save $save, self, out);
             Ok(record1($node, &[self], out, move |$g| {
                 let $s = &saved;
@@ -73,64 +90,90 @@ macro_rules! unary_op {
 impl Tensor {
     binary_op!(
         /// Elementwise sum with broadcasting.
-        add, "Add", |x, y| x + y, |g, a, b| (g, g));
+        add, "Add", Add, |x, y| x + y, |g, a, b| (g, g));
     binary_op!(
         /// Elementwise difference with broadcasting.
-        sub, "Sub", |x, y| x - y, |g, a, b| (g, cpu::scale(&g, -1.0)?));
+        sub, "Sub", Sub, |x, y| x - y, |g, a, b| (g, cpu::scale(&g, -1.0)?));
     binary_op!(
         /// Elementwise product with broadcasting.
-        mul, "Mul", |x, y| x * y, |g, a, b| (zip!(&g, &b, "mul", |x, y| x * y), zip!(&g, &a, "mul", |x, y| x * y)));
+        mul, "Mul", Mul, |x, y| x * y, |g, a, b| (zip!(&g, &b, Mul, "mul", |x, y| x * y), zip!(&g, &a, Mul, "mul", |x, y| x * y)));
     binary_op!(
     /// Elementwise quotient with broadcasting.
-    div, "Div", |x, y| x / y, |g, a, b| (
-        zip!(&g, &b, "div", |x, y| x / y),
-        zip!(&zip!(&g, &a, "mul", |x, y| x * y), &b, "div", |x, y| -x / (y * y))
+    div, "Div", Div, |x, y| x / y, |g, a, b| (
+        zip!(&g, &b, Div, "div", |x, y| x / y),
+        zip!(&zip!(&g, &a, Mul, "mul", |x, y| x * y), &b, DivisorBackward, "div", |x, y| -x / (y * y))
     ));
 
     unary_op!(
         /// −x.
-        neg, "Neg", |x| -x, save = input, |g, _s| cpu::scale(g, -1.0)?);
-    unary_op!(exp, "Exp", |x| x.exp(), save = output, |g, y| zip!(
+        neg, "Neg", Neg, |x| -x, save = input, |g, _s| cpu::scale(g, -1.0)?);
+    unary_op!(exp, "Exp", Exp, |x| x.exp(), save = output, |g, y| zip!(
         g,
         y,
+        Mul,
         "exp",
         |g, y| g * y
     ));
     unary_op!(
         /// Natural logarithm.
-        log, "Log", |x| x.ln(), save = input, |g, x| zip!(g, x, "log", |g, x| g / x));
+        log, "Log", Log, |x| x.ln(), save = input, |g, x| zip!(g, x, Div, "log", |g, x| g / x));
     unary_op!(
         relu,
         "Relu",
+        Relu,
         |x| if x > T::ZERO { x } else { T::ZERO },
         save = input,
-        |g, x| zip!(g, x, "relu", |g, x| if x > T::ZERO { g } else { T::ZERO })
+        |g, x| zip!(g, x, ReluBackward, "relu", |g, x| if x > T::ZERO { g } else { T::ZERO })
     );
-    unary_op!(tanh, "Tanh", |x| x.tanh(), save = output, |g, y| zip!(
+    unary_op!(tanh, "Tanh", Tanh, |x| x.tanh(), save = output, |g, y| zip!(
         g,
         y,
+        TanhBackward,
         "tanh",
         |g, y| g * (T::ONE - y * y)
     ));
     unary_op!(
         sigmoid,
         "Sigmoid",
+        Sigmoid,
         |x| T::ONE / (T::ONE + (-x).exp()),
         save = output,
-        |g, y| zip!(g, y, "sigmoid", |g, y| g * y * (T::ONE - y))
+        |g, y| zip!(g, y, SigmoidBackward, "sigmoid", |g, y| g * y * (T::ONE - y))
     );
-    unary_op!(cos, "Cos", |x| x.cos(), save = input, |g, x| zip!(
+    unary_op!(cos, "Cos", Cos, |x| x.cos(), save = input, |g, x| zip!(
         g,
         x,
+        CosBackward,
         "cos",
         |g, x| -g * x.sin()
     ));
-    unary_op!(sin, "Sin", |x| x.sin(), save = input, |g, x| zip!(
+    unary_op!(sin, "Sin", Sin, |x| x.sin(), save = input, |g, x| zip!(
         g,
         x,
+        SinBackward,
         "sin",
         |g, x| g * x.cos()
     ));
+
+    /// A copy on `device` (host↔GPU, GPU↔GPU); recorded, so gradients flow back to the
+    /// source's device. Itself when already there.
+    pub fn to_device(&self, device: Device) -> Result<Tensor> {
+        if self.device() == device {
+            return Ok(self.clone());
+        }
+        let out = if self.device() == Device::Cpu && !matches!(device, Device::Cuda(_)) {
+            return Err(crate::error::Error::Device {
+                op: "to_device",
+                device: device.to_string(),
+            });
+        } else {
+            gpu::to_device(self, device)?
+        };
+        let from = self.device();
+        Ok(record1("ToDevice", &[self], out, move |g| {
+            Ok(vec![Some(g.to_device(from)?)])
+        }))
+    }
 
     /// `self · s`.
     pub fn mul_scalar(&self, s: f64) -> Result<Tensor> {
@@ -142,7 +185,11 @@ impl Tensor {
 
     /// `self + s`.
     pub fn add_scalar(&self, s: f64) -> Result<Tensor> {
-        let out = dispatch!(self, "add", T => { let s = T::from_f64(s); map::<T>(self, |x| x + s) })?;
+        let out = if self.device() != Device::Cpu {
+            gpu::unary(Op::AddScalar, self, s)?
+        } else {
+            dispatch!(self, "add", T => { let s = T::from_f64(s); map::<T>(self, |x| x + s) })?
+        };
         Ok(record1("AddScalar", &[self], out, move |g| Ok(vec![Some(g.clone())])))
     }
 
@@ -184,7 +231,7 @@ impl Tensor {
         Ok(record1("SumDim", &[self], out, move |g| {
             let mut kept = shape.clone();
             kept[d] = 1;
-            let g = g.contiguous_raw().view_raw(kept.clone(), contiguous_strides(&kept), 0);
+            let g = g.contiguous_raw()?.view_raw(kept.clone(), contiguous_strides(&kept), 0);
             Ok(vec![Some(broadcast_to(&g, &shape)?)])
         }))
     }
@@ -232,12 +279,12 @@ impl Tensor {
         if numel(shape) != self.numel() {
             return Err(shape_err("reshape", format!("{:?} into {:?}", self.shape(), shape)));
         }
-        let c = self.contiguous_raw();
+        let c = self.contiguous_raw()?;
         let offset = c.inner.offset;
         let out = c.view_raw(shape.to_vec(), contiguous_strides(shape), offset);
         let from = self.shape().to_vec();
         Ok(record1("Reshape", &[self], out, move |g| {
-            let g = g.contiguous_raw();
+            let g = g.contiguous_raw()?;
             let offset = g.inner.offset;
             Ok(vec![Some(g.view_raw(from.clone(), contiguous_strides(&from), offset))])
         }))
@@ -290,7 +337,7 @@ impl Tensor {
         );
         let full = self.shape().to_vec();
         Ok(record1("Narrow", &[self], out, move |g| {
-            Ok(vec![Some(cpu::pad_narrow(&g.contiguous_raw(), &full, dim, start)?)])
+            Ok(vec![Some(cpu::pad_narrow(&g.contiguous_raw()?, &full, dim, start)?)])
         }))
     }
 
@@ -318,7 +365,7 @@ impl Tensor {
         if self.is_contiguous() {
             return Ok(self.clone());
         }
-        let out = self.contiguous_raw();
+        let out = self.contiguous_raw()?;
         Ok(record1("Contiguous", &[self], out, |g| Ok(vec![Some(g.clone())])))
     }
 
@@ -451,13 +498,13 @@ pub fn embedding(weight: &Tensor, indices: &Tensor) -> Result<Tensor> {
     let out = rows.view_raw(shape.clone(), contiguous_strides(&shape), 0);
     let wshape = weight.shape().to_vec();
     Ok(record1("Embedding", &[weight], out, move |g| {
-        let rows = g.contiguous_raw();
+        let rows = g.contiguous_raw()?;
         let rows = rows.view_raw(
             vec![idx.len(), wshape[1]],
             contiguous_strides(&[idx.len(), wshape[1]]),
             rows.inner.offset,
         );
-        Ok(vec![Some(Tensor::sparse_rows(idx.clone(), rows, wshape.clone()))])
+        Ok(vec![Some(Tensor::sparse_rows(idx.clone(), rows, wshape.clone())?)])
     }))
 }
 

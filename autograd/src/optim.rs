@@ -137,6 +137,9 @@ pub enum UpdateMode {
 struct Slot {
     momentum: Option<Vec<f64>>,
     adam: Option<(Vec<f64>, Vec<f64>, u64)>,
+    /// The same state for a parameter on a GPU, kept there.
+    gpu_momentum: Option<Tensor>,
+    gpu_adam: Option<(Tensor, Tensor, u64)>,
 }
 
 /// An optimizer over local parameters.
@@ -219,6 +222,9 @@ impl Optimizer {
                 p.shape()
             )));
         }
+        if p.device() != sluice_channel::Device::Cpu {
+            return self.update_gpu(p, g, slot);
+        }
         match self.kind {
             OptimizerKind::Sgd { lr, momentum: 0.0 } => {
                 if let Some(idx) = g.sparse_indices() {
@@ -243,7 +249,7 @@ impl Optimizer {
                     out,
                     Slot {
                         momentum: Some(buf),
-                        adam: None,
+                        ..Slot::default()
                     },
                 ))
             }
@@ -263,12 +269,50 @@ impl Optimizer {
                 Ok((
                     out,
                     Slot {
-                        momentum: None,
                         adam: Some((m, v, t)),
+                        ..Slot::default()
                     },
                 ))
             }
         }
+    }
+
+    /// [`update`](Self::update) for a parameter on a GPU: fused kernels, state kept on the
+    /// parameter's device, the gradient moved there first if it landed elsewhere.
+    fn update_gpu(&self, p: &Tensor, g: &Tensor, slot: &Slot) -> Result<(Tensor, Slot)> {
+        use crate::cuda::optim;
+        if g.is_sparse() {
+            return Err(Error::Optimizer(
+                "sparse gradients are CPU-only; keep embedding tables on the CPU".into(),
+            ));
+        }
+        Ok(match self.kind {
+            OptimizerKind::Sgd { lr, momentum: 0.0 } => (optim::sgd(p, g, lr)?, Slot::default()),
+            OptimizerKind::Sgd { lr, momentum } => {
+                let (out, buf) = optim::momentum(p, g, slot.gpu_momentum.as_ref(), lr, momentum)?;
+                (
+                    out,
+                    Slot {
+                        gpu_momentum: Some(buf),
+                        ..Slot::default()
+                    },
+                )
+            }
+            OptimizerKind::Adam { lr, beta1, beta2, eps } => {
+                let (state, t) = match &slot.gpu_adam {
+                    Some((m, v, t)) => (Some((m, v)), *t),
+                    None => (None, 0),
+                };
+                let (out, m, v) = optim::adam(p, g, state, lr, beta1, beta2, eps, t + 1)?;
+                (
+                    out,
+                    Slot {
+                        gpu_adam: Some((m, v, t + 1)),
+                        ..Slot::default()
+                    },
+                )
+            }
+        })
     }
 }
 

@@ -43,9 +43,27 @@ pub struct Tensor {
     pub(crate) inner: Arc<Inner>,
 }
 
+/// Where a tensor's elements live.
+#[derive(Clone)]
+pub(crate) enum Storage {
+    Cpu(Bytes),
+    /// Device memory; the buffer's stream orders every use (see `crate::cuda`).
+    Cuda(sluice_channel::CudaBuffer),
+}
+
+impl Storage {
+    /// Bytes of storage.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Storage::Cpu(b) => b.len(),
+            Storage::Cuda(b) => b.len(),
+        }
+    }
+}
+
 #[derive(Clone)]
 pub(crate) struct Inner {
-    pub(crate) data: Bytes,
+    pub(crate) data: Storage,
     pub(crate) device: Device,
     pub(crate) dtype: DType,
     pub(crate) shape: Vec<usize>,
@@ -121,7 +139,7 @@ impl Tensor {
         debug_assert_eq!(values.len(), numel(&shape));
         let strides = contiguous_strides(&shape);
         Tensor::from_inner(Inner {
-            data: Bytes::from_owner(PodVec(values)),
+            data: Storage::Cpu(Bytes::from_owner(PodVec(values))),
             device: Device::Cpu,
             dtype: T::DTYPE,
             shape,
@@ -135,41 +153,33 @@ impl Tensor {
     /// A CPU tensor over raw bytes (little-endian elements), e.g. a buffer received from a peer.
     /// Checked: every element the shape and strides reach must lie inside `data`.
     pub fn from_bytes(data: Bytes, dtype: DType, shape: &[usize], strides: &[usize], offset: usize) -> Result<Tensor> {
-        if shape.len() != strides.len() {
-            return Err(Error::Wire(format!(
-                "{} dims but {} strides",
-                shape.len(),
-                strides.len()
-            )));
-        }
-        if !data.len().is_multiple_of(dtype.size()) {
-            return Err(Error::Wire(format!(
-                "{} bytes is not a whole number of {dtype}",
-                data.len()
-            )));
-        }
-        let elements = data.len() / dtype.size();
-        let mut count: usize = 1;
-        let mut last = offset;
-        for (&n, &s) in shape.iter().zip(strides) {
-            count = count
-                .checked_mul(n)
-                .ok_or_else(|| Error::Wire(format!("shape {shape:?} overflows")))?;
-            if n > 0 {
-                last = (n - 1)
-                    .checked_mul(s)
-                    .and_then(|x| x.checked_add(last))
-                    .ok_or_else(|| Error::Wire(format!("strides {strides:?} overflow")))?;
-            }
-        }
-        if count > 0 && last >= elements {
-            return Err(Error::Wire(format!(
-                "shape {shape:?} strides {strides:?} offset {offset} reach element {last} of a {elements}-element buffer"
-            )));
-        }
+        check_layout(data.len(), dtype, shape, strides, offset)?;
         Ok(Tensor::from_inner(Inner {
-            data,
+            data: Storage::Cpu(data),
             device: Device::Cpu,
+            dtype,
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+            offset,
+            sparse: None,
+            grad: None,
+        }))
+    }
+
+    /// A CUDA tensor over device memory (e.g. a buffer received from a peer), checked like
+    /// [`from_bytes`](Self::from_bytes). Ops on it wait for the work queued on the buffer's
+    /// stream first.
+    pub fn from_cuda(
+        data: sluice_channel::CudaBuffer,
+        dtype: DType,
+        shape: &[usize],
+        strides: &[usize],
+        offset: usize,
+    ) -> Result<Tensor> {
+        check_layout(data.len(), dtype, shape, strides, offset)?;
+        Ok(Tensor::from_inner(Inner {
+            device: Device::Cuda(data.device()),
+            data: Storage::Cuda(data),
             dtype,
             shape: shape.to_vec(),
             strides: strides.to_vec(),
@@ -328,6 +338,25 @@ impl Tensor {
         }
     }
 
+    /// The CPU storage (an error naming the device otherwise).
+    pub(crate) fn cpu_bytes(&self) -> Result<&Bytes> {
+        match &self.inner.data {
+            Storage::Cpu(b) => Ok(b),
+            Storage::Cuda(_) => Err(Error::Device {
+                op: "host access",
+                device: self.device().to_string(),
+            }),
+        }
+    }
+
+    /// The CUDA storage, if any.
+    pub(crate) fn cuda_buffer(&self) -> Option<&sluice_channel::CudaBuffer> {
+        match &self.inner.data {
+            Storage::Cuda(b) => Some(b),
+            Storage::Cpu(_) => None,
+        }
+    }
+
     pub(crate) fn check_cpu(&self, op: &'static str) -> Result<()> {
         match self.inner.device {
             Device::Cpu => Ok(()),
@@ -348,9 +377,10 @@ impl Tensor {
             });
         }
         self.check_cpu("storage")?;
-        Ok(match bytemuck::try_cast_slice::<u8, T>(&self.inner.data) {
+        let data = self.cpu_bytes()?;
+        Ok(match bytemuck::try_cast_slice::<u8, T>(data) {
             Ok(s) => Cow::Borrowed(s),
-            Err(_) => Cow::Owned(bytemuck::pod_collect_to_vec::<u8, T>(&self.inner.data)),
+            Err(_) => Cow::Owned(bytemuck::pod_collect_to_vec::<u8, T>(data)),
         })
     }
 
@@ -385,6 +415,9 @@ impl Tensor {
 
     /// A copy of the elements in row-major order.
     pub fn to_vec<T: Pod>(&self) -> Result<Vec<T>> {
+        if self.device() != Device::Cpu {
+            return self.to_device(Device::Cpu)?.to_vec();
+        }
         if self.is_sparse() {
             return self.to_dense()?.to_vec();
         }
@@ -437,6 +470,9 @@ impl Tensor {
         if dtype == self.inner.dtype {
             return Ok(self.detach());
         }
+        if self.device() != Device::Cpu {
+            return crate::cuda::cast(self, dtype);
+        }
         let v64: Vec<f64> = match self.inner.dtype {
             DType::F32 => self.values::<f32>()?.iter().map(|&x| x as f64).collect(),
             DType::F64 => self.values::<f64>()?.into_owned(),
@@ -463,13 +499,13 @@ impl Tensor {
     }
 
     /// A sparse-rows tensor with dense shape `shape` (see `is_sparse`).
-    pub(crate) fn sparse_rows(indices: Vec<usize>, rows: Tensor, shape: Vec<usize>) -> Tensor {
-        let mut inner = (*rows.contiguous_raw().inner).clone();
+    pub(crate) fn sparse_rows(indices: Vec<usize>, rows: Tensor, shape: Vec<usize>) -> Result<Tensor> {
+        let mut inner = (*rows.contiguous_raw()?.inner).clone();
         inner.shape = shape;
         inner.strides = contiguous_strides(&inner.shape);
         inner.sparse = Some(Arc::new(indices));
         inner.grad = None;
-        Tensor::from_inner(inner)
+        Ok(Tensor::from_inner(inner))
     }
 
     /// The values of a sparse tensor as a dense `[nnz, rest…]` tensor.
@@ -495,9 +531,12 @@ impl Tensor {
     }
 
     /// Row-major copy unless already contiguous (no graph recording).
-    pub(crate) fn contiguous_raw(&self) -> Tensor {
+    pub(crate) fn contiguous_raw(&self) -> Result<Tensor> {
         if self.is_contiguous() || self.is_sparse() {
-            return self.detach();
+            return Ok(self.detach());
+        }
+        if self.device() != Device::Cpu {
+            return crate::cuda::contiguous(self);
         }
         macro_rules! copy {
             ($t:ty) => {
@@ -507,13 +546,13 @@ impl Tensor {
                 )
             };
         }
-        match self.inner.dtype {
+        Ok(match self.inner.dtype {
             DType::F32 => copy!(f32),
             DType::F64 => copy!(f64),
             DType::F16 => copy!(half::f16),
             DType::BF16 => copy!(half::bf16),
             DType::I64 => copy!(i64),
-        }
+        })
     }
 
     /// A view with new shape/strides/offset over the same storage (no graph recording).
@@ -526,9 +565,10 @@ impl Tensor {
         Tensor::from_inner(inner)
     }
 
-    /// Bytes of a contiguous tensor's elements (a slice of its storage, no copy).
-    pub(crate) fn contiguous_bytes(&self) -> Bytes {
-        let t = self.contiguous_raw();
+    /// A contiguous tensor's elements: a slice of its storage, no copy (CPU bytes or a CUDA
+    /// sub-buffer).
+    pub(crate) fn contiguous_storage(&self) -> Result<Storage> {
+        let t = self.contiguous_raw()?;
         let size = t.inner.dtype.size();
         let start = t.inner.offset * size;
         let len = if t.is_sparse() {
@@ -536,7 +576,10 @@ impl Tensor {
         } else {
             t.numel() * size
         };
-        t.inner.data.slice(start..start + len)
+        Ok(match &t.inner.data {
+            Storage::Cpu(b) => Storage::Cpu(b.slice(start..start + len)),
+            Storage::Cuda(b) => Storage::Cuda(b.slice(start..start + len).map_err(|e| Error::Cuda(e.to_string()))?),
+        })
     }
 
     /// Whether the view reaches exactly every element of its storage once (a permutation of a
@@ -582,6 +625,41 @@ impl Tensor {
             }),
         }
     }
+}
+
+/// Checks that every element `shape`, `strides` and `offset` reach lies inside `len` bytes of
+/// `dtype` elements.
+pub(crate) fn check_layout(len: usize, dtype: DType, shape: &[usize], strides: &[usize], offset: usize) -> Result<()> {
+    if shape.len() != strides.len() {
+        return Err(Error::Wire(format!(
+            "{} dims but {} strides",
+            shape.len(),
+            strides.len()
+        )));
+    }
+    if !len.is_multiple_of(dtype.size()) {
+        return Err(Error::Wire(format!("{len} bytes is not a whole number of {dtype}")));
+    }
+    let elements = len / dtype.size();
+    let mut count: usize = 1;
+    let mut last = offset;
+    for (&n, &s) in shape.iter().zip(strides) {
+        count = count
+            .checked_mul(n)
+            .ok_or_else(|| Error::Wire(format!("shape {shape:?} overflows")))?;
+        if n > 0 {
+            last = (n - 1)
+                .checked_mul(s)
+                .and_then(|x| x.checked_add(last))
+                .ok_or_else(|| Error::Wire(format!("strides {strides:?} overflow")))?;
+        }
+    }
+    if count > 0 && last >= elements {
+        return Err(Error::Wire(format!(
+            "shape {shape:?} strides {strides:?} offset {offset} reach element {last} of a {elements}-element buffer"
+        )));
+    }
+    Ok(())
 }
 
 /// Calls `f(offsets, inner_strides, inner_len)` for every innermost row of `shape`, with one

@@ -3,12 +3,17 @@
 //! against the same step run locally in this process; and CPU matmul throughput through
 //! `Tensor::matmul` against `matrixmultiply`'s own GEMM on the same buffers.
 //!
+//! With a GPU (and NVRTC and cuBLAS) the same step runs again with the layer's parameters on
+//! `cuda:0` in both processes and the input on this process's `cuda:0` (mapped `cuda:0 →
+//! cuda:0`), against the same step run locally on the GPU. Each step ends by reading the loss
+//! back, so GPU work is finished, not just queued, when a step is timed.
+//!
 //! The remote side is the rpc suite's second process (its registry includes [`serve`]).
 
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use sluice_agent::{Agent, AgentOptions, CallContext, HandlerError, RRef, Registry};
+use sluice_agent::{Agent, CallContext, HandlerError, RRef, Registry};
 use sluice_autograd::dist::{self, Context};
 use sluice_autograd::{linear, DType, DistributedOptimizer, Optimizer, OptimizerKind, Parameter, Tensor, UpdateMode};
 
@@ -37,6 +42,24 @@ fn layer() -> &'static [Parameter] {
     })
 }
 
+/// The same layer with its parameters on the GPU (one copy per process).
+fn gpu_layer() -> sluice_autograd::Result<&'static [Parameter]> {
+    static P: OnceLock<Vec<Parameter>> = OnceLock::new();
+    if let Some(p) = P.get() {
+        return Ok(p);
+    }
+    let moved = layer()
+        .iter()
+        .map(|p| {
+            Ok(Parameter::new(
+                p.name(),
+                p.data().to_device(sluice_channel::Device::Cuda(0))?,
+            ))
+        })
+        .collect::<sluice_autograd::Result<Vec<_>>>()?;
+    Ok(P.get_or_init(|| moved))
+}
+
 fn forward(x: &Tensor, p: &[Parameter]) -> sluice_autograd::Result<Tensor> {
     linear(x, &p[0].tensor(), Some(&p[1].tensor()))
 }
@@ -49,6 +72,17 @@ pub fn serve(r: &mut Registry) {
     });
     r.handler("bench.linear_params", |cx: &CallContext, (): ()| {
         Ok(layer()
+            .iter()
+            .map(|p| cx.agent.rref(p.clone()))
+            .collect::<Vec<RRef<Parameter>>>())
+    });
+    let he = |e: sluice_autograd::Error| HandlerError::new("Error", e.to_string());
+    dist::function(r, "bench.linear_gpu", move |_cx: &CallContext, x: Tensor| {
+        forward(&x, gpu_layer().map_err(he)?).map_err(he)
+    });
+    r.handler("bench.linear_gpu_params", move |cx: &CallContext, (): ()| {
+        Ok(gpu_layer()
+            .map_err(he)?
             .iter()
             .map(|p| cx.agent.rref(p.clone()))
             .collect::<Vec<RRef<Parameter>>>())
@@ -132,7 +166,7 @@ pub fn run(
     let store = format!("127.0.0.1:{port}");
     let _worker = spawn_worker(&store)?;
     let agent = Agent::init(
-        AgentOptions::new("bench").rank(0, 2).store(&store),
+        crate::rpc::agent_options("bench", "bench-peer", 0, &store),
         crate::rpc::registry(),
     )?;
     let rrefs: Vec<RRef<Parameter>> = agent.call(1u32, "bench.linear_params", &())?;
@@ -152,6 +186,46 @@ pub fn run(
     out.push(base);
     out.push(r);
     drop(dopt);
+    if crate::rpc::gpu().is_some() {
+        match sluice_autograd::cuda::available() {
+            Ok(()) => out.extend(gpu_steps(&agent, budget)?),
+            Err(e) => eprintln!("autograd on CUDA skipped: {e}"),
+        }
+    }
     agent.shutdown()?;
     Ok(out)
+}
+
+/// The step with CUDA parameters, locally and through the peer.
+fn gpu_steps(agent: &Agent, budget: Duration) -> anyhow::Result<Vec<Record>> {
+    let gpu = sluice_channel::Device::Cuda(0);
+    let local: Vec<Parameter> = gpu_layer()?
+        .iter()
+        .map(|p| Parameter::new(p.name(), p.data()))
+        .collect();
+    let opt = Optimizer::new(OptimizerKind::sgd(LR), local.clone(), UpdateMode::Locked);
+    let x = Tensor::randn(&[BATCH, IN], 1.0, 5, DType::F32)?.to_device(gpu)?;
+    let local_samples = samples(budget, || {
+        let l = loss(&forward(&x, &local)?)?;
+        l.backward()?;
+        opt.step()?;
+        l.item()?;
+        Ok(())
+    })?;
+    let base = Record::rtt("autograd", "local-step-linear1024-b32/cuda:0", 0, local_samples);
+    let rrefs: Vec<RRef<Parameter>> = agent.call(1u32, "bench.linear_gpu_params", &())?;
+    let dopt = DistributedOptimizer::new(agent, OptimizerKind::sgd(LR), &rrefs, UpdateMode::Locked)?;
+    let dist_samples = samples(budget, || {
+        let ctx = Context::new(agent)?;
+        let y: Tensor = dist::rpc_sync(agent, 1u32, "bench.linear_gpu", &x)?;
+        let l = loss(&y)?;
+        ctx.backward(&[l.clone()], false)?;
+        dopt.step(ctx.id())?;
+        l.item()?;
+        drop(ctx);
+        Ok(())
+    })?;
+    let mut r = Record::rtt("autograd", "dist-step-linear1024-b32/cuda:0", 0, dist_samples);
+    r.against(&base);
+    Ok(vec![base, r])
 }

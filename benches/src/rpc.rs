@@ -7,6 +7,13 @@
 //! - tensor echo (1 MiB, 64 MiB by default) through `rpc_sync`, against the same echo on a bare
 //!   pipe. Bandwidth here is tensor bytes per round trip over the round trip's time.
 //!
+//! With a GPU (both processes on `cuda:0`, mapped `cuda:0 → cuda:0` both ways):
+//! - `rpc_sync` echo of a 4 KiB CUDA tensor (request mapped, response reverse-mapped, no host
+//!   staging: cuda_ipc carries it), against the CPU no-op round trip of the same run;
+//! - `rpc_sync` of a 256 MiB CUDA tensor to a handler that keeps it, against a raw
+//!   device-to-device copy of the same size on the same GPU in the same run (the cuda_ipc
+//!   channel's ceiling: it is one such copy).
+//!
 //! This process is rank 0 (it hosts the store); it starts rank 1 with `sluice bench
 //! --rpc-worker STORE`.
 
@@ -15,7 +22,8 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use sluice_agent::{Agent, AgentOptions, Payload, Registry, Tensor};
-use sluice_channel::{Context, ContextOptions, Message};
+use sluice_channel::cuda::{self, CudaBuffer, RawCopy, Stream};
+use sluice_channel::{Context, ContextOptions, Device, Message, SendBuffer};
 
 use crate::report::Record;
 use crate::run::{message_rtt, pipe_rtt, BenchOptions, MAX_RTT_SAMPLES};
@@ -27,14 +35,30 @@ pub fn registry() -> Registry {
     let mut r = Registry::new();
     r.handler("noop", |_, (): ()| Ok(()))
         .async_handler("noop_async", |_, (): ()| async { Ok(()) })
-        .raw_handler("echo", |_, payload| Ok(payload));
+        .raw_handler("echo", |_, payload| Ok(payload))
+        // Takes the tensors and answers empty: a one-way transfer plus a small reply.
+        .raw_handler("sink", |_, _payload| Ok(Payload::empty()));
     crate::autograd::serve(&mut r);
     r
 }
 
+/// The GPU both bench processes use, when CUDA works here.
+pub fn gpu() -> Option<Device> {
+    cuda::available().then_some(Device::Cuda(0))
+}
+
+/// Options for a bench process: with a GPU, `cuda:0` maps to the peer's `cuda:0`.
+pub fn agent_options(name: &str, peer: &str, rank: u32, store: &str) -> AgentOptions {
+    let o = AgentOptions::new(name).rank(rank, 2).store(store);
+    match gpu() {
+        Some(g) => o.map_device(peer, g, g),
+        None => o,
+    }
+}
+
 /// Rank 1: serves until rank 0 shuts the group down.
 pub fn worker(store: &str) -> anyhow::Result<()> {
-    let agent = Agent::init(AgentOptions::new("bench-peer").rank(1, 2).store(store), registry())?;
+    let agent = Agent::init(agent_options("bench-peer", "bench", 1, store), registry())?;
     agent.shutdown()?;
     Ok(())
 }
@@ -103,8 +127,9 @@ pub fn run(
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let store = format!("127.0.0.1:{port}");
     let _worker = spawn_worker(&store)?;
-    let agent = Agent::init(AgentOptions::new("bench").rank(0, 2).store(&store), registry())?;
+    let agent = Agent::init(agent_options("bench", "bench-peer", 0, &store), registry())?;
 
+    let mut noop_sync = None;
     for handler in ["noop", "noop_async"] {
         let empty = Payload::encode(&())?;
         let mut samples = Vec::new();
@@ -116,6 +141,7 @@ pub fn run(
         }
         let mut r = Record::rtt("rpc", format!("rpc_sync-{handler}/{transport}"), 0, samples);
         r.against(&noop_base);
+        noop_sync.get_or_insert_with(|| r.clone());
         out.push(r);
     }
 
@@ -158,6 +184,60 @@ pub fn run(
         r.against(base);
         out.push(r);
     }
+    if gpu().is_some() {
+        out.extend(cuda_records(&agent, options, budget, noop_sync.as_ref())?);
+    }
     agent.shutdown()?;
+    Ok(out)
+}
+
+/// The CUDA half of the suite (see the module doc).
+fn cuda_records(
+    agent: &Agent,
+    options: &BenchOptions,
+    budget: std::time::Duration,
+    noop_sync: Option<&Record>,
+) -> anyhow::Result<Vec<Record>> {
+    let mut out = Vec::new();
+    let stream = Stream::new(0)?;
+    let small = CudaBuffer::alloc(4 << 10, &stream)?;
+    small.fill(3)?;
+    let payload = Payload::empty().with_tensors(vec![Tensor::cuda(small, Device::Cuda(0))]);
+    let mut samples = Vec::new();
+    let start = Instant::now();
+    while samples.len() < MAX_RTT_SAMPLES && (start.elapsed() < budget || samples.len() < 3) {
+        let t0 = Instant::now();
+        let reply = agent.rpc_sync(1u32, "echo", payload.clone())?;
+        samples.push(t0.elapsed().as_nanos() as f64);
+        if !matches!(reply.tensors.first().map(|t| &t.buffer), Some(SendBuffer::Cuda(_))) {
+            anyhow::bail!("the CUDA echo came back off the GPU");
+        }
+    }
+    let mut r = Record::rtt("rpc", "rpc_sync-cuda-echo/cuda:0", 4 << 10, samples);
+    if let Some(b) = noop_sync {
+        r.against(b);
+    }
+    out.push(r);
+
+    let size = if options.quick { 64 << 20 } else { 256 << 20 };
+    let iterations = if options.quick { 5 } else { 20 };
+    let raw = cuda::time_raw_copies(0, RawCopy::DeviceToDevice, size, iterations)?;
+    let raw_gbps = size as f64 * iterations as f64 / raw.as_nanos() as f64;
+    let base = Record::bw("rpc", "raw-dtod-copy/cuda:0", size, raw_gbps, iterations as u64);
+    let big = CudaBuffer::alloc(size, &stream)?;
+    big.fill(5)?;
+    let payload = Payload::empty().with_tensors(vec![Tensor::cuda(big, Device::Cuda(0))]);
+    let mut samples = Vec::new();
+    let start = Instant::now();
+    while start.elapsed() < budget || samples.len() < 3 {
+        let t0 = Instant::now();
+        agent.rpc_sync(1u32, "sink", payload.clone())?;
+        samples.push(t0.elapsed().as_nanos() as f64);
+    }
+    let gbps = echo_gbps(size, &samples);
+    let mut r = Record::bw("rpc", "rpc_sync-cuda-send/cuda:0", size, gbps, samples.len() as u64);
+    r.against(&base);
+    out.push(base);
+    out.push(r);
     Ok(out)
 }

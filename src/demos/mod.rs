@@ -22,6 +22,8 @@ pub enum Demo {
         trainers: u32,
         epochs: u32,
         reducer: Option<ps::Reducer>,
+        /// The server's parameters live on `cuda:0`.
+        gpu: bool,
     },
     /// Pipeline: micro-batches per batch, epochs.
     Pipeline { micro_batches: u32, epochs: u32 },
@@ -59,6 +61,10 @@ pub enum DemoCommand {
         /// Synchronous training with this gradient reducer (mean or median); Hogwild without.
         #[arg(long, value_name = "REDUCER")]
         sync: Option<ps::Reducer>,
+        /// Keep the server's parameters (and its forward, backward and optimizer steps) on
+        /// the GPU `cuda:0`; trainers stay on the CPU.
+        #[arg(long)]
+        gpu: bool,
     },
     /// Pipeline parallelism: two stages, micro-batches in flight.
     Pipeline {
@@ -79,10 +85,16 @@ pub enum DemoCommand {
 impl From<DemoCommand> for Demo {
     fn from(c: DemoCommand) -> Demo {
         match c {
-            DemoCommand::Ps { trainers, epochs, sync } => Demo::Ps {
+            DemoCommand::Ps {
+                trainers,
+                epochs,
+                sync,
+                gpu,
+            } => Demo::Ps {
                 trainers: trainers.max(1),
                 epochs,
                 reducer: sync,
+                gpu,
             },
             DemoCommand::Pipeline { micro_batches, epochs } => Demo::Pipeline {
                 micro_batches: micro_batches.max(1),
@@ -125,6 +137,10 @@ pub fn child_main() -> Option<anyhow::Result<()>> {
 
 /// Runs `demo`: this process is rank 0; ranks 1.. are started as children.
 pub fn launch(demo: Demo) -> anyhow::Result<()> {
+    if let Demo::Ps { gpu: true, .. } = demo {
+        // Say so before starting anyone, rather than through a failed rank.
+        sluice_autograd::cuda::available().map_err(|e| anyhow::anyhow!("--gpu needs CUDA, NVRTC and cuBLAS: {e}"))?;
+    }
     let n = demo.world_size();
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let exe = std::env::current_exe()?;

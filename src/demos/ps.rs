@@ -7,6 +7,12 @@
 //! - **Synchronous** (a reducer): each round, every trainer hands its context to the server,
 //!   which combines the gradients of all trainers with the reducer (mean or elementwise
 //!   median), applies one SGD step, and releases everyone into the next round.
+//!
+//! With `--gpu` the server keeps its parameters on `cuda:0` and runs the forward, the
+//! backward and every optimizer step there (cuBLAS and NVRTC kernels). Trainers stay on the
+//! CPU: their inputs are moved onto the GPU inside the server's forward and the logits back
+//! off it, both recorded, so the distributed backward crosses the host boundary on its own
+//! and the gradients land on the GPU beside the parameters. No device map is needed.
 
 use std::collections::HashMap;
 use std::sync::{Condvar, Mutex, OnceLock};
@@ -19,6 +25,7 @@ use sluice_autograd::{
     accuracy, cross_entropy, linear, DistributedOptimizer, LeafId, Optimizer, OptimizerKind, Parameter, Tensor,
     UpdateMode,
 };
+use sluice_channel::Device;
 
 use super::data::{mlp_init, spirals, Split};
 use super::{agent_options, handler_error, Demo};
@@ -74,6 +81,13 @@ impl Reducer {
     }
 }
 
+/// Where the server keeps its parameters (set once, before the model is made).
+static DEVICE: OnceLock<Device> = OnceLock::new();
+
+fn device() -> Device {
+    *DEVICE.get().unwrap_or(&Device::Cpu)
+}
+
 fn model() -> &'static [Parameter] {
     static M: OnceLock<Vec<Parameter>> = OnceLock::new();
     M.get_or_init(|| {
@@ -81,7 +95,11 @@ fn model() -> &'static [Parameter] {
         mlp_init(HIDDEN, 7)
             .into_iter()
             .zip(names)
-            .map(|(t, n)| Parameter::new(n, t))
+            .map(|(t, n)| {
+                // `run` checked that the device works before anything calls `model`.
+                let t = t.to_device(device()).expect("parameters move to the checked device");
+                Parameter::new(n, t)
+            })
             .collect()
     })
 }
@@ -134,7 +152,11 @@ fn registry(trainers: usize) -> Registry {
     dist::install(&mut r);
     dist::function(&mut r, "forward", |_cx: &CallContext, x: Tensor| {
         let params: Vec<Tensor> = model().iter().map(Parameter::tensor).collect();
-        mlp(&x, &params).map_err(handler_error)
+        // On a GPU server: in and out through the host, recorded for the backward.
+        x.to_device(device())
+            .and_then(|x| mlp(&x, &params))
+            .and_then(|y| y.to_device(Device::Cpu))
+            .map_err(handler_error)
     });
     r.handler("param_rrefs", |cx: &CallContext, (): ()| {
         Ok(model()
@@ -154,7 +176,7 @@ fn registry(trainers: usize) -> Registry {
 fn evaluate(test: &Split) -> sluice_autograd::Result<f64> {
     let params: Vec<Tensor> = model().iter().map(Parameter::data).collect();
     let (x, y) = test.batch(0..test.len());
-    accuracy(&mlp(&x, &params)?, &y)
+    accuracy(&mlp(&x.to_device(device())?, &params)?, &y)
 }
 
 fn train(agent: &Agent, rank: u32, trainers: u32, epochs: u32, reducer: Option<Reducer>) -> anyhow::Result<f64> {
@@ -188,10 +210,15 @@ pub fn run(demo: &Demo, rank: u32) -> anyhow::Result<()> {
         trainers,
         epochs,
         reducer,
+        gpu,
     } = *demo
     else {
         unreachable!()
     };
+    if gpu && rank == 0 {
+        sluice_autograd::cuda::available().map_err(|e| anyhow::anyhow!("--gpu needs CUDA, NVRTC and cuBLAS: {e}"))?;
+        let _ = DEVICE.set(Device::Cuda(0));
+    }
     let name = if rank == 0 {
         "ps".to_owned()
     } else {
@@ -208,6 +235,7 @@ pub fn run(demo: &Demo, rank: u32) -> anyhow::Result<()> {
             None => "Hogwild (asynchronous)".to_owned(),
             Some(r) => format!("synchronous, {r:?} reducer"),
         };
+        let mode = format!("{mode}, parameters on {}", device());
         println!(
             "parameter server, {mode}: {trainers} trainers × {epochs} epochs in {:.1} s; held-out accuracy {:.1}% → {:.1}%",
             start.elapsed().as_secs_f64(),

@@ -513,7 +513,13 @@ fn offering_a_gpu_this_machine_lacks_fails_init() {
     options.devices = Some(vec![Device::Cpu, Device::Cuda(0)]);
     let e = Agent::init(options, Registry::new()).unwrap_err();
     assert!(
-        matches!(&e, InitError::DeviceNotPresent { device: Device::Cuda(0), .. }),
+        matches!(
+            &e,
+            InitError::DeviceNotPresent {
+                device: Device::Cuda(0),
+                ..
+            }
+        ),
         "{e}"
     );
     assert!(e.to_string().contains("cuda:0"), "{e}");

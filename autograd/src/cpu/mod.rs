@@ -1,12 +1,16 @@
-//! CPU kernels: the device seam. Every op in `ops.rs` computes through these functions on raw
-//! (graph-free) tensors; CUDA kernels join beside them and `ops.rs` dispatches on the device.
+//! CPU kernels, and the device seam: every op in `ops.rs` computes through these functions on
+//! raw (graph-free) tensors, and each hands a CUDA tensor to its kernel in `crate::cuda` first.
 //!
 //! Elementwise loops run over contiguous slices when they can (so the compiler vectorises
 //! them) and over strided rows otherwise; matmul goes to `matrixmultiply`, which takes strides,
 //! so transposed views need no copy.
 
+#[allow(unsafe_code)]
 pub mod gemm;
 
+use sluice_channel::Device;
+
+use crate::cuda::{self, Op};
 use crate::dtype::{DType, Float, Pod};
 use crate::error::{shape_err, Result};
 use crate::tensor::{contiguous_strides, numel, walk, Tensor};
@@ -46,7 +50,7 @@ pub(crate) fn broadcast_shape(op: &'static str, a: &[usize], b: &[usize]) -> Res
 }
 
 /// `t`'s strides as seen from the broadcast `shape` (0 along broadcast dimensions).
-fn broadcast_strides(t: &Tensor, shape: &[usize]) -> Vec<usize> {
+pub(crate) fn broadcast_strides(t: &Tensor, shape: &[usize]) -> Vec<usize> {
     let lead = shape.len() - t.dims();
     (0..shape.len())
         .map(|d| {
@@ -107,16 +111,30 @@ pub(crate) fn map<T: Float>(a: &Tensor, f: impl Fn(T) -> T) -> Result<Tensor> {
     ))
 }
 
+/// Whether `t` lives on a GPU (its kernels are in `crate::cuda`).
+fn on_gpu(t: &Tensor) -> bool {
+    t.device() != Device::Cpu
+}
+
 pub(crate) fn binary_add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if on_gpu(a) {
+        return cuda::binary(Op::Add, a, b);
+    }
     dispatch!(a, "add", T => zip_map::<T>("add", a, b, |x, y| x + y))
 }
 
 pub(crate) fn scale(a: &Tensor, s: f64) -> Result<Tensor> {
+    if on_gpu(a) {
+        return cuda::unary(Op::Scale, a, s);
+    }
     dispatch!(a, "mul", T => { let s = T::from_f64(s); map::<T>(a, |x| x * s) })
 }
 
 /// Sums over the dimensions marked in `reduce`; `keepdim` keeps them with size 1.
 pub(crate) fn sum_dims(t: &Tensor, reduce: &[bool], keepdim: bool) -> Result<Tensor> {
+    if on_gpu(t) {
+        return cuda::sum_dims(t, reduce, keepdim);
+    }
     dispatch!(t, "sum", T => sum_dims_typed::<T>(t, reduce, keepdim))
 }
 
@@ -189,6 +207,9 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
             format!("cannot multiply {:?} by {:?}", a.shape(), b.shape()),
         ));
     }
+    if on_gpu(a) {
+        return cuda::matmul(a, b);
+    }
     let (m, k, n) = (a.shape()[0], a.shape()[1], b.shape()[1]);
     dispatch!(a, "matmul", T => {
         let (sa, sb) = (a.storage::<T>()?, b.storage::<T>()?);
@@ -207,6 +228,9 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// Softmax (or log-softmax) over the last dimension.
 pub(crate) fn softmax_last(x: &Tensor, log: bool) -> Result<Tensor> {
+    if on_gpu(x) {
+        return cuda::softmax_last(x, log);
+    }
     let cols = *x.shape().last().unwrap_or(&1);
     dispatch!(x, "softmax", T => {
         let v = x.values::<T>()?;
@@ -235,6 +259,9 @@ pub(crate) fn softmax_last(x: &Tensor, log: bool) -> Result<Tensor> {
 
 /// The input gradient of `softmax_last` (`log`: of log-softmax) given its output `y`.
 pub(crate) fn softmax_last_backward(y: &Tensor, g: &Tensor, log: bool) -> Result<Tensor> {
+    if on_gpu(y) {
+        return cuda::softmax_last_backward(y, g, log);
+    }
     let cols = *y.shape().last().unwrap_or(&1);
     dispatch!(y, "softmax backward", T => {
         let (yv, gv) = (y.values::<T>()?, g.values::<T>()?);
@@ -258,6 +285,7 @@ pub(crate) fn softmax_last_backward(y: &Tensor, g: &Tensor, log: bool) -> Result
 
 /// Rows `indices` of `t` along dimension 0.
 pub(crate) fn index_rows(t: &Tensor, indices: &[usize]) -> Result<Tensor> {
+    t.check_cpu("index_rows (embedding)")?;
     let row: usize = t.shape()[1..].iter().product();
     macro_rules! gather {
         ($ty:ty) => {{
@@ -282,6 +310,7 @@ pub(crate) fn index_rows(t: &Tensor, indices: &[usize]) -> Result<Tensor> {
 
 /// `base` with `rows[i]` added to row `indices[i]` (a new tensor).
 pub(crate) fn index_add_rows(base: &Tensor, indices: &[usize], rows: &Tensor) -> Result<Tensor> {
+    base.check_cpu("index_add_rows (sparse gradients)")?;
     let row: usize = base.shape()[1..].iter().product();
     if rows.numel() != indices.len() * row {
         return Err(shape_err(
@@ -350,6 +379,9 @@ pub(crate) fn cat_raw(parts: &[Tensor], dim: usize) -> Result<Tensor> {
         }
         shape[dim] += t.shape()[dim];
     }
+    if on_gpu(first) {
+        return cuda::cat(parts, dim, shape);
+    }
     match first.dtype() {
         DType::F32 => cat_typed::<f32>(parts, dim, shape),
         DType::F64 => cat_typed::<f64>(parts, dim, shape),
@@ -361,6 +393,9 @@ pub(crate) fn cat_raw(parts: &[Tensor], dim: usize) -> Result<Tensor> {
 
 /// Zeros of `shape` with `g` placed at `start..` along `dim` (the backward of `narrow`).
 pub(crate) fn pad_narrow(g: &Tensor, shape: &[usize], dim: usize, start: usize) -> Result<Tensor> {
+    if on_gpu(g) {
+        return cuda::pad_narrow(g, shape, dim, start);
+    }
     let mut parts = Vec::new();
     let mut before = shape.to_vec();
     before[dim] = start;
@@ -378,6 +413,9 @@ pub(crate) fn pad_narrow(g: &Tensor, shape: &[usize], dim: usize, start: usize) 
 
 /// Mean negative log-likelihood of `targets` under row-wise log-probabilities `logp`.
 pub(crate) fn nll_loss(logp: &Tensor, targets: &[usize]) -> Result<Tensor> {
+    if on_gpu(logp) {
+        return cuda::nll_loss(logp, targets);
+    }
     let c = logp.shape()[1];
     dispatch!(logp, "nll_loss", T => {
         let v = logp.values::<T>()?;
@@ -387,6 +425,9 @@ pub(crate) fn nll_loss(logp: &Tensor, targets: &[usize]) -> Result<Tensor> {
 }
 
 pub(crate) fn nll_loss_backward(g: &Tensor, shape: &[usize], targets: &[usize]) -> Result<Tensor> {
+    if on_gpu(g) {
+        return cuda::nll_loss_backward(g, shape, targets);
+    }
     let c = shape[1];
     dispatch!(g, "nll_loss backward", T => {
         let gv = g.values::<T>()?[0];

@@ -436,13 +436,15 @@ impl Sink for DistSink<'_> {
         let metas: Vec<Option<WireTensor>> = grads
             .iter()
             .map(|g| {
-                g.as_ref().map(|g| {
-                    let (w, data) = to_wire(g, tensors.len() as u32);
-                    tensors.push(sluice_agent::Tensor::cpu(data));
-                    w
-                })
+                g.as_ref()
+                    .map(|g| {
+                        let (w, data) = to_wire(g, tensors.len() as u32)?;
+                        tensors.push(pipe_tensor(data));
+                        Ok(w)
+                    })
+                    .transpose()
             })
-            .collect();
+            .collect::<Result<_>>()?;
         let header = BackwardHeader {
             context: info.context,
             message: info.message,
@@ -528,6 +530,15 @@ struct ReplyHeader {
     value: Bytes,
 }
 
+/// A pipe tensor over `data`; the agent places it by the device map to its destination.
+fn pipe_tensor(data: sluice_channel::SendBuffer) -> sluice_agent::Tensor {
+    sluice_agent::Tensor {
+        buffer: data,
+        metadata: Bytes::new(),
+        target_device: None,
+    }
+}
+
 /// Encodes a value and its tensors; inside a context with tensors that need grad, records a
 /// send node and returns its message id.
 fn send_side<T: Serialize + ?Sized>(
@@ -539,10 +550,9 @@ fn send_side<T: Serialize + ?Sized>(
     let mut metas = Vec::with_capacity(tensors.len());
     let mut buffers = Vec::with_capacity(tensors.len());
     for (i, t) in tensors.iter().enumerate() {
-        t.check_cpu("rpc")?;
-        let (w, data) = to_wire(t, i as u32);
+        let (w, data) = to_wire(t, i as u32)?;
         metas.push(w);
-        buffers.push(sluice_agent::Tensor::cpu(data));
+        buffers.push(pipe_tensor(data));
     }
     let message = match ctx {
         Some(ctx) if tensors.iter().any(Tensor::requires_grad) => {
@@ -586,12 +596,7 @@ fn recv_side(
         if w.buffer as usize != i {
             return Err(Error::Wire(format!("tensor {i} names buffer {}", w.buffer)));
         }
-        let data = b
-            .buffer
-            .as_cpu()
-            .cloned()
-            .ok_or_else(|| Error::Wire("a non-CPU buffer for a CPU tensor".into()))?;
-        out.push(from_wire(w, data)?);
+        out.push(from_wire(w, b.buffer)?);
     }
     if let (Some(ctx), Some(message)) = (ctx, message) {
         if metas.iter().any(|w| w.requires_grad) {
@@ -759,14 +764,9 @@ pub fn install(registry: &mut Registry) {
                         let b = buffers
                             .next()
                             .ok_or_else(|| Error::Wire(format!("gradient {i} has no buffer")))?;
-                        let data = b
-                            .buffer
-                            .as_cpu()
-                            .cloned()
-                            .ok_or_else(|| Error::Wire("non-CPU gradient".into()))?;
                         let mut w = w.clone();
                         w.buffer = 0;
-                        Some(from_wire(&w, data)?)
+                        Some(from_wire(&w, b.buffer)?)
                     }
                 });
             }

@@ -18,10 +18,11 @@ use std::cell::RefCell;
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
+use sluice_channel::SendBuffer;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::tensor::{contiguous_strides, Tensor};
+use crate::tensor::{contiguous_strides, Storage, Tensor};
 
 const MAX_DIMS: usize = 16;
 
@@ -38,13 +39,18 @@ pub struct WireTensor {
     pub buffer: u32,
 }
 
-/// Prepares `t` for sending: its description and the bytes to move.
-pub(crate) fn to_wire(t: &Tensor, buffer: u32) -> (WireTensor, Bytes) {
+/// Prepares `t` for sending: its description and the memory to move (CPU bytes, or a CUDA
+/// buffer that the pipe reads after the work queued on its stream).
+pub(crate) fn to_wire(t: &Tensor, buffer: u32) -> Result<(WireTensor, SendBuffer)> {
     let requires_grad = t.requires_grad();
     let (data, strides, offset) = if t.is_dense_permutation() && !t.is_contiguous() {
         (t.inner.data.clone(), t.strides().to_vec(), 0)
     } else {
-        (t.contiguous_bytes(), contiguous_strides(t.shape()), 0)
+        (t.contiguous_storage()?, contiguous_strides(t.shape()), 0)
+    };
+    let data = match data {
+        Storage::Cpu(b) => SendBuffer::Cpu(b),
+        Storage::Cuda(b) => SendBuffer::Cuda(b),
     };
     let wire = WireTensor {
         dtype: t.dtype(),
@@ -55,15 +61,34 @@ pub(crate) fn to_wire(t: &Tensor, buffer: u32) -> (WireTensor, Bytes) {
         sparse: t.sparse_indices().map(|i| i.iter().map(|&n| n as u64).collect()),
         buffer,
     };
-    (wire, data)
+    Ok((wire, data))
 }
 
 fn usize_of(v: u64, what: &str) -> Result<usize> {
     usize::try_from(v).map_err(|_| Error::Wire(format!("{what} {v} does not fit")))
 }
 
-/// Rebuilds a tensor from its description and its received bytes (graph-free).
-pub(crate) fn from_wire(w: &WireTensor, data: Bytes) -> Result<Tensor> {
+/// Rebuilds a tensor from its description and its received memory (graph-free). A CUDA
+/// buffer becomes a CUDA tensor on the device the agent placed it on.
+pub(crate) fn from_wire(w: &WireTensor, data: SendBuffer) -> Result<Tensor> {
+    match data {
+        SendBuffer::Cpu(bytes) => from_wire_cpu(w, bytes),
+        SendBuffer::Cuda(buf) => {
+            if w.sparse.is_some() {
+                return Err(Error::Wire("sparse rows arrived on a GPU; they are CPU-only".into()));
+            }
+            // The same description, checked on a zero-length stand-in first (so the checks
+            // stay in one place), then over the device buffer.
+            let (shape, strides) = checked_dense(w, buf.len())?;
+            Tensor::from_cuda(buf, w.dtype, &shape, &strides, usize_of(w.offset, "offset")?)
+        }
+        _ => Err(Error::Wire("a buffer on an unknown device".into())),
+    }
+}
+
+/// The shape and strides of a dense description whose data is `len` bytes, checked as
+/// `from_wire_cpu` checks them.
+fn checked_dense(w: &WireTensor, len: usize) -> Result<(Vec<usize>, Vec<usize>)> {
     if w.shape.len() > MAX_DIMS || w.shape.len() != w.strides.len() {
         return Err(Error::Wire(format!(
             "{} dims with {} strides",
@@ -84,52 +109,51 @@ pub(crate) fn from_wire(w: &WireTensor, data: Bytes) -> Result<Tensor> {
         .iter()
         .map(|&n| usize_of(n, "stride"))
         .collect::<Result<_>>()?;
-    match &w.sparse {
-        None => {
-            // Senders only ever send contiguous tensors or dense permutations (see `to_wire`),
-            // so every element has bytes of its own. A view that repeats elements (zero or
-            // overlapping strides) could make a few bytes stand for a huge tensor that the
-            // first contiguous copy would try to allocate: refuse it.
-            let numel = shape.iter().try_fold(1usize, |a, &n| a.checked_mul(n));
-            let need = numel.and_then(|n| n.checked_mul(w.dtype.size()));
-            match (numel, need) {
-                (Some(_), Some(need)) if need <= data.len() => {}
-                _ => {
-                    return Err(Error::Wire(format!(
-                        "shape {shape:?} of {:?} needs more than the {} bytes sent (repeated elements are never sent)",
-                        w.dtype,
-                        data.len()
-                    )))
-                }
-            }
-            Tensor::from_bytes(data, w.dtype, &shape, &strides, usize_of(w.offset, "offset")?)
-        }
-        Some(indices) => {
-            if shape.is_empty() {
-                return Err(Error::Wire("a sparse tensor needs rows".into()));
-            }
-            let dense = shape.iter().try_fold(w.dtype.size(), |a, &n| a.checked_mul(n));
-            if dense.is_none_or(|b| b > isize::MAX as usize) {
-                return Err(Error::Wire(format!(
-                    "sparse tensor of shape {shape:?} is too large to exist"
-                )));
-            }
-            let indices: Vec<usize> = indices
-                .iter()
-                .map(|&i| match usize_of(i, "row") {
-                    Ok(i) if i < shape[0] => Ok(i),
-                    _ => Err(Error::Wire(format!("sparse row {i} outside {} rows", shape[0]))),
-                })
-                .collect::<Result<_>>()?;
-            let mut rows_shape = shape.clone();
-            rows_shape[0] = indices.len();
-            let rows = Tensor::from_bytes(data, w.dtype, &rows_shape, &contiguous_strides(&rows_shape), 0)?;
-            if rows.numel() * w.dtype.size() != rows.inner.data.len() {
-                return Err(Error::Wire("sparse rows and their buffer differ in length".into()));
-            }
-            Ok(Tensor::sparse_rows(indices, rows, shape))
-        }
+    let numel = shape.iter().try_fold(1usize, |a, &n| a.checked_mul(n));
+    let need = numel.and_then(|n| n.checked_mul(w.dtype.size()));
+    match (numel, need) {
+        (Some(_), Some(need)) if need <= len => Ok((shape, strides)),
+        _ => Err(Error::Wire(format!(
+            "shape {shape:?} of {:?} needs more than the {len} bytes sent (repeated elements are never sent)",
+            w.dtype
+        ))),
     }
+}
+
+fn from_wire_cpu(w: &WireTensor, data: Bytes) -> Result<Tensor> {
+    // Dense: senders only ever send contiguous tensors or dense permutations (see `to_wire`),
+    // so every element has bytes of its own. A view that repeats elements (zero or
+    // overlapping strides) could make a few bytes stand for a huge tensor that the first
+    // contiguous copy would try to allocate: `checked_dense` refuses it.
+    let Some(indices) = &w.sparse else {
+        let (shape, strides) = checked_dense(w, data.len())?;
+        return Tensor::from_bytes(data, w.dtype, &shape, &strides, usize_of(w.offset, "offset")?);
+    };
+    // Sparse rows: the same header checks, then the rows.
+    let (shape, _) = checked_dense(w, usize::MAX)?;
+    if shape.is_empty() {
+        return Err(Error::Wire("a sparse tensor needs rows".into()));
+    }
+    let dense = shape.iter().try_fold(w.dtype.size(), |a, &n| a.checked_mul(n));
+    if dense.is_none_or(|b| b > isize::MAX as usize) {
+        return Err(Error::Wire(format!(
+            "sparse tensor of shape {shape:?} is too large to exist"
+        )));
+    }
+    let indices: Vec<usize> = indices
+        .iter()
+        .map(|&i| match usize_of(i, "row") {
+            Ok(i) if i < shape[0] => Ok(i),
+            _ => Err(Error::Wire(format!("sparse row {i} outside {} rows", shape[0]))),
+        })
+        .collect::<Result<_>>()?;
+    let mut rows_shape = shape.clone();
+    rows_shape[0] = indices.len();
+    let rows = Tensor::from_bytes(data, w.dtype, &rows_shape, &contiguous_strides(&rows_shape), 0)?;
+    if rows.numel() * w.dtype.size() != rows.inner.data.len() {
+        return Err(Error::Wire("sparse rows and their buffer differ in length".into()));
+    }
+    Tensor::sparse_rows(indices, rows, shape)
 }
 
 thread_local! {
@@ -191,8 +215,12 @@ impl Serialize for Tensor {
         match index {
             Some(i) => Repr::Indexed(i).serialize(s),
             None => {
-                let (w, data) = to_wire(self, 0);
-                Repr::Inline(w, serde_bytes_compat::Buf(data)).serialize(s)
+                // Outside `dist::rpc_*` data travels inline, through the host.
+                use serde::ser::Error as _;
+                let host = self.to_device(sluice_channel::Device::Cpu).map_err(S::Error::custom)?;
+                let (w, data) = to_wire(&host, 0).map_err(S::Error::custom)?;
+                let bytes = data.as_cpu().cloned().unwrap_or_default();
+                Repr::Inline(w, serde_bytes_compat::Buf(bytes)).serialize(s)
             }
         }
     }
@@ -205,7 +233,7 @@ impl<'de> Deserialize<'de> for Tensor {
             Repr::Indexed(i) => DECODING
                 .with(|list| list.borrow().as_ref().and_then(|l| l.get(i as usize).cloned()))
                 .ok_or_else(|| D::Error::custom(format!("tensor index {i} outside the message's tensors"))),
-            Repr::Inline(w, buf) => from_wire(&w, buf.0).map_err(D::Error::custom),
+            Repr::Inline(w, buf) => from_wire_cpu(&w, buf.0).map_err(D::Error::custom),
         }
     }
 }
@@ -215,7 +243,7 @@ impl<'de> Deserialize<'de> for Tensor {
 #[doc(hidden)]
 pub fn fuzz_from_wire(bytes: &[u8]) {
     if let Ok((w, rest)) = postcard::take_from_bytes::<WireTensor>(bytes) {
-        if let Ok(t) = from_wire(&w, Bytes::copy_from_slice(rest)) {
+        if let Ok(t) = from_wire_cpu(&w, Bytes::copy_from_slice(rest)) {
             // A dense tensor that passed validation must be fully readable. (Densifying a
             // sparse one is the receiver's explicit choice, sized by its own parameters.)
             if !t.is_sparse() {
@@ -231,9 +259,9 @@ pub fn fuzz_seeds() -> Vec<Vec<u8>> {
     let dense = Tensor::from_vec((0..12).map(|i| i as f32).collect::<Vec<f32>>(), &[3, 4]).expect("a 3x4 tensor");
     let mut out = Vec::new();
     for t in [dense.clone(), dense.transpose(0, 1).expect("a transpose")] {
-        let (w, data) = to_wire(&t, 0);
+        let (w, data) = to_wire(&t, 0).expect("a CPU tensor");
         let mut seed = postcard::to_allocvec(&w).expect("descriptions encode");
-        seed.extend_from_slice(&data);
+        seed.extend_from_slice(data.as_cpu().expect("a CPU tensor"));
         out.push(seed);
     }
     out
@@ -260,14 +288,14 @@ mod tests {
         // Found by the `tensor` fuzz target: zero strides made 4 bytes a 2^40-element view,
         // which the first contiguous copy tried to allocate.
         let data = Bytes::from(vec![0u8; 4]);
-        let e = from_wire(&described(vec![1 << 20, 1 << 20], vec![0, 0]), data.clone()).unwrap_err();
+        let e = from_wire_cpu(&described(vec![1 << 20, 1 << 20], vec![0, 0]), data.clone()).unwrap_err();
         assert!(e.to_string().contains("repeated elements"), "{e}");
-        assert!(from_wire(&described(vec![u64::MAX, 2], vec![1, 1]), data.clone()).is_err());
+        assert!(from_wire_cpu(&described(vec![u64::MAX, 2], vec![1, 1]), data.clone()).is_err());
         // A real tensor and a real transpose still arrive.
-        let t = from_wire(&described(vec![1], vec![1]), data).unwrap();
+        let t = from_wire_cpu(&described(vec![1], vec![1]), data).unwrap();
         assert_eq!(t.shape(), &[1]);
         let x = Tensor::from_vec((0..6).map(|i| i as f32).collect::<Vec<f32>>(), &[2, 3]).unwrap();
-        let (w, d) = to_wire(&x.transpose(0, 1).unwrap(), 0);
+        let (w, d) = to_wire(&x.transpose(0, 1).unwrap(), 0).unwrap();
         assert_eq!(
             from_wire(&w, d).unwrap().to_vec::<f32>().unwrap(),
             vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]

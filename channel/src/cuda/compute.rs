@@ -78,7 +78,14 @@ type NvrtcProgram = *mut c_void;
 
 struct Nvrtc {
     _lib: libloading::Library,
-    create: unsafe extern "C" fn(*mut NvrtcProgram, *const c_char, *const c_char, c_int, *const *const c_char, *const *const c_char) -> c_int,
+    create: unsafe extern "C" fn(
+        *mut NvrtcProgram,
+        *const c_char,
+        *const c_char,
+        c_int,
+        *const *const c_char,
+        *const *const c_char,
+    ) -> c_int,
     compile: unsafe extern "C" fn(NvrtcProgram, c_int, *const *const c_char) -> c_int,
     log_size: unsafe extern "C" fn(NvrtcProgram, *mut usize) -> c_int,
     log: unsafe extern "C" fn(NvrtcProgram, *mut c_char) -> c_int,
@@ -167,9 +174,14 @@ pub fn available() -> Result<(), Unavailable> {
 /// Compiles CUDA C++ `source` to PTX for `device`'s architecture. Errors carry NVRTC's log.
 fn compile_ptx(device: u32, source: &str, name: &str) -> Result<CString, CudaError> {
     let cuda = runtime()?;
-    let nv = nvrtc()?;
     let dev = driver::device(cuda.gpu(device)?.index as i32)?;
-    let (major, minor) = driver::compute_capability(dev)?;
+    ptx_for(source, name, driver::compute_capability(dev)?)
+}
+
+/// Compiles CUDA C++ `source` to PTX for compute capability `(major, minor)` with NVRTC alone
+/// (no driver or GPU needed: CI uses it to check kernel sources).
+pub fn ptx_for(source: &str, name: &str, (major, minor): (i32, i32)) -> Result<CString, CudaError> {
+    let nv = nvrtc()?;
     let src = CString::new(source).map_err(|_| CudaError::Invalid("kernel source holds a NUL".into()))?;
     let cname = CString::new(name).map_err(|_| CudaError::Invalid("program name holds a NUL".into()))?;
     let options: Vec<CString> = [
@@ -184,7 +196,16 @@ fn compile_ptx(device: u32, source: &str, name: &str) -> Result<CString, CudaErr
     let nvrtc_err = |call: &str, r: c_int| CudaError::Invalid(format!("{call} failed with NVRTC error {r}"));
     let mut prog: NvrtcProgram = std::ptr::null_mut();
     // SAFETY: the strings are NUL-terminated and outlive the call; no headers.
-    let r = unsafe { (nv.create)(&mut prog, src.as_ptr(), cname.as_ptr(), 0, std::ptr::null(), std::ptr::null()) };
+    let r = unsafe {
+        (nv.create)(
+            &mut prog,
+            src.as_ptr(),
+            cname.as_ptr(),
+            0,
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
     if r != 0 {
         return Err(nvrtc_err("nvrtcCreateProgram", r));
     }
@@ -407,12 +428,36 @@ pub unsafe fn gemm(
     let r = unsafe {
         match ty {
             GemmType::F32 => (blas.sgemm)(
-                handle, tb, ta, ni, mi, ki, &1.0f32, b.ptr as *const f32, ldb, a.ptr as *const f32, lda, &0.0f32,
-                c as *mut f32, ni,
+                handle,
+                tb,
+                ta,
+                ni,
+                mi,
+                ki,
+                &1.0f32,
+                b.ptr as *const f32,
+                ldb,
+                a.ptr as *const f32,
+                lda,
+                &0.0f32,
+                c as *mut f32,
+                ni,
             ),
             GemmType::F64 => (blas.dgemm)(
-                handle, tb, ta, ni, mi, ki, &1.0f64, b.ptr as *const f64, ldb, a.ptr as *const f64, lda, &0.0f64,
-                c as *mut f64, ni,
+                handle,
+                tb,
+                ta,
+                ni,
+                mi,
+                ki,
+                &1.0f64,
+                b.ptr as *const f64,
+                ldb,
+                a.ptr as *const f64,
+                lda,
+                &0.0f64,
+                c as *mut f64,
+                ni,
             ),
         }
     };

@@ -544,7 +544,10 @@ pub fn module_load_ptx(ptx: &CStr) -> Result<RawModule> {
 /// `m` is a live module.
 pub unsafe fn module_function(m: RawModule, name: &CStr) -> Result<RawFunction> {
     let mut f: sys::CUfunction = std::ptr::null_mut();
-    check("cuModuleGetFunction", sys::cuModuleGetFunction(&mut f, m.0 as sys::CUmodule, name.as_ptr()))?;
+    check(
+        "cuModuleGetFunction",
+        sys::cuModuleGetFunction(&mut f, m.0 as sys::CUmodule, name.as_ptr()),
+    )?;
     Ok(RawFunction(f as usize))
 }
 

@@ -314,6 +314,37 @@ impl CudaBuffer {
         DeviceMemory::new(stream.device(), len)?.buffer(0..len, stream)
     }
 
+    /// `len` bytes on the stream's device from a cache of blocks kept for reuse on *this
+    /// stream*: freeing device memory synchronizes the whole device, which would stall every
+    /// other stream, so hot paths (received tensors, autograd ops) reuse blocks instead.
+    ///
+    /// A block is reused once nothing but the cache holds it, and only for the same stream, so
+    /// the work its last users queued on that stream is ordered before its next user's. Work
+    /// queued on *another* stream with this memory must finish before the last handle is
+    /// dropped (the rule of PyTorch's caching allocator without `record_stream`).
+    pub fn alloc_cached(len: usize, stream: &Stream) -> Result<CudaBuffer, CudaError> {
+        use std::collections::HashMap;
+        use std::sync::{Mutex, OnceLock};
+        /// Cached blocks per (device, stream), and the bytes they hold.
+        type Caches = HashMap<(u32, usize), (Vec<Arc<DeviceMemory>>, usize)>;
+        static CACHES: OnceLock<Mutex<Caches>> = OnceLock::new();
+        /// At most this much is kept per stream; beyond it blocks are plain allocations.
+        const CACHE_BYTES: usize = 4 << 30;
+        const CACHE_BLOCKS: usize = 4096;
+        let class = len.max(256).next_power_of_two();
+        let mut caches = CACHES.get_or_init(Default::default).lock().expect("allocation cache");
+        let (blocks, bytes) = caches.entry((stream.device(), stream.raw())).or_default();
+        if let Some(b) = blocks.iter().find(|b| b.len == class && Arc::strong_count(b) == 1) {
+            return b.buffer(0..len, stream);
+        }
+        let mem = DeviceMemory::new(stream.device(), class)?;
+        if *bytes + class <= CACHE_BYTES && blocks.len() < CACHE_BLOCKS {
+            *bytes += class;
+            blocks.push(mem.clone());
+        }
+        mem.buffer(0..len, stream)
+    }
+
     /// Wraps memory allocated elsewhere (for example a PyTorch tensor's storage). The device is
     /// derived from the pointer and must match the stream's.
     ///
