@@ -153,17 +153,7 @@ impl Tensor {
     /// A CPU tensor over raw bytes (little-endian elements), e.g. a buffer received from a peer.
     /// Checked: every element the shape and strides reach must lie inside `data`.
     pub fn from_bytes(data: Bytes, dtype: DType, shape: &[usize], strides: &[usize], offset: usize) -> Result<Tensor> {
-        check_layout(data.len(), dtype, shape, strides, offset)?;
-        Ok(Tensor::from_inner(Inner {
-            data: Storage::Cpu(data),
-            device: Device::Cpu,
-            dtype,
-            shape: shape.to_vec(),
-            strides: strides.to_vec(),
-            offset,
-            sparse: None,
-            grad: None,
-        }))
+        Tensor::over(Storage::Cpu(data), dtype, shape, strides, offset)
     }
 
     /// A CUDA tensor over device memory (e.g. a buffer received from a peer), checked like
@@ -176,10 +166,18 @@ impl Tensor {
         strides: &[usize],
         offset: usize,
     ) -> Result<Tensor> {
+        Tensor::over(Storage::Cuda(data), dtype, shape, strides, offset)
+    }
+
+    /// A tensor over `data`, its layout checked against the storage's length.
+    fn over(data: Storage, dtype: DType, shape: &[usize], strides: &[usize], offset: usize) -> Result<Tensor> {
         check_layout(data.len(), dtype, shape, strides, offset)?;
         Ok(Tensor::from_inner(Inner {
-            device: Device::Cuda(data.device()),
-            data: Storage::Cuda(data),
+            device: match &data {
+                Storage::Cpu(_) => Device::Cpu,
+                Storage::Cuda(b) => Device::Cuda(b.device()),
+            },
+            data,
             dtype,
             shape: shape.to_vec(),
             strides: strides.to_vec(),

@@ -219,7 +219,7 @@ fn gpu_steps(agent: &Agent, budget: Duration) -> anyhow::Result<Vec<Record>> {
         let ctx = Context::new(agent)?;
         let y: Tensor = dist::rpc_sync(agent, 1u32, "bench.linear_gpu", &x)?;
         let l = loss(&y)?;
-        ctx.backward(&[l.clone()], false)?;
+        ctx.backward(std::slice::from_ref(&l), false)?;
         dopt.step(ctx.id())?;
         l.item()?;
         drop(ctx);

@@ -219,7 +219,7 @@ worker_test!(distributed_backward_across_a_device_map, 2, |env: WorkerEnv| {
         let y: AgTensor = dist::rpc_sync(&agent, 1u32, "gpu_layer", &x).unwrap();
         assert_eq!(y.device(), GPU, "the result came back through the reverse map");
         let loss = y.sum().unwrap();
-        ctx.backward(&[loss.clone()], false).unwrap();
+        ctx.backward(std::slice::from_ref(&loss), false).unwrap();
         let g = ctx.gradient(&x).unwrap();
         assert_eq!(g.device(), GPU, "the gradient landed on the leaf's device");
         // The same computation on the CPU.

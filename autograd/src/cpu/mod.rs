@@ -139,12 +139,7 @@ pub(crate) fn sum_dims(t: &Tensor, reduce: &[bool], keepdim: bool) -> Result<Ten
 }
 
 fn sum_dims_typed<T: Float>(t: &Tensor, reduce: &[bool], keepdim: bool) -> Result<Tensor> {
-    let kept: Vec<usize> = t
-        .shape()
-        .iter()
-        .zip(reduce)
-        .map(|(&n, &r)| if r { 1 } else { n })
-        .collect();
+    let kept = reduced_shape(t.shape(), reduce, true);
     let mut out_strides = contiguous_strides(&kept);
     for (s, &r) in out_strides.iter_mut().zip(reduce) {
         if r {
@@ -172,17 +167,21 @@ fn sum_dims_typed<T: Float>(t: &Tensor, reduce: &[bool], keepdim: bool) -> Resul
             }
         },
     );
-    let shape = if keepdim {
-        kept
-    } else {
-        t.shape()
-            .iter()
-            .zip(reduce)
-            .filter(|(_, &r)| !r)
-            .map(|(&n, _)| n)
-            .collect()
-    };
-    Ok(Tensor::from_vec_unchecked(out, shape))
+    Ok(Tensor::from_vec_unchecked(out, reduced_shape(t.shape(), reduce, keepdim)))
+}
+
+/// The shape a sum over the dimensions marked in `reduce` leaves: those dimensions set to 1
+/// with `keepdim`, removed without.
+pub(crate) fn reduced_shape(shape: &[usize], reduce: &[bool], keepdim: bool) -> Vec<usize> {
+    shape
+        .iter()
+        .zip(reduce)
+        .filter_map(|(&n, &r)| match (r, keepdim) {
+            (false, _) => Some(n),
+            (true, true) => Some(1),
+            (true, false) => None,
+        })
+        .collect()
 }
 
 /// Sums `g` down to `shape` (undoes broadcasting).

@@ -259,102 +259,68 @@ pub(super) fn gemm(
     release(&[ab, bb], stream)
 }
 
+/// The address of a contiguous tensor's first element in its buffer.
+fn first(t: &Tensor, b: &CudaBuffer) -> Arg {
+    Arg::Ptr(b.ptr() + (t.inner.offset * t.dtype().size()) as u64)
+}
+
+/// Softmax over rows of `x` (`g` given: its backward, `x` being the forward's output `y`).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn softmax(
+    x: (&Tensor, &CudaBuffer),
+    g: Option<(&Tensor, &CudaBuffer)>,
+    out: &Tensor,
+    rows: usize,
+    cols: usize,
+    log: bool,
+    stream: &Stream,
+) -> Result<()> {
+    let (x, xb) = x;
+    let mut args = vec![first(x, xb)];
+    let mut inputs = vec![xb];
+    if let Some((g, gb)) = g {
+        args.push(first(g, gb));
+        inputs.push(gb);
+    }
+    args.extend([
+        Arg::Ptr(buf(out)?.ptr()),
+        Arg::U64(rows as u64),
+        Arg::U64(cols as u64),
+        Arg::I32(log as i32),
+    ]);
+    let name = if g.is_some() { "softmax_backward" } else { "softmax" };
+    let kernel = format!("{name}_{}", suffix(x.dtype())?);
+    // SAFETY: `x` (and `g`, same shape, checked by the op) is contiguous with rows·cols elements
+    // from its offset; `out` is fresh with as many.
+    unsafe { run(xb.device(), &kernel, rows, stream, &args, &inputs) }
+}
+
+/// Mean negative log-likelihood of `targets` (`tb`, `rows` i64s checked below `cols` on the
+/// host) under `x`; with `backward`, `x` is the loss's gradient and `out` (zeroed, rows×cols)
+/// receives the input gradient.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn nll(
     x: &Tensor,
     xb: &CudaBuffer,
-    out: &Tensor,
-    rows: usize,
-    cols: usize,
-    log: bool,
-    stream: &Stream,
-) -> Result<()> {
-    let ob = buf(out)?;
-    let size = x.dtype().size() as u64;
-    let args = [
-        Arg::Ptr(xb.ptr() + x.inner.offset as u64 * size),
-        Arg::Ptr(ob.ptr()),
-        Arg::U64(rows as u64),
-        Arg::U64(cols as u64),
-        Arg::I32(log as i32),
-    ];
-    let kernel = format!("softmax_{}", suffix(x.dtype())?);
-    // SAFETY: `x` is contiguous with rows·cols elements from its offset; `out` likewise, fresh.
-    unsafe { run(xb.device(), &kernel, rows, stream, &args, &[xb]) }
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(super) fn softmax_backward(
-    y: &Tensor,
-    yb: &CudaBuffer,
-    g: &Tensor,
-    gb: &CudaBuffer,
-    out: &Tensor,
-    rows: usize,
-    cols: usize,
-    log: bool,
-    stream: &Stream,
-) -> Result<()> {
-    let ob = buf(out)?;
-    let size = y.dtype().size() as u64;
-    let args = [
-        Arg::Ptr(yb.ptr() + y.inner.offset as u64 * size),
-        Arg::Ptr(gb.ptr() + g.inner.offset as u64 * size),
-        Arg::Ptr(ob.ptr()),
-        Arg::U64(rows as u64),
-        Arg::U64(cols as u64),
-        Arg::I32(log as i32),
-    ];
-    let kernel = format!("softmax_backward_{}", suffix(y.dtype())?);
-    // SAFETY: `y` and `g` are contiguous, same shape (checked by the op); `out` fresh.
-    unsafe { run(yb.device(), &kernel, rows, stream, &args, &[yb, gb]) }
-}
-
-pub(super) fn nll(
-    logp: &Tensor,
-    lb: &CudaBuffer,
     tb: &CudaBuffer,
     out: &Tensor,
     rows: usize,
     cols: usize,
+    backward: bool,
     stream: &Stream,
 ) -> Result<()> {
-    let ob = buf(out)?;
-    let size = logp.dtype().size() as u64;
     let args = [
-        Arg::Ptr(lb.ptr() + logp.inner.offset as u64 * size),
+        first(x, xb),
         Arg::Ptr(tb.ptr()),
-        Arg::Ptr(ob.ptr()),
+        Arg::Ptr(buf(out)?.ptr()),
         Arg::U64(rows as u64),
         Arg::U64(cols as u64),
     ];
-    let kernel = format!("nll_{}", suffix(logp.dtype())?);
-    // SAFETY: targets were checked below `cols` on the host (`index_values`) and `tb` holds
-    // `rows` of them; `logp` is contiguous rows×cols; `out` is one fresh element.
-    unsafe { run(lb.device(), &kernel, 1, stream, &args, &[lb]) }
-}
-
-pub(super) fn nll_backward(
-    g: &Tensor,
-    gb: &CudaBuffer,
-    tb: &CudaBuffer,
-    out: &Tensor,
-    rows: usize,
-    cols: usize,
-    stream: &Stream,
-) -> Result<()> {
-    let ob = buf(out)?;
-    let size = g.dtype().size() as u64;
-    let args = [
-        Arg::Ptr(gb.ptr() + g.inner.offset as u64 * size),
-        Arg::Ptr(tb.ptr()),
-        Arg::Ptr(ob.ptr()),
-        Arg::U64(rows as u64),
-        Arg::U64(cols as u64),
-    ];
-    let kernel = format!("nll_backward_{}", suffix(g.dtype())?);
-    // SAFETY: as `nll`; `out` is a fresh rows×cols buffer, `g` one element.
-    unsafe { run(gb.device(), &kernel, rows, stream, &args, &[gb]) }
+    let (name, threads) = if backward { ("nll_backward", rows) } else { ("nll", 1) };
+    let kernel = format!("{name}_{}", suffix(x.dtype())?);
+    // SAFETY: forward: `x` is contiguous rows×cols and `out` one fresh element; backward: `x`
+    // is one element and `out` fresh rows×cols. Every target indexes inside its row.
+    unsafe { run(xb.device(), &kernel, threads, stream, &args, &[xb]) }
 }
 
 pub(super) fn cast(src: &Tensor, sb: &CudaBuffer, out: &Tensor, stream: &Stream) -> Result<()> {
@@ -365,12 +331,7 @@ pub(super) fn cast(src: &Tensor, sb: &CudaBuffer, out: &Tensor, stream: &Stream)
         (a, b) => return Err(shape_err("to_dtype", format!("{a} to {b} on CUDA"))),
     };
     let n = src.numel();
-    let size = src.dtype().size() as u64;
-    let args = [
-        Arg::Ptr(sb.ptr() + src.inner.offset as u64 * size),
-        Arg::Ptr(ob.ptr()),
-        Arg::U64(n as u64),
-    ];
+    let args = [first(src, sb), Arg::Ptr(ob.ptr()), Arg::U64(n as u64)];
     // SAFETY: `src` is contiguous with `n` elements; `out` fresh with `n` of the other type.
     unsafe { run(sb.device(), kernel, n, stream, &args, &[sb]) }
 }

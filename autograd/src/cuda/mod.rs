@@ -251,12 +251,7 @@ pub(crate) fn binary(op: Op, a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// Sum over the dimensions marked in `reduce`.
 pub(crate) fn sum_dims(t: &Tensor, reduce: &[bool], keepdim: bool) -> Result<Tensor> {
     float_dtype("sum", t)?;
-    let kept: Vec<usize> = t
-        .shape()
-        .iter()
-        .zip(reduce)
-        .map(|(&n, &r)| if r { 1 } else { n })
-        .collect();
+    let kept = crate::cpu::reduced_shape(t.shape(), reduce, true);
     let reduced: Vec<usize> = t
         .shape()
         .iter()
@@ -266,16 +261,7 @@ pub(crate) fn sum_dims(t: &Tensor, reduce: &[bool], keepdim: bool) -> Result<Ten
     let (_, tb, stream) = ready(t)?;
     let out = alloc_like(t, &kept)?;
     launch::sum(t, &tb, &out, &kept, &reduced, &stream)?;
-    let shape: Vec<usize> = if keepdim {
-        kept
-    } else {
-        t.shape()
-            .iter()
-            .zip(reduce)
-            .filter(|(_, &r)| !r)
-            .map(|(&n, _)| n)
-            .collect()
-    };
+    let shape = crate::cpu::reduced_shape(t.shape(), reduce, keepdim);
     Ok(out.view_raw(shape.clone(), contiguous_strides(&shape), 0))
 }
 
@@ -320,7 +306,7 @@ pub(crate) fn softmax_last(x: &Tensor, log: bool) -> Result<Tensor> {
     let rows = x.numel() / cols.max(1);
     let (_, xb, stream) = ready(&x)?;
     let out = alloc_like(&x, x.shape())?;
-    launch::softmax(&x, &xb, &out, rows, cols, log, &stream)?;
+    launch::softmax((&x, &xb), None, &out, rows, cols, log, &stream)?;
     Ok(out)
 }
 
@@ -333,7 +319,7 @@ pub(crate) fn softmax_last_backward(y: &Tensor, g: &Tensor, log: bool) -> Result
     let (_, yb, stream) = ready(&y)?;
     let (_, gb, _) = ready(&g)?;
     let out = alloc_like(&y, y.shape())?;
-    launch::softmax_backward(&y, &yb, &g, &gb, &out, rows, cols, log, &stream)?;
+    launch::softmax((&y, &yb), Some((&g, &gb)), &out, rows, cols, log, &stream)?;
     Ok(out)
 }
 
@@ -355,7 +341,7 @@ pub(crate) fn nll_loss(logp: &Tensor, targets: &[usize]) -> Result<Tensor> {
     let (device, lb, stream) = ready(&logp)?;
     let tb = targets_on(device, targets)?;
     let out = alloc_like(&logp, &[])?;
-    launch::nll(&logp, &lb, &tb, &out, targets.len(), logp.shape()[1], &stream)?;
+    launch::nll(&logp, &lb, &tb, &out, targets.len(), logp.shape()[1], false, &stream)?;
     Ok(out)
 }
 
@@ -366,7 +352,7 @@ pub(crate) fn nll_loss_backward(g: &Tensor, shape: &[usize], targets: &[usize]) 
     let out = alloc_like(g, shape)?;
     let (_, ob, _) = ready(&out)?;
     ob.fill(0).map_err(cuda_err)?;
-    launch::nll_backward(g, &gb, &tb, &out, targets.len(), shape[1], &stream)?;
+    launch::nll(g, &gb, &tb, &out, targets.len(), shape[1], true, &stream)?;
     Ok(out)
 }
 
