@@ -22,9 +22,13 @@
 //! membership) and reported ([`MembershipEvent`]), and the rendezvous is the embedded store or
 //! etcd ([`store`]).
 //!
-//! What it does not do (yet): move CUDA tensors (device maps are validated and applied, and a
-//! CUDA tensor without a map is refused, but the CUDA channels come later); survive the *crash*
-//! of the embedded store's host (a graceful leave hands the store over; use etcd for crashes).
+//! CUDA tensors travel by device map with stream semantics, never a host synchronize ([`gpu`]):
+//! requests land where the caller's map says, responses go back through its reverse, handlers
+//! run on the streams their tensors arrived on, received payloads carry arrival events, and
+//! RRefs owned on a GPU keep the events of the work that made them.
+//!
+//! What it does not do (yet): survive the *crash* of the embedded store's host (a graceful
+//! leave hands the store over; use etcd for crashes).
 
 #![forbid(unsafe_code)]
 

@@ -74,8 +74,8 @@ pub struct AgentOptions {
     pub default_timeout: Duration,
     /// How long init waits for the whole group.
     pub init_timeout: Duration,
-    /// Devices this worker offers; `None` means the ones found here (the CPU, plus GPUs once the
-    /// CUDA channels exist).
+    /// Devices this worker offers; `None` means the ones found here (the CPU and every GPU CUDA
+    /// can use). Offering one that is not here fails init (`InitError::DeviceNotPresent`).
     pub devices: Option<Vec<Device>>,
     /// Destination worker name → map from local to remote device.
     pub device_maps: BTreeMap<String, DeviceMap>,

@@ -167,7 +167,10 @@ fn sum_dims_typed<T: Float>(t: &Tensor, reduce: &[bool], keepdim: bool) -> Resul
             }
         },
     );
-    Ok(Tensor::from_vec_unchecked(out, reduced_shape(t.shape(), reduce, keepdim)))
+    Ok(Tensor::from_vec_unchecked(
+        out,
+        reduced_shape(t.shape(), reduce, keepdim),
+    ))
 }
 
 /// The shape a sum over the dimensions marked in `reduce` leaves: those dimensions set to 1
