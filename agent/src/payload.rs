@@ -145,6 +145,11 @@ impl Payload {
 
     /// The `i`th tensor's CUDA buffer ordered by `stream` instead, which is made to wait for the
     /// tensor's arrival first: the safe way to hand a received tensor to your own stream.
+    ///
+    /// Received memory returns to its arrival stream's cache when its last handle drops, and is
+    /// reused in that stream's order only: keep the returned buffer until the work you queued
+    /// with it on `stream` has finished, or make the tensor's own stream wait for yours
+    /// (`Event::record(stream)?.wait_on(old)`) before dropping it.
     pub fn cuda_tensor_on(&self, i: usize, stream: &Stream) -> Result<sluice_channel::CudaBuffer, CudaError> {
         match self.tensors.get(i).map(|t| &t.buffer) {
             Some(SendBuffer::Cuda(b)) => {

@@ -440,6 +440,10 @@ impl Tensor {
 
     /// Indices held by an i64 tensor, checked against `bound`.
     pub(crate) fn index_values(&self, op: &'static str, bound: usize) -> Result<Vec<usize>> {
+        if self.device() != Device::Cpu {
+            // Indices steer host-side bookkeeping (and are checked here): read them back.
+            return self.to_device(Device::Cpu)?.index_values(op, bound);
+        }
         if self.inner.dtype != DType::I64 {
             return Err(Error::DType {
                 op,

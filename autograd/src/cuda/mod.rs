@@ -167,6 +167,9 @@ pub(crate) fn to_device(t: &Tensor, device: Device) -> Result<Tensor> {
             Event::record(&compute_stream(src.device())?)
                 .and_then(|e| e.wait_on(dst.stream()))
                 .and_then(|()| dst.copy_from(&src))
+                // The source's memory is reused in its own stream's order: after the copy.
+                .and_then(|()| Event::record(dst.stream()))
+                .and_then(|e| e.wait_on(src.stream()))
                 .map_err(cuda_err)?;
             Ok(wrap(dst, c.dtype(), c.shape().to_vec()))
         }

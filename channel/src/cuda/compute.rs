@@ -185,8 +185,9 @@ pub fn ptx_for(source: &str, name: &str, (major, minor): (i32, i32)) -> Result<C
     let src = CString::new(source).map_err(|_| CudaError::Invalid("kernel source holds a NUL".into()))?;
     let cname = CString::new(name).map_err(|_| CudaError::Invalid("program name holds a NUL".into()))?;
     let options: Vec<CString> = [
+        // NVRTC's default C++ standard (17 in CUDA 12 and 13) suits the kernels; naming an
+        // older one risks a toolkit that dropped it.
         format!("--gpu-architecture=compute_{major}{minor}"),
-        "--std=c++14".into(),
         "-default-device".into(),
     ]
     .into_iter()
