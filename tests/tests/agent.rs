@@ -599,12 +599,15 @@ fn hostile_pipes_are_closed_and_the_agent_keeps_serving() {
     // A message asking for a device no channel of the pipe serves is refused by the sender's
     // own pipe, before anything travels (the agent's side refuses such a target too, see
     // `allocate`, should a peer's pipe not check).
-    rt.block_on(async {
-        let pipe = Context::new(ContextOptions::default())
+    let connect = || async {
+        Context::new(ContextOptions::default())
             .unwrap()
             .connect(agent.address())
             .await
-            .unwrap();
+            .unwrap()
+    };
+    rt.block_on(async {
+        let pipe = connect().await;
         let mut tensor = Tensor::cpu(Bytes::from(vec![7u8; 64]));
         tensor.target_device = Some(Device::Cuda(7));
         let e = pipe
@@ -619,11 +622,7 @@ fn hostile_pipes_are_closed_and_the_agent_keeps_serving() {
     });
     for metadata in garbage {
         rt.block_on(async {
-            let pipe = Context::new(ContextOptions::default())
-                .unwrap()
-                .connect(agent.address())
-                .await
-                .unwrap();
+            let pipe = connect().await;
             pipe.write(&Message {
                 metadata,
                 ..Message::default()

@@ -221,6 +221,13 @@ fn alloc_like(t: &Tensor, shape: &[usize]) -> Result<Tensor> {
     ))
 }
 
+/// Zeros of `shape` on `t`'s device, in `t`'s dtype (filled on the compute stream).
+fn zeros_like(t: &Tensor, shape: &[usize]) -> Result<Tensor> {
+    let out = alloc_like(t, shape)?;
+    ready(&out)?.1.fill(0).map_err(cuda_err)?;
+    Ok(out)
+}
+
 /// Copies `src`'s elements into `dst`'s storage at `dst_offset` with `dst_strides` (which the
 /// caller computed inside `dst`).
 fn copy_into(src: &Tensor, dst: &Tensor, dst_strides: &[usize], dst_offset: usize) -> Result<()> {
@@ -352,9 +359,7 @@ pub(crate) fn nll_loss_backward(g: &Tensor, shape: &[usize], targets: &[usize]) 
     float_dtype("nll_loss backward", g)?;
     let (device, gb, stream) = ready(g)?;
     let tb = targets_on(device, targets)?;
-    let out = alloc_like(g, shape)?;
-    let (_, ob, _) = ready(&out)?;
-    ob.fill(0).map_err(cuda_err)?;
+    let out = zeros_like(g, shape)?;
     launch::nll(g, &gb, &tb, &out, targets.len(), shape[1], true, &stream)?;
     Ok(out)
 }
@@ -377,9 +382,7 @@ pub(crate) fn cat(parts: &[Tensor], dim: usize, shape: Vec<usize>) -> Result<Ten
 
 /// Zeros of `shape` with `g` placed at `start..` along `dim`.
 pub(crate) fn pad_narrow(g: &Tensor, shape: &[usize], dim: usize, start: usize) -> Result<Tensor> {
-    let out = alloc_like(g, shape)?;
-    let (_, ob, _) = ready(&out)?;
-    ob.fill(0).map_err(cuda_err)?;
+    let out = zeros_like(g, shape)?;
     let strides = contiguous_strides(shape);
     copy_into(g, &out, &strides, start * strides[dim])?;
     Ok(out)
@@ -409,8 +412,7 @@ pub(crate) mod optim {
     /// `p − lr·g`.
     pub(crate) fn sgd(p: &Tensor, g: &Tensor, lr: f64) -> Result<Tensor> {
         let g = prepare(p, g)?;
-        let out = super::binary(Op::Sub, p, &unary(Op::Scale, &g, lr)?)?;
-        Ok(out)
+        super::binary(Op::Sub, p, &unary(Op::Scale, &g, lr)?)
     }
 
     /// Momentum SGD: `buf ← momentum·buf + g`, `p − lr·buf`. Returns (p, buf).
@@ -446,8 +448,7 @@ pub(crate) mod optim {
         let (m, v) = match state {
             Some((m, v)) => (m.clone(), v.clone()),
             None => {
-                let z = alloc_like(&p, p.shape())?;
-                ready(&z)?.1.fill(0).map_err(cuda_err)?;
+                let z = zeros_like(&p, p.shape())?;
                 (z.clone(), z)
             }
         };
