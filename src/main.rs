@@ -69,8 +69,10 @@ enum Commands {
     /// sizes, with sequence accounting (no reply lost, duplicated or misdelivered) and memory
     /// sampling. A benchmark, not a test.
     Soak {
-        #[arg(long, default_value_t = 16)]
-        workers: u32,
+        /// Workers per run; a list (`--workers 2,16,64`) runs one soak per entry in this
+        /// invocation and reports each run's rate against the first's.
+        #[arg(long, value_delimiter = ',', default_value = "16")]
+        workers: Vec<u32>,
         /// Calls in flight across the whole group.
         #[arg(long, default_value_t = 10_000)]
         in_flight: u32,
@@ -107,33 +109,59 @@ fn main() -> anyhow::Result<()> {
         worker,
     } = command
     {
-        anyhow::ensure!(workers >= 2, "a soak needs at least two workers");
-        let options = sluice_benches::soak::SoakOptions {
+        anyhow::ensure!(
+            !workers.is_empty() && workers.iter().all(|&w| w >= 2),
+            "a soak needs at least two workers"
+        );
+        let options = |workers: u32| sluice_benches::soak::SoakOptions {
             workers,
             in_flight,
             seconds,
+            baseline_seconds: 2.0,
         };
         if worker {
-            return sluice_benches::soak::worker(&options);
+            return sluice_benches::soak::worker(&options(workers[0]));
         }
-        eprintln!("soak: {workers} workers, {in_flight} calls in flight, {seconds} s");
-        let summary = sluice_benches::soak::run(&options, |rank, store| {
-            Ok(Command::new(std::env::current_exe()?)
-                .args(["soak", "--worker", "--workers", &workers.to_string()])
-                .args(["--in-flight", &in_flight.to_string(), "--seconds", &seconds.to_string()])
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", workers.to_string())
-                .env("MASTER_ADDR", store.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h))
-                .env("MASTER_PORT", store.rsplit_once(':').map_or("0", |(_, p)| p))
-                .stdin(Stdio::null())
-                .spawn()?)
-        })?;
-        println!("{}", serde_json::to_string_pretty(&summary)?);
-        if let Some(path) = json {
-            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
-            writeln!(f, "{}", serde_json::to_string(&summary)?)?;
+        let mut summaries = Vec::new();
+        for &n in &workers {
+            eprintln!("soak: {n} workers, {in_flight} calls in flight, {seconds} s");
+            let summary = sluice_benches::soak::run(&options(n), |rank, store| {
+                Ok(Command::new(std::env::current_exe()?)
+                    .args(["soak", "--worker", "--workers", &n.to_string()])
+                    .args(["--in-flight", &in_flight.to_string(), "--seconds", &seconds.to_string()])
+                    .env("RANK", rank.to_string())
+                    .env("WORLD_SIZE", n.to_string())
+                    .env("MASTER_ADDR", store.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h))
+                    .env("MASTER_PORT", store.rsplit_once(':').map_or("0", |(_, p)| p))
+                    .stdin(Stdio::null())
+                    .spawn()?)
+            })?;
+            println!("{}", serde_json::to_string_pretty(&summary)?);
+            if let Some(path) = &json {
+                let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+                writeln!(f, "{}", serde_json::to_string(&summary)?)?;
+            }
+            summaries.push(summary);
         }
-        let clean = summary.errors == 0 && summary.bad_replies == 0 && summary.duplicates == 0 && summary.lost == 0;
+        let first = summaries[0].calls_per_second;
+        for s in &summaries {
+            eprintln!(
+                "soak: {:>3} workers: {:>9.0} calls/s ({:.2}x the two-process rpc_async baseline {:.0}/s, {:.2}x the first run), p50 {:.0} us, p99 {:.0} us ({:.1}x p50), memory end/warm-up {:.2}x, lost {}",
+                s.workers,
+                s.calls_per_second,
+                s.ratio_to_baseline,
+                s.baseline_calls_per_second,
+                s.calls_per_second / first.max(1e-9),
+                s.p50_us,
+                s.p99_us,
+                s.p99_over_p50,
+                s.worst_growth,
+                s.lost
+            );
+        }
+        let clean = summaries
+            .iter()
+            .all(|s| s.errors == 0 && s.bad_replies == 0 && s.duplicates == 0 && s.lost == 0);
         anyhow::ensure!(clean, "the soak saw errors, bad, duplicated or lost replies");
         return Ok(());
     }

@@ -20,7 +20,7 @@
 //! (`pool_threads`) runs synchronous handlers. Callers on plain threads send on their own
 //! thread and wait for the reply by spinning briefly, then sleeping.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::task::Poll;
@@ -31,7 +31,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use sluice_channel::{Allocation, Context, Descriptor, Device, Message, Pipe, PipeError, RecvBuffer, Tensor};
 
-use crate::completion::{Completion, Slot};
+use crate::calls::Calls;
+use crate::completion::{Completion, Driver, Slot};
 use crate::device_map::{self, DeviceMap, WorkerDevices};
 use crate::error::{HandlerError, InitError, RpcError, ShutdownError};
 use crate::gpu::{self, StreamPool};
@@ -41,6 +42,7 @@ use crate::name::{validate_name, Dest, WorkerInfo};
 use crate::options::{self, AgentOptions, Connect};
 use crate::payload::{Payload, Value};
 use crate::pool::Pool;
+use crate::reader::{Replies, ReplyReader};
 use crate::rref::{RRef, RRefState, RRefTable};
 use crate::store::{Listing, Snapshot, Store, StoreError, StoreServer, StoreUrl};
 use crate::wire::{self, Body, Envelope, GlobalId, Request, Response, WireError, WireRRef, WireValue};
@@ -66,6 +68,8 @@ struct Peer {
     announce: Announce,
     /// The open pipe: `None` before the first call and after a failure.
     pipe: Mutex<Option<(u64, Pipe)>>,
+    /// The read role of the open pipe: who reads its replies (see [`crate::reader`]).
+    reader: Mutex<Option<Arc<dyn Driver>>>,
     /// Serializes opening a pipe.
     connecting: tokio::sync::Mutex<()>,
     /// Bumped for every new pipe, so a stale pipe's failure is not blamed on the new one.
@@ -93,18 +97,7 @@ struct Members {
     gone: HashMap<u32, (WorkerInfo, String)>,
 }
 
-struct Pending {
-    slot: Arc<Slot<Result<Payload, RpcError>>>,
-    peer: u32,
-    timeout: Duration,
-    deadline: Option<Instant>,
-}
-
-#[derive(Default)]
-struct Calls {
-    map: HashMap<u64, Pending>,
-    deadlines: BTreeSet<(Instant, u64)>,
-}
+type ResultSlot = Arc<Slot<Result<Payload, RpcError>>>;
 
 pub(crate) struct AgentInner {
     pub(crate) me: WorkerInfo,
@@ -125,7 +118,7 @@ pub(crate) struct AgentInner {
     subscribers: Subscribers,
     clock: Instant,
     counter: AtomicU64,
-    calls: Mutex<Calls>,
+    calls: Mutex<Calls<ResultSlot>>,
     timer: tokio::sync::Notify,
     state: AtomicU8,
     /// Handlers running, control messages in flight: outstanding work for shutdown.
@@ -729,6 +722,7 @@ impl AgentInner {
         let peer = Arc::new(Peer {
             info: info.clone(),
             pipe: Mutex::new(None),
+            reader: Mutex::new(None),
             connecting: tokio::sync::Mutex::new(()),
             generation: AtomicU64::new(0),
             down: Mutex::new(None),
@@ -831,6 +825,7 @@ impl AgentInner {
         if let Some((_, pipe)) = peer.pipe.lock().unwrap().take() {
             pipe.close();
         }
+        peer.reader.lock().unwrap().take();
         let name = peer.info.name.clone();
         self.fail_calls(Some(peer.info.id), |_| RpcError::PeerLost {
             worker: name.clone(),
@@ -1157,25 +1152,13 @@ impl AgentInner {
         };
         let message = build_message(Envelope::Request(Request { id, body, value }), frames, tensors);
         let slot = Slot::new();
-        let deadline = (!timeout.is_zero()).then(|| Instant::now() + timeout);
-        {
-            let mut calls = self.calls.lock().unwrap();
-            calls.map.insert(
-                id,
-                Pending {
-                    slot: slot.clone(),
-                    peer: dest,
-                    timeout,
-                    deadline,
-                },
-            );
-            if let Some(d) = deadline {
-                let earliest = calls.deadlines.first().map(|(t, _)| *t);
-                calls.deadlines.insert((d, id));
-                if earliest.is_none_or(|e| d < e) {
-                    self.timer.notify_one();
-                }
-            }
+        let sooner = self
+            .calls
+            .lock()
+            .unwrap()
+            .register(id, dest, timeout, Instant::now(), slot.clone());
+        if sooner.is_some() {
+            self.timer.notify_one();
         }
         self.activity.fetch_add(1, Ordering::Relaxed);
         if control && self.drop_control.load(Ordering::Relaxed) > 0 && self.take_drop() {
@@ -1183,6 +1166,7 @@ impl AgentInner {
             return Completion::new(slot);
         }
         let duplicate = control && self.options.faults.duplicate_control;
+        let peer_for_driver = peer.clone();
         let inner = self.clone();
         let send = async move {
             let result = async {
@@ -1211,7 +1195,10 @@ impl AgentInner {
         } else {
             self.handle.block_on(send);
         }
-        Completion::new(slot)
+        // Whoever waits for the reply may read it itself (the pipe is open by now when the
+        // request was written on this thread).
+        let driver = peer_for_driver.reader.lock().unwrap().clone();
+        Completion::driven(slot, driver)
     }
 
     fn take_drop(&self) -> bool {
@@ -1223,14 +1210,7 @@ impl AgentInner {
     /// Completes a pending call (once). A call already completed (timed out) is ignored, and so
     /// is its late reply.
     fn finish_call(&self, id: u64, result: Result<Payload, RpcError>) -> bool {
-        let pending = {
-            let mut calls = self.calls.lock().unwrap();
-            let p = calls.map.remove(&id);
-            if let Some(Pending { deadline: Some(d), .. }) = &p {
-                calls.deadlines.remove(&(*d, id));
-            }
-            p
-        };
+        let pending = self.calls.lock().unwrap().complete(id);
         match pending {
             Some(p) => {
                 p.slot.complete(result);
@@ -1245,26 +1225,9 @@ impl AgentInner {
 
     /// Fails every pending call to `rank` (or to everyone) with `error`.
     fn fail_calls(&self, rank: Option<u32>, error: impl Fn(u32) -> RpcError) {
-        let failed: Vec<(u32, Pending)> = {
-            let mut calls = self.calls.lock().unwrap();
-            let ids: Vec<u64> = calls
-                .map
-                .iter()
-                .filter(|(_, p)| rank.is_none_or(|r| p.peer == r))
-                .map(|(id, _)| *id)
-                .collect();
-            ids.into_iter()
-                .filter_map(|id| {
-                    let p = calls.map.remove(&id)?;
-                    if let Some(d) = p.deadline {
-                        calls.deadlines.remove(&(d, id));
-                    }
-                    Some((p.peer, p))
-                })
-                .collect()
-        };
-        for (peer, p) in failed {
-            p.slot.complete(Err(error(peer)));
+        let failed = self.calls.lock().unwrap().fail(rank);
+        for p in failed {
+            p.slot.complete(Err(error(p.peer)));
         }
     }
 
@@ -1319,7 +1282,15 @@ impl AgentInner {
         peer.last_heard.store(self.now_ms(), Ordering::Release);
         peer.last_sent.store(self.now_ms(), Ordering::Release);
         *peer.pipe.lock().unwrap() = Some((generation, pipe.clone()));
-        tokio::spawn(read_replies(self.clone(), peer.clone(), generation, pipe.clone()));
+        let replies = PeerReplies {
+            inner: Arc::downgrade(self),
+            peer: peer.clone(),
+            generation,
+            handle: self.handle.clone(),
+        };
+        let reader = ReplyReader::new(replies, pipe.clone());
+        *peer.reader.lock().unwrap() = Some(reader.clone());
+        tokio::spawn(reader.background());
         if !self.options.heartbeat_interval.is_zero() {
             tokio::spawn(heartbeat(Arc::downgrade(self), peer.clone(), generation, pipe.clone()));
         }
@@ -1671,9 +1642,21 @@ impl AgentInner {
             }
         };
         match handler {
-            Handler::Sync(f) => {
+            // Quick last time and never blocked: run right here, on the thread that read the
+            // request (the serve loop hands its read role on if the handler blocks after all).
+            Handler::Sync(f, pace) if pace.inline() && crate::pool::may_inline() => Some(Box::pin(async move {
+                let start = Instant::now();
+                let (result, blocked) = crate::pool::measured(|| f(&ctx, payload));
+                pace.record(start.elapsed(), blocked);
+                let reply = finish(&inner, result);
+                inner.reply(&pipe, caller, id, reply).await;
+                inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
+            })),
+            Handler::Sync(f, pace) => {
                 self.pool.submit(move || {
-                    let result = f(&ctx, payload);
+                    let start = Instant::now();
+                    let (result, blocked) = crate::pool::measured(|| f(&ctx, payload));
+                    pace.record(start.elapsed(), blocked);
                     let reply = finish(&inner, result);
                     inner.reply_from_pool(pipe, caller, id, reply);
                 });
@@ -1789,7 +1772,7 @@ impl AgentInner {
     }
 
     fn outstanding(&self) -> u64 {
-        let calls = self.calls.lock().unwrap().map.len() as i64;
+        let calls = self.calls.lock().unwrap().len() as i64;
         let n = calls + self.handlers_running.load(Ordering::Acquire) + self.control_in_flight.load(Ordering::Acquire);
         n.max(0) as u64
     }
@@ -1878,6 +1861,7 @@ impl AgentInner {
             if let Some((_, pipe)) = p.pipe.lock().unwrap().take() {
                 pipe.close();
             }
+            p.reader.lock().unwrap().take();
         }
         for p in self.incoming.lock().unwrap().drain(..) {
             p.close();
@@ -2071,12 +2055,46 @@ async fn serve_pipe(inner: Arc<AgentInner>, pipe: Pipe) {
             limit,
         ));
     }
+    serve_requests(Arc::new(Served {
+        inner,
+        pipe,
+        caller,
+        budget,
+        heard,
+    }))
+    .await
+}
+
+/// An incoming pipe being served: whoever holds its read role runs [`serve_requests`].
+struct Served {
+    inner: Arc<AgentInner>,
+    pipe: Pipe,
+    caller: u32,
+    budget: Arc<Budget>,
+    heard: Arc<AtomicU64>,
+}
+
+/// Reads requests from one caller and dispatches them, until the pipe ends or the read role
+/// is handed to a new reader (a handler running inline blocked).
+fn serve_requests(served: Arc<Served>) -> BoxFuture<()> {
+    Box::pin(serve_loop(served))
+}
+
+async fn serve_loop(served: Arc<Served>) {
+    let Served {
+        inner,
+        pipe,
+        caller,
+        budget,
+        heard,
+    } = &*served;
+    let (inner, pipe, caller) = (inner, pipe, *caller);
     loop {
         let descriptor = pipe.read_descriptor().await;
         heard.store(inner.now_ms(), Ordering::Relaxed);
         let size = descriptor.as_ref().map_or(0, message_bytes);
         let message = match descriptor {
-            Ok(d) => finish_read(&pipe, &inner, d, Some((&budget, size))).await,
+            Ok(d) => finish_read(pipe, inner, d, Some((budget, size))).await,
             Err(e) => Err(e),
         };
         let (d, allocation) = match message {
@@ -2101,13 +2119,32 @@ async fn serve_pipe(inner: Arc<AgentInner>, pipe: Pipe) {
                     .lock()
                     .unwrap()
                     .insert((caller, request.id), (budget.clone(), size));
-                if let Some(mut work) = inner.dispatch(caller, pipe.clone(), request, payload) {
-                    // Poll once here; what must wait continues as its own task (which polls it
-                    // again at once, so its waker is the task's own).
-                    let done = std::future::poll_fn(|cx| Poll::Ready(work.as_mut().poll(cx).is_ready())).await;
-                    if !done {
-                        tokio::spawn(work);
+                // Should a handler run here block, a new reader takes the pipe over first.
+                let handed = Arc::new(AtomicBool::new(false));
+                let hand_off = {
+                    let (served, handed) = (served.clone(), handed.clone());
+                    move || {
+                        handed.store(true, Ordering::Release);
+                        tokio::spawn(serve_requests(served));
                     }
+                };
+                let mut once = Some((hand_off, request, payload));
+                let pending = std::future::poll_fn(|cx| {
+                    let (hand_off, request, payload) = once.take().expect("polled once");
+                    Poll::Ready(crate::pool::inline(hand_off, || {
+                        let mut work = inner.dispatch(caller, pipe.clone(), request, payload)?;
+                        // Poll once here, so work that finishes without waiting replies with
+                        // no task switch; what must wait continues as its own task (which
+                        // polls it again at once, so its waker is the task's own).
+                        work.as_mut().poll(cx).is_pending().then_some(work)
+                    }))
+                })
+                .await;
+                if let Some(work) = pending {
+                    tokio::spawn(work);
+                }
+                if handed.load(Ordering::Acquire) {
+                    return;
                 }
             }
             Ok((Envelope::Goodbye, _)) => {
@@ -2157,20 +2194,20 @@ async fn watch_silence(
     }
 }
 
-/// Reads the replies on this worker's pipe to `peer`.
-async fn read_replies(inner: Arc<AgentInner>, peer: Arc<Peer>, generation: u64, pipe: Pipe) {
-    let id = peer.info.id;
-    loop {
-        let (d, allocation) = match read_message(&pipe, &inner).await {
-            Ok(m) => m,
-            Err(e) => {
-                let detail = e.to_string();
-                tracing::debug!(worker = %inner.me, peer = id, error = %detail, "pipe to peer failed");
-                inner.declare_lost(id, Some(generation), detail);
-                return;
-            }
-        };
-        peer.last_heard.store(inner.now_ms(), Ordering::Release);
+/// The agent's side of an outgoing pipe's read role: what one reply does when it arrives.
+struct PeerReplies {
+    inner: std::sync::Weak<AgentInner>,
+    peer: Arc<Peer>,
+    generation: u64,
+    handle: tokio::runtime::Handle,
+}
+
+impl Replies for PeerReplies {
+    async fn read_one(&self, pipe: &Pipe) -> Result<(), String> {
+        let inner = self.inner.upgrade().ok_or("the agent is down")?;
+        let id = self.peer.info.id;
+        let (d, allocation) = read_message(pipe, &inner).await.map_err(|e| e.to_string())?;
+        self.peer.last_heard.store(inner.now_ms(), Ordering::Release);
         match inner.receive(id, &d, allocation) {
             Ok((Envelope::Response(Response { id: call, result }), payload)) => {
                 let result = match result {
@@ -2180,21 +2217,36 @@ async fn read_replies(inner: Arc<AgentInner>, peer: Arc<Peer>, generation: u64, 
                 if inner.finish_call(call, result) {
                     inner.activity.fetch_add(1, Ordering::Relaxed);
                 }
+                Ok(())
             }
-            Ok((Envelope::Goodbye, _)) => peer.leaving.store(true, Ordering::Release),
-            Ok((other, _)) => {
-                let detail = format!("protocol error: unexpected {other:?} on a reply pipe");
-                pipe.close();
-                inner.declare_lost(id, Some(generation), detail);
-                return;
+            Ok((Envelope::Goodbye, _)) => {
+                self.peer.leaving.store(true, Ordering::Release);
+                Ok(())
             }
-            Err(e) => {
+            Ok((other, _)) => Err(format!("protocol error: unexpected {other:?} on a reply pipe")),
+            Err(e) => Err(format!("protocol error: {e}")),
+        }
+    }
+
+    fn failed(&self, detail: String) {
+        let Some(inner) = self.inner.upgrade() else { return };
+        if let Some((g, pipe)) = self.peer.pipe.lock().unwrap().as_ref() {
+            if *g == self.generation {
                 pipe.close();
-                inner.declare_lost(id, Some(generation), format!("protocol error: {e}"));
-                return;
             }
         }
-        tokio::task::yield_now().await;
+        tracing::debug!(worker = %inner.me, peer = self.peer.info.id, error = %detail, "pipe to peer failed");
+        inner.declare_lost(self.peer.info.id, Some(self.generation), detail);
+    }
+
+    fn wanted(&self) -> bool {
+        self.inner
+            .upgrade()
+            .is_some_and(|inner| inner.calls.lock().unwrap().pending_to(self.peer.info.id) > 0)
+    }
+
+    fn runtime(&self) -> &tokio::runtime::Handle {
+        &self.handle
     }
 }
 
@@ -2284,21 +2336,7 @@ async fn run_timer(weak: std::sync::Weak<AgentInner>) {
         if inner.is_down() {
             return;
         }
-        let now = Instant::now();
-        let mut expired = Vec::new();
-        let next = {
-            let mut calls = inner.calls.lock().unwrap();
-            while let Some(&(d, id)) = calls.deadlines.first() {
-                if d > now {
-                    break;
-                }
-                calls.deadlines.pop_first();
-                if let Some(p) = calls.map.remove(&id) {
-                    expired.push(p);
-                }
-            }
-            calls.deadlines.first().map(|(d, _)| *d)
-        };
+        let (expired, next) = inner.calls.lock().unwrap().expire(Instant::now());
         for p in expired {
             let worker = inner.name_of(p.peer);
             p.slot.complete(Err(RpcError::Timeout {

@@ -95,6 +95,21 @@ impl<T: Clone> Slot<T> {
         })
     }
 
+    /// Whether the result is there; if not, `cx`'s waker is woken when it is.
+    pub(crate) fn poll_done(&self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.is_done() {
+            return Poll::Ready(());
+        }
+        let mut s = self.state.lock().unwrap();
+        if s.value.is_some() {
+            return Poll::Ready(());
+        }
+        if !s.wakers.iter().any(|w| w.will_wake(cx.waker())) {
+            s.wakers.push(cx.waker().clone());
+        }
+        Poll::Pending
+    }
+
     fn poll(&self, cx: &mut Context<'_>) -> Poll<T> {
         let mut s = self.state.lock().unwrap();
         if let Some(v) = &s.value {
@@ -107,40 +122,73 @@ impl<T: Clone> Slot<T> {
     }
 }
 
+/// What a blocked waiter can do besides sleeping: produce the result itself, by reading the
+/// replies of the pipe it will arrive on (the agent's read role, [`crate::reader`]). A leaf
+/// trait: completions know nothing of pipes, and the agent knows nothing of slots' insides.
+pub(crate) trait Driver: Send + Sync {
+    /// Called on a plain thread (never a runtime's) that waits for a result. Returns once
+    /// `poll_done` is ready, `deadline` passed, or this thread cannot help any more (the pipe
+    /// failed); the caller then waits on the slot as usual.
+    fn drive(&self, poll_done: &mut dyn FnMut(&mut Context<'_>) -> Poll<()>, deadline: Option<Instant>);
+
+    /// A task awaits the result asynchronously: someone must be reading.
+    fn awaited(&self);
+}
+
 /// A result that arrives later. Clone it to wait in several places; each gets the same result.
 pub struct Completion<T> {
     slot: Arc<Slot<T>>,
+    driver: Option<Arc<dyn Driver>>,
 }
 
 impl<T> Clone for Completion<T> {
     fn clone(&self) -> Self {
         Completion {
             slot: self.slot.clone(),
+            driver: self.driver.clone(),
         }
     }
 }
 
 impl<T: Clone> Completion<T> {
     pub(crate) fn new(slot: Arc<Slot<T>>) -> Self {
-        Completion { slot }
+        Completion { slot, driver: None }
+    }
+
+    /// A completion whose waiters may produce the result with `driver`.
+    pub(crate) fn driven(slot: Arc<Slot<T>>, driver: Option<Arc<dyn Driver>>) -> Self {
+        Completion { slot, driver }
     }
 
     /// A completion that is already done.
     pub fn ready(value: T) -> Self {
         let slot = Slot::new();
         slot.complete(value);
-        Completion { slot }
+        Completion { slot, driver: None }
     }
 
     /// Blocks the calling thread until the result is there. Do not call it on an async
-    /// runtime's thread; `.await` the completion there instead.
+    /// runtime's thread; `.await` the completion there instead. A thread that waits for a
+    /// reply reads it itself when no one else is reading that pipe (no hand-off to another
+    /// thread in the common case).
     pub fn wait(&self) -> T {
+        self.drive(None);
         self.slot.wait(None).expect("waits without a timeout return a value")
     }
 
     /// Like [`wait`](Self::wait), giving up after `timeout` (the operation itself goes on).
     pub fn wait_timeout(&self, timeout: Duration) -> Option<T> {
-        self.slot.wait(Some(timeout))
+        let start = Instant::now();
+        self.drive(Some(start + timeout));
+        self.slot.wait(Some(timeout.saturating_sub(start.elapsed())))
+    }
+
+    fn drive(&self, deadline: Option<Instant>) {
+        let Some(driver) = &self.driver else { return };
+        if self.slot.is_done() || tokio::runtime::Handle::try_current().is_ok() {
+            return;
+        }
+        driver.drive(&mut |cx| self.slot.poll_done(cx), deadline);
     }
 
     /// The result if it is already there.
@@ -157,7 +205,13 @@ impl<T: Clone> Future for Completion<T> {
     type Output = T;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
-        self.slot.poll(cx)
+        let p = self.slot.poll(cx);
+        if p.is_pending() {
+            if let Some(d) = &self.driver {
+                d.awaited();
+            }
+        }
+        p
     }
 }
 

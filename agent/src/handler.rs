@@ -43,8 +43,30 @@ type MethodFn = dyn Fn(&CallContext, &Value, Payload) -> HandlerResult + Send + 
 
 #[derive(Clone)]
 pub(crate) enum Handler {
-    Sync(Arc<SyncFn>),
+    Sync(Arc<SyncFn>, Arc<Pace>),
     Async(Arc<AsyncFn>),
+}
+
+/// A synchronous handler runs inline, on the thread that read its request, only after it
+/// showed it is quick: its last run took less than this and never blocked.
+const INLINE_MAX: std::time::Duration = std::time::Duration::from_micros(200);
+
+/// How a synchronous handler behaved last time it ran: whether it may run inline.
+#[derive(Debug, Default)]
+pub(crate) struct Pace {
+    inline: std::sync::atomic::AtomicBool,
+}
+
+impl Pace {
+    pub(crate) fn inline(&self) -> bool {
+        self.inline.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Records a run: quick and never blocked lets the next one run inline.
+    pub(crate) fn record(&self, took: std::time::Duration, blocked: bool) {
+        self.inline
+            .store(!blocked && took < INLINE_MAX, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// Every handler and method of a worker, fixed at init.
@@ -76,7 +98,7 @@ impl Registry {
             let arg = decode_arg::<A>(&payload)?;
             f(ctx, arg).map(Value::object)
         });
-        self.handlers.insert(name.to_owned(), Handler::Sync(f));
+        self.handlers.insert(name.to_owned(), Handler::Sync(f, Arc::default()));
         self
     }
 
@@ -86,7 +108,7 @@ impl Registry {
         F: Fn(&CallContext, Payload) -> Result<Payload, HandlerError> + Send + Sync + 'static,
     {
         let f: Arc<SyncFn> = Arc::new(move |ctx, payload| f(ctx, payload).map(Value::Payload));
-        self.handlers.insert(name.to_owned(), Handler::Sync(f));
+        self.handlers.insert(name.to_owned(), Handler::Sync(f, Arc::default()));
         self
     }
 

@@ -33,6 +33,7 @@
 #![forbid(unsafe_code)]
 
 pub mod agent;
+mod calls;
 pub mod completion;
 pub mod device_map;
 pub mod error;
@@ -43,6 +44,7 @@ pub mod name;
 pub mod options;
 pub mod payload;
 pub mod pool;
+mod reader;
 pub mod rref;
 pub mod store;
 pub mod wire;

@@ -21,6 +21,40 @@ const SPIN: Duration = Duration::from_micros(20);
 
 thread_local! {
     static CURRENT: RefCell<Option<Weak<Inner>>> = const { RefCell::new(None) };
+    /// Set while a handler may run inline on the runtime thread that read its request: what
+    /// to do before that handler blocks (hand the pipe's read role to a new reader).
+    static HAND_OFF: RefCell<Option<Box<dyn FnOnce()>>> = const { RefCell::new(None) };
+    /// Whether this (runtime worker) thread is inside [`inline`].
+    static INLINE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Whether the job running on this thread has blocked (see [`blocking`]).
+    static BLOCKED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `work` on a runtime worker thread that is reading a pipe, with `hand_off` to run
+/// first if a handler inside blocks (through [`blocking`]): then the read role goes to a new
+/// reader, and the runtime moves this worker's other tasks to another thread while this one
+/// waits.
+pub(crate) fn inline<R>(hand_off: impl FnOnce() + 'static, work: impl FnOnce() -> R) -> R {
+    HAND_OFF.with(|h| *h.borrow_mut() = Some(Box::new(hand_off)));
+    let outer = INLINE.replace(true);
+    let r = work();
+    INLINE.set(outer);
+    HAND_OFF.with(|h| h.borrow_mut().take());
+    r
+}
+
+/// Whether this thread is inside [`inline`]: a synchronous handler may run right here.
+pub(crate) fn may_inline() -> bool {
+    INLINE.get()
+}
+
+/// Runs `job`, telling whether it blocked (called [`blocking`]).
+pub(crate) fn measured<R>(job: impl FnOnce() -> R) -> (R, bool) {
+    let outer = BLOCKED.replace(false);
+    let r = job();
+    let blocked = BLOCKED.get();
+    BLOCKED.set(outer || blocked);
+    (r, blocked)
 }
 
 #[derive(Default)]
@@ -130,10 +164,22 @@ fn next_job(weak: &Weak<Inner>, jobs: &Receiver<Job>) -> Option<Job> {
     }
 }
 
-/// Runs `f`, which may block for long. On a pool thread, a replacement thread starts first if
-/// the pool would otherwise drop below its size of runnable threads. Anywhere else it just
-/// runs `f`.
+/// Runs `f`, which may block for long. Wrap waits on your own primitives in it inside a
+/// handler. On a pool thread, a replacement thread starts first if the pool would otherwise
+/// drop below its size of runnable threads. In a handler running inline on the thread that
+/// read its request, the pipe's read role goes to a new reader first (so later requests from
+/// the same caller are served meanwhile) and the runtime's other work moves to another thread.
+/// Anywhere else it just runs `f`.
 pub fn blocking<R>(f: impl FnOnce() -> R) -> R {
+    BLOCKED.set(true);
+    if INLINE.get() {
+        // A handler inline on a runtime thread: another reader takes the pipe (once), and the
+        // runtime moves this worker's other tasks elsewhere while we wait.
+        if let Some(hand_off) = HAND_OFF.with(|h| h.borrow_mut().take()) {
+            hand_off();
+        }
+        return tokio::task::block_in_place(f);
+    }
     let inner = CURRENT.with(|c| c.borrow().as_ref().and_then(Weak::upgrade));
     let Some(inner) = inner else { return f() };
     let spawn = {

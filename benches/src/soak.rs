@@ -24,6 +24,8 @@ pub struct SoakOptions {
     pub workers: u32,
     pub in_flight: u32,
     pub seconds: f64,
+    /// How long the two-process baseline runs before the load.
+    pub baseline_seconds: f64,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -38,7 +40,7 @@ pub struct WorkerReport {
     pub bytes: u64,
     /// Round-trip latencies in microseconds (a sample: every call's, capped).
     pub latencies_us: Vec<u32>,
-    /// Private resident memory (`RssAnon`) in KiB, sampled every second.
+    /// Private resident memory (`RssAnon`) in KiB, sampled about every second.
     pub rss_kib: Vec<u64>,
     /// Resident shared memory (`RssShmem`, the rings) in KiB, sampled with it.
     pub shm_kib: Vec<u64>,
@@ -112,12 +114,30 @@ fn registry(reports: Arc<Mutex<Vec<WorkerReport>>>) -> Registry {
         let reply = Payload::encode(&echo).map_err(|e| HandlerError::new("Encode", e.to_string()))?;
         Ok(reply.with_tensors(data))
     });
+    r.handler("soak.noop", |_, (): ()| Ok(()));
     r.handler("soak.report", move |_, report: WorkerReport| {
         reports.lock().unwrap().push(report);
         Ok(())
     });
     r
 }
+
+/// What one call loop saw. Each loop owns its own: the loops share no lock (a blocking lock
+/// inside an async task stalls the runtime thread under it, which is how an earlier version of
+/// this soak measured its own sampler instead of the agent).
+#[derive(Default)]
+struct LaneStats {
+    sent: u64,
+    completed: u64,
+    errors: u64,
+    bad_replies: u64,
+    duplicates: u64,
+    bytes: u64,
+    latencies_us: Vec<u32>,
+}
+
+/// Latency samples kept per call loop.
+const LATENCIES_PER_LANE: usize = 200_000;
 
 /// One worker's load: `in_flight` concurrent call loops to random peers until `stop`.
 fn drive(agent: &Agent, in_flight: u32, stop: Arc<AtomicBool>, peers: Vec<String>) -> WorkerReport {
@@ -128,21 +148,24 @@ fn drive(agent: &Agent, in_flight: u32, stop: Arc<AtomicBool>, peers: Vec<String
         .build()
         .expect("a runtime");
     let next_seq = Arc::new(AtomicU64::new(0));
-    let done = Arc::new(Mutex::new(HashSet::<u64>::new()));
-    let report = Arc::new(Mutex::new(WorkerReport {
-        name: me.name.clone(),
-        ..WorkerReport::default()
-    }));
+    // The sampler owns its samples and hands them over when it ends.
     let sampler = {
-        let (stop, report) = (stop.clone(), report.clone());
+        let stop = stop.clone();
         std::thread::spawn(move || {
+            let (mut anon, mut shm) = (Vec::new(), Vec::new());
             while !stop.load(Ordering::Acquire) {
-                let (anon, shm) = rss_kib();
-                let mut r = report.lock().unwrap();
-                r.rss_kib.push(anon);
-                r.shm_kib.push(shm);
-                std::thread::sleep(Duration::from_secs(1));
+                let (a, s) = rss_kib();
+                anon.push(a);
+                shm.push(s);
+                // Sleep in short steps, so the end of the run is not held up.
+                for _ in 0..10 {
+                    if stop.load(Ordering::Acquire) {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
             }
+            (anon, shm)
         })
     };
     // One buffer per size, made once: every call sends a reference to it (no copy).
@@ -150,13 +173,15 @@ fn drive(agent: &Agent, in_flight: u32, stop: Arc<AtomicBool>, peers: Vec<String
         .iter()
         .map(|&n| Bytes::from((0..n).map(|i| (i as u64 ^ me.id as u64) as u8).collect::<Vec<u8>>()))
         .collect();
-    runtime.block_on(async {
+    let lanes: Vec<LaneStats> = runtime.block_on(async {
         let mut tasks = Vec::new();
         for lane in 0..in_flight {
             let (agent, stop, peers, data) = (agent.clone(), stop.clone(), peers.clone(), data.clone());
-            let (next_seq, done, report) = (next_seq.clone(), done.clone(), report.clone());
+            let next_seq = next_seq.clone();
             let id = me.id;
             tasks.push(tokio::spawn(async move {
+                let mut st = LaneStats::default();
+                let mut seen = HashSet::new();
                 let mut r = (lane as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ id as u64;
                 while !stop.load(Ordering::Acquire) {
                     r ^= r << 13;
@@ -176,10 +201,9 @@ fn drive(agent: &Agent, in_flight: u32, stop: Arc<AtomicBool>, peers: Vec<String
                         .unwrap()
                         .with_tensors(vec![Tensor::cpu(bytes.clone())]);
                     let start = Instant::now();
-                    report.lock().unwrap().sent += 1;
+                    st.sent += 1;
                     let result = agent.rpc_async(dest.as_str(), "soak.echo", payload).await;
                     let us = start.elapsed().as_micros().min(u32::MAX as u128) as u32;
-                    let mut rep = report.lock().unwrap();
                     match result {
                         Ok(mut reply) => {
                             let echo: Option<Echo> = reply.decode().ok();
@@ -189,35 +213,75 @@ fn drive(agent: &Agent, in_flight: u32, stop: Arc<AtomicBool>, peers: Vec<String
                             }) && back.len() == 1
                                 && back[0].buffer.as_cpu().is_some_and(|b| checksum(b) == call.checksum);
                             if !ok {
-                                rep.bad_replies += 1;
+                                st.bad_replies += 1;
                             }
-                            if !done.lock().unwrap().insert(seq) {
-                                rep.duplicates += 1;
+                            // Sequence numbers are unique per worker and each is used by one
+                            // loop, so a per-loop set sees every duplicate.
+                            if !seen.insert(seq) {
+                                st.duplicates += 1;
                             }
-                            rep.completed += 1;
-                            rep.bytes += 2 * size as u64;
-                            if rep.latencies_us.len() < 2_000_000 {
-                                rep.latencies_us.push(us);
+                            st.completed += 1;
+                            st.bytes += 2 * size as u64;
+                            if st.latencies_us.len() < LATENCIES_PER_LANE {
+                                st.latencies_us.push(us);
                             }
                         }
                         Err(e) => {
-                            if rep.errors < 5 {
+                            if st.errors < 5 {
                                 eprintln!("soak: {} -> {dest}: {e}", id);
                             }
-                            rep.errors += 1;
+                            st.errors += 1;
                         }
                     }
                 }
+                st
             }));
         }
+        let mut lanes = Vec::new();
         for t in tasks {
-            let _ = t.await;
+            lanes.push(t.await.unwrap_or_default());
         }
+        lanes
     });
-    let _ = sampler.join();
-    let mut rep = report.lock().unwrap().clone();
+    let (rss_kib, shm_kib) = sampler.join().unwrap_or_default();
+    let mut rep = WorkerReport {
+        name: me.name.clone(),
+        rss_kib,
+        shm_kib,
+        ..WorkerReport::default()
+    };
+    for l in lanes {
+        rep.sent += l.sent;
+        rep.completed += l.completed;
+        rep.errors += l.errors;
+        rep.bad_replies += l.bad_replies;
+        rep.duplicates += l.duplicates;
+        rep.bytes += l.bytes;
+        rep.latencies_us.extend(l.latencies_us);
+    }
     rep.outstanding_at_end = rep.sent - rep.completed - rep.errors;
     rep
+}
+
+/// The two-process baseline of the same invocation: `rpc_async` no-ops from rank 0 to rank 1
+/// with 64 in flight, for `seconds`, from a plain thread. Calls per second.
+fn baseline_rate(agent: &Agent, seconds: f64) -> anyhow::Result<f64> {
+    const WINDOW: usize = 64;
+    let empty = Payload::encode(&())?;
+    let mut window = std::collections::VecDeque::with_capacity(WINDOW);
+    let mut done = 0u64;
+    let start = Instant::now();
+    while start.elapsed().as_secs_f64() < seconds || done < 3 {
+        while window.len() < WINDOW {
+            window.push_back(agent.rpc_async("soak1", "soak.noop", empty.clone()));
+        }
+        window.pop_front().expect("a call in flight").wait()?;
+        done += 1;
+    }
+    for f in window {
+        f.wait()?;
+    }
+    Ok(done as f64 / start.elapsed().as_secs_f64())
 }
 
 /// Agent options shared by every soak worker.
@@ -283,6 +347,12 @@ pub struct Summary {
     pub worst_growth: f64,
     /// Sum over workers of resident shared memory (rings) at the end.
     pub shm_end_mib: f64,
+    /// The same invocation's two-process baseline: `rpc_async` no-ops with 64 in flight from
+    /// rank 0 to rank 1 (before the load), and this soak's rate against it.
+    pub baseline_calls_per_second: f64,
+    pub ratio_to_baseline: f64,
+    /// Tail against median (waiting should be queueing, not outliers).
+    pub p99_over_p50: f64,
 }
 
 /// Runs the soak as rank 0, spawning the other workers with `spawn(rank, store)`.
@@ -301,6 +371,8 @@ pub fn run(
         agent_options(0).rank(0, options.workers).store(&store),
         registry(reports.clone()),
     )?;
+    // Every other worker waits at the barrier (parked) while ranks 0 and 1 measure the baseline.
+    let baseline = baseline_rate(&agent, options.baseline_seconds)?;
     agent.barrier("start")?;
     let started = Instant::now();
     let mine = load(&agent, options);
@@ -333,12 +405,16 @@ pub fn run(
     };
     let end = |r: &WorkerReport| r.rss_kib.last().copied().unwrap_or(0);
     let calls: u64 = all.iter().map(|r| r.completed).sum();
+    let rate = calls as f64 / elapsed;
     Ok(Summary {
         workers: options.workers,
         in_flight: (options.in_flight / options.workers).max(1) * options.workers,
         seconds: elapsed,
         calls,
-        calls_per_second: calls as f64 / elapsed,
+        calls_per_second: rate,
+        baseline_calls_per_second: baseline,
+        ratio_to_baseline: rate / baseline.max(1e-9),
+        p99_over_p50: pct(0.99) / pct(0.50).max(1.0),
         gbytes_per_second: all.iter().map(|r| r.bytes).sum::<u64>() as f64 / elapsed / 1e9,
         p50_us: pct(0.50),
         p99_us: pct(0.99),

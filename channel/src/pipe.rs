@@ -568,6 +568,23 @@ impl Pipe {
         Ok(public)
     }
 
+    /// Waits until the next message's descriptor has begun to arrive (or one is already
+    /// waiting for its `read`), consuming nothing. **Cancel-safe:** dropping it leaves the pipe
+    /// exactly as it was, so a reader may give up between messages and let another take over
+    /// (the agent's read-role hand-off). Fails with the pipe's error once nothing more can
+    /// arrive.
+    pub async fn readable(&self) -> Result<()> {
+        let mut side = self.inner.reader.lock().await;
+        self.inner.check()?;
+        if side.pending.is_some() {
+            return Ok(());
+        }
+        match side.control.readable().await {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.inner.fail(e.into())),
+        }
+    }
+
     /// Receives the message whose descriptor was just read into `allocation` (one buffer per
     /// payload and tensor, each exactly as long as announced) and hands it back filled.
     pub async fn read(&self, allocation: Allocation) -> Result<Allocation, ReadError> {

@@ -112,6 +112,10 @@ impl FrameReader for AnyReader {
         delegate!(self, r => r.read_vec(limit).await)
     }
 
+    async fn readable(&mut self) -> Result<()> {
+        delegate!(self, r => r.readable().await)
+    }
+
     fn close(&self) {
         delegate!(self, r => r.close())
     }

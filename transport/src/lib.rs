@@ -105,6 +105,13 @@ pub trait FrameReader: Send + 'static {
     /// than `limit`.
     fn read_vec(&mut self, limit: usize) -> impl Future<Output = Result<Vec<u8>>> + Send;
 
+    /// Waits until the next frame has begun to arrive, consuming nothing; fails when no frame
+    /// can arrive any more (the connection's error). **Cancel-safe:** dropping it leaves the
+    /// connection exactly as it was, so a reader can give up between frames and another can
+    /// take over. (A `read` dropped after it consumed a byte of its frame still poisons the
+    /// connection.) After it returned `Ok`, the next `read` finds its first byte at once.
+    fn readable(&mut self) -> impl Future<Output = Result<()>> + Send;
+
     /// Closes the whole connection; pending operations on both halves fail promptly.
     fn close(&self);
 

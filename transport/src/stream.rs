@@ -168,6 +168,19 @@ impl<R: AsyncRead + Unpin + Send + 'static> StreamReader<R> {
         result.map_err(|e| self.shared.fail(e))
     }
 
+    /// Waits until a byte of the next frame is buffered. Cancel-safe: with the buffer empty,
+    /// the only await is the socket read into it, which consumes nothing when dropped.
+    pub(crate) async fn readable(&mut self) -> Result<()> {
+        self.shared.stopped.check()?;
+        if self.start < self.end {
+            return Ok(());
+        }
+        match self.read_some(Target::Buffer).await {
+            Ok(_) => Ok(()),
+            Err(e) => Err(self.shared.fail(e)),
+        }
+    }
+
     pub(crate) async fn read_vec(&mut self, limit: usize) -> Result<Vec<u8>> {
         self.shared.stopped.check()?;
         let shared = self.shared.clone();

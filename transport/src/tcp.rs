@@ -209,6 +209,10 @@ impl FrameReader for TcpReader {
         self.0.read_vec(limit).await
     }
 
+    async fn readable(&mut self) -> Result<()> {
+        self.0.readable().await
+    }
+
     fn close(&self) {
         self.0.shared().close()
     }

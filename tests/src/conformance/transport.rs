@@ -284,6 +284,58 @@ pub async fn cancelled_operation_poisons<B: Backend>() {
     .await
 }
 
+/// Waiting for the next frame can be given up between frames, any number of times, without
+/// harming the connection (the read-role hand-off relies on it); `readable` reports a frame that
+/// has begun to arrive, consumes nothing, and fails once no frame can arrive.
+pub async fn readable_is_cancel_safe_between_frames<B: Backend>() {
+    watchdog("readable is cancel-safe", async {
+        let (a, b) = pair::<B>().await;
+        let (mut ar, _aw) = a.split();
+        let (_br, mut bw) = b.split();
+        for _ in 0..5 {
+            assert!(
+                tokio::time::timeout(Duration::from_millis(5), ar.readable())
+                    .await
+                    .is_err(),
+                "nothing was written, so nothing is readable"
+            );
+        }
+        bw.write(&[b"first"]).await.expect("write");
+        bw.write(&[b"second", b"!"]).await.expect("write");
+        ar.readable().await.expect("a frame has arrived");
+        // Asking again consumes nothing.
+        ar.readable().await.expect("still readable");
+        let mut buf = [0u8; 64];
+        let n = ar.read(&mut buf).await.expect("read after readable");
+        assert_eq!(&buf[..n], b"first");
+        ar.readable().await.expect("the second frame is there");
+        assert_eq!(ar.read_vec(64).await.expect("second"), b"second!");
+        for _ in 0..3 {
+            assert!(tokio::time::timeout(Duration::from_millis(5), ar.readable())
+                .await
+                .is_err());
+        }
+        // A reader that gave up is replaced by one that waits: the frame arrives intact.
+        let writer = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            bw.write(&[&[9u8; 3000]]).await.expect("write");
+            bw
+        });
+        ar.readable().await.expect("readable once written");
+        assert_eq!(ar.read_vec(4096).await.expect("third"), vec![9u8; 3000]);
+        drop(writer.await.expect("writer"));
+        drop(_br);
+        // The peer is gone and nothing is left: readable fails, and so does a read.
+        let err = ar.readable().await.expect_err("no frame can arrive");
+        assert!(
+            err.is_peer_lost() || matches!(err, TransportError::Closed { .. }),
+            "got {err:?}"
+        );
+        assert!(ar.read(&mut buf).await.is_err());
+    })
+    .await
+}
+
 /// The peer process is killed with SIGKILL while streaming to us: our pending read fails with a
 /// peer-lost error. Then the reverse: killed while we stream to it, our blocked write fails.
 pub async fn peer_killed_mid_transfer<B: Backend>(peer_exe: &str) {
@@ -357,7 +409,8 @@ macro_rules! transport_conformance {
                 many_connections,
                 close_with_operations_pending,
                 oversized_frames_are_refused,
-                cancelled_operation_poisons
+                cancelled_operation_poisons,
+                readable_is_cancel_safe_between_frames
             );
             $($extra)*
         }

@@ -959,6 +959,25 @@ impl Conn {
         Ok(())
     }
 
+    /// Waits until a byte has arrived in the inbox, consuming nothing (cancel-safe: the only
+    /// await is the notifier's).
+    async fn readable(&self) -> Result<()> {
+        loop {
+            let seen = self.read_events.load(Ordering::Acquire);
+            {
+                let st = self.lock();
+                self.stopped.check()?;
+                if st.arrived > st.consumed {
+                    return Ok(());
+                }
+                if st.peer_closed || st.peer_gone || st.phase == Phase::Released {
+                    return Err(self.peer_lost(&st));
+                }
+            }
+            self.wait(Side::Reader, seen).await;
+        }
+    }
+
     async fn read_frame(&self, limit: usize, into: Option<&mut [u8]>) -> Result<(usize, Option<Vec<u8>>)> {
         let mut header = [0u8; HEADER_LEN];
         self.fill(&mut header).await?;
@@ -1397,6 +1416,10 @@ impl FrameReader for IbvReader {
             run.await.map(|(_, v)| v.expect("allocated"))
         })
         .await
+    }
+
+    async fn readable(&mut self) -> Result<()> {
+        self.conn.readable().await
     }
 
     fn close(&self) {

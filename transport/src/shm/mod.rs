@@ -473,6 +473,9 @@ impl Shared {
             Side::Reader => (self.inbox.consumer_parked(), &self.inbox_data),
             Side::Writer => (self.outbox.producer_parked(), &self.outbox_space),
         };
+        // Cleared however the wait ends, cancellation included: a flag left set would make
+        // the peer signal the eventfd for every frame.
+        let _parked = ParkedFlag(parked);
         loop {
             parked.store(1, Ordering::Relaxed);
             fence(Ordering::SeqCst);
@@ -517,6 +520,15 @@ impl Shared {
         if self.inbox.producer_parked().load(Ordering::Relaxed) != 0 {
             sys::eventfd_signal(self.inbox_space.as_fd());
         }
+    }
+}
+
+/// Clears a ring's parked flag when a wait ends, however it ends.
+struct ParkedFlag<'a>(&'a AtomicU32);
+
+impl Drop for ParkedFlag<'_> {
+    fn drop(&mut self) {
+        self.0.store(0, Ordering::Relaxed);
     }
 }
 
@@ -648,6 +660,17 @@ impl FrameReader for ShmReader {
         let guard = OpGuard::new(move || shared.abort("read"));
         let result = self.frame_vec(limit).await;
         guard.finish();
+        result.map_err(|e| self.shared.fail(e))
+    }
+
+    async fn readable(&mut self) -> Result<()> {
+        self.shared.stopped.check()?;
+        // Nothing is consumed while waiting, so dropping this future changes nothing.
+        let consumer = &mut self.consumer;
+        let result = self
+            .shared
+            .wait(Side::Reader, || consumer.available(1).map(|n| n > 0))
+            .await;
         result.map_err(|e| self.shared.fail(e))
     }
 

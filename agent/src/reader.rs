@@ -1,0 +1,317 @@
+//! The read role of one outgoing pipe: who reads the replies.
+//!
+//! A thread blocked in `rpc_sync` (or [`Completion::wait`](crate::Completion::wait)) reads its
+//! own reply when no one else is reading that pipe: it takes the role, reads (delivering every
+//! reply that arrives meanwhile, its own included) until its result is in, and hands the role
+//! on. So a call from a plain thread costs no thread hand-off: the thread that wrote the
+//! request is the one that spins on the reply. Threads that find the role taken queue as
+//! followers and sleep until their result arrives (read by the leader) or the role is handed
+//! to them. A background task reads only while nobody waits: it listens when the role is
+//! free and replies are wanted (a call is pending, a task awaits one, or its idle tick), and
+//! gives way between messages to a thread that asks for the role. That relies on
+//! [`Pipe::readable`] being cancel-safe: waiting for the next message can be abandoned without
+//! harming the pipe (part of the transport contract, tested by the conformance suite).
+//!
+//! The role's state is a small table behind one lock (held for a few instructions, never
+//! across a wait); the reading itself happens outside it. `Replies` is the narrow interface
+//! to the agent: read one message and deliver it, report a failed pipe, say whether replies
+//! are wanted.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Wake, Waker};
+use std::thread::Thread;
+use std::time::{Duration, Instant};
+
+use sluice_channel::Pipe;
+
+use crate::completion::Driver;
+
+/// A dormant background reader looks again this often (a pipe that failed or a peer's goodbye
+/// on an idle pipe is noticed within it).
+const IDLE_TICK: Duration = Duration::from_millis(50);
+/// A follower spins this long on its result before sleeping.
+const FOLLOWER_SPIN: Duration = Duration::from_micros(10);
+
+/// What the reader needs from the agent.
+pub(crate) trait Replies: Send + Sync + 'static {
+    /// Reads one whole message from `pipe` and delivers it (a reply completes its call). An
+    /// error means the pipe is unusable; the reader then ends it with [`failed`](Self::failed).
+    fn read_one<'a>(&'a self, pipe: &'a Pipe) -> impl Future<Output = Result<(), String>> + Send + 'a;
+    /// The pipe failed: fail what depended on it (declare the peer lost).
+    fn failed(&self, detail: String);
+    /// Whether replies are expected (calls are pending to the peer).
+    fn wanted(&self) -> bool;
+    /// The runtime that drives the pipe's I/O (a leading thread blocks on it).
+    fn runtime(&self) -> &tokio::runtime::Handle;
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Holder {
+    Free,
+    Background,
+    Thread,
+}
+
+/// A thread waiting for the role.
+struct Waiter {
+    thread: Thread,
+    /// Set (under the role lock) when the role was handed to this waiter.
+    promoted: AtomicBool,
+}
+
+struct Role {
+    holder: Holder,
+    waiting: VecDeque<Arc<Waiter>>,
+    /// The background task sleeps until told replies are wanted (or its tick).
+    dormant: bool,
+    ended: bool,
+}
+
+/// The read role of one pipe, and its background reader.
+pub(crate) struct ReplyReader<R> {
+    replies: R,
+    pipe: Pipe,
+    role: Mutex<Role>,
+    /// Tells a dormant background task to listen.
+    resume: tokio::sync::Notify,
+    /// Tells a listening background task to give the role to a waiting thread.
+    give_way: tokio::sync::Notify,
+}
+
+struct ThreadWaker(Thread);
+
+impl Wake for ThreadWaker {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+impl<R: Replies> ReplyReader<R> {
+    /// A reader for `pipe`. Start [`background`](Self::background) on the pipe's runtime.
+    pub(crate) fn new(replies: R, pipe: Pipe) -> Arc<Self> {
+        Arc::new(ReplyReader {
+            replies,
+            pipe,
+            role: Mutex::new(Role {
+                holder: Holder::Free,
+                waiting: VecDeque::new(),
+                dormant: false,
+                ended: false,
+            }),
+            resume: tokio::sync::Notify::new(),
+            give_way: tokio::sync::Notify::new(),
+        })
+    }
+
+    /// The reader's end: the pipe failed. Every waiter wakes (their calls are failed by
+    /// `failed`, which declares the peer lost).
+    fn end(&self, detail: String) {
+        let waiting = {
+            let mut r = self.role.lock().unwrap();
+            if r.ended {
+                return;
+            }
+            r.ended = true;
+            r.holder = Holder::Free;
+            std::mem::take(&mut r.waiting)
+        };
+        self.replies.failed(detail);
+        for w in waiting {
+            w.thread.unpark();
+        }
+        self.resume.notify_one();
+    }
+
+    /// Gives the role up: to the first waiting thread, else to the background task if replies
+    /// are still wanted (otherwise it stays dormant until asked or its tick).
+    fn release(&self) {
+        let mut r = self.role.lock().unwrap();
+        r.holder = Holder::Free;
+        if r.ended {
+            return;
+        }
+        if let Some(w) = r.waiting.pop_front() {
+            r.holder = Holder::Thread;
+            w.promoted.store(true, Ordering::Release);
+            drop(r);
+            w.thread.unpark();
+        } else if r.dormant && self.replies.wanted() {
+            drop(r);
+            self.resume.notify_one();
+        }
+    }
+
+    /// The background reader: reads while no thread does. Ends with the pipe.
+    pub(crate) async fn background(self: Arc<Self>) {
+        loop {
+            let listen = {
+                let mut r = self.role.lock().unwrap();
+                if r.ended {
+                    return;
+                }
+                let take = r.holder == Holder::Free && r.waiting.is_empty();
+                if take {
+                    r.holder = Holder::Background;
+                }
+                r.dormant = !take;
+                take
+            };
+            if !listen {
+                let _ = tokio::time::timeout(IDLE_TICK, self.resume.notified()).await;
+                continue;
+            }
+            // Holding the role: read until a thread asks for it or nothing is wanted.
+            loop {
+                let ready = tokio::select! {
+                    biased;
+                    _ = self.give_way.notified() => None,
+                    r = self.pipe.readable() => Some(r),
+                };
+                match ready {
+                    None => break,
+                    Some(Err(e)) => return self.end(e.to_string()),
+                    Some(Ok(())) => {
+                        // Committed: a message is read whole, never abandoned halfway.
+                        if let Err(detail) = self.replies.read_one(&self.pipe).await {
+                            return self.end(detail);
+                        }
+                    }
+                }
+                let r = self.role.lock().unwrap();
+                if !r.waiting.is_empty() || r.ended {
+                    break;
+                }
+            }
+            self.release();
+            if !self.replies.wanted() {
+                // Sleep until asked (or the tick), rather than listen on an idle pipe that the
+                // next caller would have to take back from us.
+                self.role.lock().unwrap().dormant = true;
+                let _ = tokio::time::timeout(IDLE_TICK, self.resume.notified()).await;
+            }
+        }
+    }
+
+    /// Reads messages on this thread until `poll_done` is ready, the deadline passes, or the
+    /// pipe fails (false).
+    async fn lead(&self, poll_done: &mut dyn FnMut(&mut Context<'_>) -> Poll<()>, deadline: Option<Instant>) -> bool {
+        let expiry = async {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(expiry);
+        loop {
+            let ready = tokio::select! {
+                biased;
+                _ = std::future::poll_fn(&mut *poll_done) => return true,
+                _ = &mut expiry => return true,
+                r = self.pipe.readable() => r,
+            };
+            if let Err(e) = ready {
+                self.end(e.to_string());
+                return false;
+            }
+            if let Err(detail) = self.replies.read_one(&self.pipe).await {
+                self.end(detail);
+                return false;
+            }
+        }
+    }
+}
+
+impl<R: Replies> Driver for ReplyReader<R> {
+    fn drive(&self, poll_done: &mut dyn FnMut(&mut Context<'_>) -> Poll<()>, deadline: Option<Instant>) {
+        let me = Arc::new(Waiter {
+            thread: std::thread::current(),
+            promoted: AtomicBool::new(false),
+        });
+        let waker = Waker::from(Arc::new(ThreadWaker(me.thread.clone())));
+        let mut cx = Context::from_waker(&waker);
+        let mut queued = false;
+        loop {
+            let done = poll_done(&mut cx).is_ready();
+            let expired = deadline.is_some_and(|d| Instant::now() >= d);
+            // Take the role, queue for it, or leave.
+            let lead = {
+                let mut r = self.role.lock().unwrap();
+                let promoted = me.promoted.swap(false, Ordering::AcqRel);
+                if r.ended {
+                    return;
+                }
+                if done || expired {
+                    if queued {
+                        r.waiting.retain(|w| !Arc::ptr_eq(w, &me));
+                    }
+                    drop(r);
+                    if promoted {
+                        // Handed the role as our result came in: pass it on.
+                        self.release();
+                    }
+                    return;
+                }
+                if promoted {
+                    queued = false;
+                    true
+                } else if r.holder == Holder::Free {
+                    r.holder = Holder::Thread;
+                    if queued {
+                        r.waiting.retain(|w| !Arc::ptr_eq(w, &me));
+                        queued = false;
+                    }
+                    true
+                } else {
+                    if !queued {
+                        r.waiting.push_back(me.clone());
+                        queued = true;
+                    }
+                    if r.holder == Holder::Background {
+                        self.give_way.notify_one();
+                    }
+                    false
+                }
+            };
+            if lead {
+                // A pool thread that leads counts as blocked (it may wait long for the peer),
+                // so nested calls back into this worker still find a handler thread.
+                let alive =
+                    crate::pool::blocking(|| self.replies.runtime().block_on(self.lead(&mut *poll_done, deadline)));
+                if !alive {
+                    return;
+                }
+                self.release();
+                continue;
+            }
+            // A follower: the leader delivers our reply, or hands us the role.
+            let start = Instant::now();
+            while start.elapsed() < FOLLOWER_SPIN {
+                if me.promoted.load(Ordering::Acquire) || poll_done(&mut cx).is_ready() {
+                    break;
+                }
+                std::hint::spin_loop();
+            }
+            if !me.promoted.load(Ordering::Acquire) && poll_done(&mut cx).is_pending() {
+                let nap = deadline.map_or(IDLE_TICK, |d| {
+                    d.saturating_duration_since(Instant::now()).min(IDLE_TICK)
+                });
+                crate::pool::blocking(|| std::thread::park_timeout(nap));
+            }
+        }
+    }
+
+    fn awaited(&self) {
+        let r = self.role.lock().unwrap();
+        if r.dormant && r.holder == Holder::Free && !r.ended {
+            drop(r);
+            self.resume.notify_one();
+        }
+    }
+}
