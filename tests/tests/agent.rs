@@ -25,6 +25,9 @@ static IN_PROCESS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// A counter on rank 0 that survivors use as a barrier when a worker is dead.
 static ARRIVED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
+/// Opened by the `open` handler; the `gate` handler can wait for it.
+static GATE_OPEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 fn registry() -> Registry {
     let mut r = Registry::new();
     r.handler("add", |_, (a, b): (i64, i64)| Ok(a + b))
@@ -75,6 +78,22 @@ fn registry() -> Registry {
         .handler("owned", |ctx: &CallContext, (): ()| Ok(ctx.agent.owned_rrefs() as u64))
         .handler("arrive", |_, add: u32| {
             Ok(ARRIVED.fetch_add(add, Ordering::SeqCst) + add)
+        })
+        // Quick unless asked to wait for `open`: a quick run lets the next one run inline on
+        // the thread that read it, and then that one blocks.
+        .handler("gate", |_, wait: bool| {
+            if wait {
+                sluice_agent::pool::blocking(|| {
+                    while !GATE_OPEN.load(Ordering::SeqCst) {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                });
+            }
+            Ok(wait)
+        })
+        .handler("open", |_, (): ()| {
+            GATE_OPEN.store(true, Ordering::SeqCst);
+            Ok(())
         })
         .method("counter_add", |_, c: &Counter, d: i64| {
             Ok(c.value.fetch_add(d, Ordering::SeqCst) + d)
@@ -207,6 +226,90 @@ worker_test!(nested_calls_never_deadlock_with_a_pool_of_one, 2, |env| {
             });
         }
     });
+    agent.shutdown().unwrap();
+});
+
+worker_test!(threads_and_tasks_share_a_pipe_and_each_reply_arrives_once, 2, |env| {
+    let agent = env.agent(registry());
+    if env.rank == 0 {
+        // Threads that read their own replies (leaders and followers of one pipe's read role),
+        // tasks that await theirs (the background reader), and waits that give up, all on the
+        // same pipe at once: every call gets its own reply, exactly once.
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        std::thread::scope(|s| {
+            for t in 0..6i64 {
+                let agent = &agent;
+                s.spawn(move || {
+                    for i in 0..300i64 {
+                        if i % 3 == 0 {
+                            let futures: Vec<_> = (0..4i64)
+                                .map(|k| agent.call_async(1u32, "add", &(i * 10 + k, t)))
+                                .collect();
+                            for (k, f) in futures.into_iter().enumerate().rev() {
+                                let got = f.wait().unwrap().decode::<i64>().unwrap();
+                                assert_eq!(got, i * 10 + k as i64 + t);
+                            }
+                        } else {
+                            assert_eq!(agent.call::<_, i64>(1u32, "add", &(i, t)).unwrap(), i + t);
+                        }
+                    }
+                });
+            }
+            s.spawn(|| {
+                runtime.block_on(async {
+                    let tasks: Vec<_> = (0..32i64)
+                        .map(|t| {
+                            let agent = agent.clone();
+                            tokio::spawn(async move {
+                                for i in 0..100i64 {
+                                    let r = agent.call_async(1u32, "add", &(i, 1000 + t)).await.unwrap();
+                                    assert_eq!(r.decode::<i64>().unwrap(), i + 1000 + t);
+                                }
+                            })
+                        })
+                        .collect();
+                    for t in tasks {
+                        t.await.unwrap();
+                    }
+                })
+            });
+            s.spawn(|| {
+                for _ in 0..5 {
+                    let f = agent.call_async(1u32, "sleep_ms", &30u64);
+                    // Gives up while reading for everyone; the reply still completes the call.
+                    assert!(f.wait_timeout(Duration::from_millis(5)).is_none());
+                    assert_eq!(f.wait().unwrap().decode::<u32>().unwrap(), 1);
+                }
+            });
+        });
+    }
+    agent.shutdown().unwrap();
+});
+
+worker_test!(an_inline_handler_that_blocks_hands_its_pipe_on, 2, |env| {
+    let mut options = env.options();
+    options.io_threads = 1;
+    options.pool_threads = 1;
+    let agent = Agent::init(options, registry()).unwrap();
+    if env.rank == 0 {
+        // Quick runs: `gate` then runs inline on the thread that reads the pipe.
+        for _ in 0..10 {
+            assert!(!agent.call::<_, bool>(1u32, "gate", &false).unwrap());
+        }
+        // This one blocks until `open` arrives on the same pipe from the same caller, which
+        // only a new reader can read: the blocked handler must have handed the pipe on.
+        let blocked = agent.call_async(1u32, "gate", &true);
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!blocked.is_done());
+        agent.call::<_, ()>(1u32, "open", &()).unwrap();
+        assert!(blocked.wait().unwrap().decode::<bool>().unwrap());
+        // And the pipe goes on serving.
+        assert_eq!(agent.call::<_, i64>(1u32, "add", &(2i64, 3i64)).unwrap(), 5);
+    }
     agent.shutdown().unwrap();
 });
 
