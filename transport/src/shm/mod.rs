@@ -5,8 +5,9 @@
 //! three descriptors to the peer, which maps the inbox as its outbox. After setup the socket
 //! carries nothing; its hang-up tells a parked side that the peer process is gone.
 //!
-//! Waiting: a side that finds its ring empty (or full) spins for [`ShmOptions::spin`], then sets
-//! its *parked* flag and sleeps on its eventfd (through tokio), so a busy connection gets
+//! Waiting: a side that finds its ring empty (or full) spins for at most [`ShmOptions::spin`]
+//! (and only while fewer threads of the host spin than there are cores: see [`spin`]), then
+//! sets its *parked* flag and sleeps on its eventfd (through tokio), so a busy connection gets
 //! spinning latency and an idle one costs no CPU. The other side signals the eventfd only when
 //! the flag is set (a store/fence/load on each side, so no wake-up is lost).
 //!
@@ -17,6 +18,7 @@
 //! Addresses are abstract socket names; `listen("")` picks a fresh one.
 
 mod ring;
+mod spin;
 mod sys;
 
 use std::os::fd::{AsFd, OwnedFd};
@@ -455,7 +457,12 @@ impl Shared {
             }
             Ok(false)
         };
-        if !self.spin.is_zero() {
+        if check(self)? {
+            return Ok(());
+        }
+        // Spin only in a free slot: see `spin`.
+        let slot = if self.spin.is_zero() { None } else { spin::try_spin() };
+        if slot.is_some() {
             let start = Instant::now();
             let mut spins = 0u32;
             loop {
@@ -469,6 +476,7 @@ impl Shared {
                 std::hint::spin_loop();
             }
         }
+        drop(slot);
         let (parked, efd): (&AtomicU32, &AsyncFd<OwnedFd>) = match side {
             Side::Reader => (self.inbox.consumer_parked(), &self.inbox_data),
             Side::Writer => (self.outbox.producer_parked(), &self.outbox_space),

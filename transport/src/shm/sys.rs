@@ -5,6 +5,7 @@ use std::ffi::CString;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
+use std::sync::atomic::AtomicU32;
 
 use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
 use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
@@ -75,6 +76,34 @@ impl Drop for Mapping {
             let _ = munmap(self.ptr.cast(), self.len);
         }
     }
+}
+
+/// A counter shared by every process of this user that sees the same `/dev/shm` (one host, one
+/// mount namespace): how many of their threads spin on a shared-memory ring right now. Mapped
+/// once per process and never unmapped. `None` where the file cannot be made or mapped.
+pub(crate) fn host_spinners() -> Option<&'static AtomicU32> {
+    static COUNTER: std::sync::OnceLock<Option<Mapping>> = std::sync::OnceLock::new();
+    let map = COUNTER.get_or_init(|| {
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = format!("/dev/shm/sluice-spinners-{}", nix::unistd::getuid());
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(path)
+            .ok()?;
+        if file.metadata().ok()?.len() < 64 {
+            file.set_len(64).ok()?;
+        }
+        Mapping::new(&OwnedFd::from(file), 64).ok()
+    });
+    let map = map.as_ref()?;
+    // SAFETY: the mapping is page-aligned (so aligned for an AtomicU32), at least 64 bytes long,
+    // lives for the rest of the process (held by the static and never dropped), and the word is
+    // only ever accessed atomically, here and in the other processes that map the same file.
+    Some(unsafe { &*(map.as_ptr() as *const AtomicU32) })
 }
 
 /// Creates a non-blocking eventfd (counter semantics).
