@@ -120,6 +120,9 @@ pub(crate) struct AgentInner {
     counter: AtomicU64,
     calls: Mutex<Calls<ResultSlot>>,
     timer: tokio::sync::Notify,
+    /// When the deadline timer looks next (ms on the agent's clock): a call whose deadline is
+    /// later needs no wake-up (one per call would cost a runtime thread's wake-up each).
+    timer_due: AtomicU64,
     state: AtomicU8,
     /// Handlers running, control messages in flight: outstanding work for shutdown.
     handlers_running: AtomicI64,
@@ -568,6 +571,7 @@ fn init(options: AgentOptions, mut registry: Registry) -> Result<Agent, InitErro
         counter: AtomicU64::new(0),
         calls: Mutex::new(Calls::default()),
         timer: tokio::sync::Notify::new(),
+        timer_due: AtomicU64::new(0),
         state: AtomicU8::new(RUNNING_STATE),
         handlers_running: AtomicI64::new(0),
         control_in_flight: AtomicI64::new(0),
@@ -1157,8 +1161,11 @@ impl AgentInner {
             .lock()
             .unwrap()
             .register(id, dest, timeout, Instant::now(), slot.clone());
-        if sooner.is_some() {
-            self.timer.notify_one();
+        if let Some(d) = sooner {
+            let due_ms = d.saturating_duration_since(self.clock).as_millis() as u64;
+            if due_ms < self.timer_due.load(Ordering::Acquire) {
+                self.timer.notify_one();
+            }
         }
         self.activity.fetch_add(1, Ordering::Relaxed);
         if control && self.drop_control.load(Ordering::Relaxed) > 0 && self.take_drop() {
@@ -2344,16 +2351,22 @@ async fn run_timer(weak: std::sync::Weak<AgentInner>) {
                 timeout: p.timeout,
             }));
         }
-        // The runtime's shutdown at teardown ends this task (and drops `inner`).
+        // The runtime's shutdown at teardown ends this task (and drops `inner`). Without a
+        // deadline it looks again now and then, so a dropped agent lets this task end; a call
+        // whose deadline falls before the next look wakes it (see `start_call`).
         let notified = inner.timer.notified();
-        match next {
-            Some(d) => {
-                let _ = tokio::time::timeout_at(d.into(), notified).await;
-            }
-            None => {
-                // Re-check now and then so a dropped agent lets this task end.
-                let _ = tokio::time::timeout(Duration::from_millis(200), notified).await;
-            }
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let until = next.unwrap_or_else(|| Instant::now() + Duration::from_millis(200));
+        inner.timer_due.store(
+            until.saturating_duration_since(inner.clock).as_millis() as u64,
+            Ordering::Release,
+        );
+        // A call registered between `expire` and publishing `timer_due` may have seen the old
+        // value and not woken us: look again before sleeping.
+        if inner.calls.lock().unwrap().next_deadline().is_some_and(|d| d < until) {
+            continue;
         }
+        let _ = tokio::time::timeout_at(until.into(), notified).await;
     }
 }

@@ -19,6 +19,8 @@ const SPIN: Duration = Duration::from_micros(30);
 struct State<T> {
     value: Option<T>,
     wakers: Vec<Waker>,
+    /// Threads asleep on `ready` (a notify with none costs a system call for nothing).
+    sleepers: usize,
 }
 
 /// The shared cell behind a [`Completion`].
@@ -35,6 +37,7 @@ impl<T: Clone> Slot<T> {
             state: Mutex::new(State {
                 value: None,
                 wakers: Vec::new(),
+                sleepers: 0,
             }),
             ready: Condvar::new(),
         })
@@ -42,16 +45,18 @@ impl<T: Clone> Slot<T> {
 
     /// Sets the result. Only the first call has an effect; returns whether it was this one.
     pub(crate) fn complete(&self, value: T) -> bool {
-        let wakers = {
+        let (wakers, sleepers) = {
             let mut s = self.state.lock().unwrap();
             if s.value.is_some() {
                 return false;
             }
             s.value = Some(value);
             self.done.store(true, Ordering::Release);
-            std::mem::take(&mut s.wakers)
+            (std::mem::take(&mut s.wakers), s.sleepers)
         };
-        self.ready.notify_all();
+        if sleepers > 0 {
+            self.ready.notify_all();
+        }
         for w in wakers {
             w.wake();
         }
@@ -84,13 +89,18 @@ impl<T: Clone> Slot<T> {
                 if let Some(v) = &s.value {
                     return Some(v.clone());
                 }
+                s.sleepers += 1;
                 match timeout {
                     None => s = self.ready.wait(s).unwrap(),
                     Some(t) => {
-                        let left = t.checked_sub(start.elapsed())?;
+                        let Some(left) = t.checked_sub(start.elapsed()) else {
+                            s.sleepers -= 1;
+                            return None;
+                        };
                         s = self.ready.wait_timeout(s, left).unwrap().0;
                     }
                 }
+                s.sleepers -= 1;
             }
         })
     }

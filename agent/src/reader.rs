@@ -6,9 +6,11 @@
 //! on. So a call from a plain thread costs no thread hand-off: the thread that wrote the
 //! request is the one that spins on the reply. Threads that find the role taken queue as
 //! followers and sleep until their result arrives (read by the leader) or the role is handed
-//! to them. A background task reads only while nobody waits: it listens when the role is
-//! free and replies are wanted (a call is pending, a task awaits one, or its idle tick), and
-//! gives way between messages to a thread that asks for the role. That relies on
+//! to them. A background task reads only while no thread does: it listens when the role is
+//! free and a task awaits a reply (or on its idle tick, which also reads replies nobody waits
+//! for, pongs and goodbyes), and gives way between messages to a thread that asks for the role.
+//! A thread that leaves does not wake it unless a task awaits a reply: the thread is likely to
+//! come back for its next reply at once, and a wake-up per call costs more than the call. That relies on
 //! [`Pipe::readable`] being cancel-safe: waiting for the next message can be abandoned without
 //! harming the pipe (part of the transport contract, tested by the conformance suite).
 //!
@@ -67,6 +69,9 @@ struct Role {
     waiting: VecDeque<Arc<Waiter>>,
     /// The background task sleeps until told replies are wanted (or its tick).
     dormant: bool,
+    /// A task started awaiting a reply while a thread read: the background task must take
+    /// over when that thread leaves.
+    awaited: bool,
     ended: bool,
 }
 
@@ -103,6 +108,7 @@ impl<R: Replies> ReplyReader<R> {
                 holder: Holder::Free,
                 waiting: VecDeque::new(),
                 dormant: false,
+                awaited: false,
                 ended: false,
             }),
             resume: tokio::sync::Notify::new(),
@@ -129,8 +135,10 @@ impl<R: Replies> ReplyReader<R> {
         self.resume.notify_one();
     }
 
-    /// Gives the role up: to the first waiting thread, else to the background task if replies
-    /// are still wanted (otherwise it stays dormant until asked or its tick).
+    /// Gives the role up: to the first waiting thread, else to the background task if a task
+    /// awaits a reply. Otherwise the background task stays dormant: the thread that left is
+    /// likely to come back for its next reply at once (a wake-up per call would cost more
+    /// than the call), and calls nobody waits for are read on its tick.
     fn release(&self) {
         let mut r = self.role.lock().unwrap();
         r.holder = Holder::Free;
@@ -142,7 +150,7 @@ impl<R: Replies> ReplyReader<R> {
             w.promoted.store(true, Ordering::Release);
             drop(r);
             w.thread.unpark();
-        } else if r.dormant && self.replies.wanted() {
+        } else if r.dormant && std::mem::take(&mut r.awaited) && self.replies.wanted() {
             drop(r);
             self.resume.notify_one();
         }
@@ -308,10 +316,16 @@ impl<R: Replies> Driver for ReplyReader<R> {
     }
 
     fn awaited(&self) {
-        let r = self.role.lock().unwrap();
-        if r.dormant && r.holder == Holder::Free && !r.ended {
+        let mut r = self.role.lock().unwrap();
+        if !r.dormant || r.ended {
+            return;
+        }
+        if r.holder == Holder::Free {
             drop(r);
             self.resume.notify_one();
+        } else {
+            // A thread reads now; when it leaves, the background task takes over.
+            r.awaited = true;
         }
     }
 }
