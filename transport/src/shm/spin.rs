@@ -4,79 +4,139 @@
 //! peer answers sooner should spin (up to [`ShmOptions::spin`](super::ShmOptions::spin), which
 //! should sit near that wake-up cost). But a spinner occupies a core: two of them on a
 //! two-core host are a ping-pong at memory speed, a third preempts one of the first two (and
-//! with it the peer it was waiting for). So the threads of every process of this user on the
-//! host (sharing `/dev/shm`) count their spinners in one shared word, and a waiter spins only
-//! while fewer threads spin than this process may use cores
-//! ([`std::thread::available_parallelism`], which honours affinity and cgroup quotas); the
-//! others park at once. Sixteen or sixty-four workers on two cores then make progress instead of
+//! with it the peer it was waiting for). So the processes of this user on the host (sharing
+//! `/dev/shm`) share one slot per core this process may use
+//! ([`std::thread::available_parallelism`], which honours affinity and cgroup quotas; at most
+//! 16), and a waiter spins only in a free slot, which holds its pid while it spins; the others
+//! park at once. Sixteen or sixty-four workers on two cores then make progress instead of
 //! spinning against each other, while one busy pair keeps its spinning latency.
 //!
-//! Where the shared word cannot be mapped, waiters spin as configured. A process killed in the
-//! middle of a spin leaves the count one too high until the machine's `/dev/shm` is cleared:
-//! fewer threads spin, nothing else changes.
+//! A process killed while it spins leaves its pid in a slot: when every slot is taken, a waiter
+//! (at most once per [`RECLAIM_PERIOD`] per process) frees the slots of processes that no
+//! longer exist. Where the slots cannot be mapped, waiters spin as configured.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 use super::sys;
+
+/// How often one process looks for slots left by dead processes.
+pub(crate) const RECLAIM_PERIOD: Duration = Duration::from_millis(100);
 
 /// Permission to spin, given back on drop.
 pub(crate) struct SpinSlot(Option<&'static AtomicU32>);
 
 impl Drop for SpinSlot {
     fn drop(&mut self) {
-        if let Some(c) = self.0 {
-            c.fetch_sub(1, Ordering::Relaxed);
+        if let Some(slot) = self.0 {
+            slot.store(0, Ordering::Release);
         }
     }
 }
 
-fn cores() -> u32 {
-    static CORES: OnceLock<u32> = OnceLock::new();
-    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u32))
+fn cores() -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()).min(16))
 }
 
-/// A slot to spin in, if fewer threads of this host spin than there are cores.
+/// A slot to spin in, if one of this host's is free.
 pub(crate) fn try_spin() -> Option<SpinSlot> {
-    take(sys::host_spinners(), cores())
-}
-
-fn take(counter: Option<&'static AtomicU32>, cores: u32) -> Option<SpinSlot> {
-    let Some(c) = counter else {
+    let Some(slots) = sys::host_spin_slots() else {
         return Some(SpinSlot(None));
     };
-    c.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| (n < cores).then_some(n + 1))
-        .ok()
-        .map(|_| SpinSlot(Some(c)))
+    let slots = &slots[..cores()];
+    let me = std::process::id();
+    if let Some(s) = take(slots, me) {
+        return Some(s);
+    }
+    if reclaim_due() && reclaim(slots, |pid| pid != me && !alive(pid)) > 0 {
+        return take(slots, me);
+    }
+    None
+}
+
+fn take(slots: &'static [AtomicU32], me: u32) -> Option<SpinSlot> {
+    slots.iter().find_map(|s| {
+        (s.load(Ordering::Relaxed) == 0 && s.compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed).is_ok())
+            .then(|| SpinSlot(Some(s)))
+    })
+}
+
+/// Frees the slots whose holder `dead` says is gone; how many.
+fn reclaim(slots: &[AtomicU32], dead: impl Fn(u32) -> bool) -> usize {
+    slots
+        .iter()
+        .filter(|s| {
+            let pid = s.load(Ordering::Relaxed);
+            pid != 0 && dead(pid) && s.compare_exchange(pid, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+        })
+        .count()
+}
+
+fn reclaim_due() -> bool {
+    static BASE: OnceLock<Instant> = OnceLock::new();
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    let now = BASE.get_or_init(Instant::now).elapsed().as_millis() as u64 + 1;
+    let last = LAST.load(Ordering::Relaxed);
+    (last == 0 || now.saturating_sub(last) >= RECLAIM_PERIOD.as_millis() as u64)
+        && LAST
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+}
+
+/// Whether process `pid` exists (signal 0 checks without sending; EPERM means it exists).
+fn alive(pid: u32) -> bool {
+    let Ok(pid) = i32::try_from(pid) else { return false };
+    match nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) {
+        Ok(()) => true,
+        Err(e) => e != nix::errno::Errno::ESRCH,
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn at_most_one_spinner_per_core() {
-        let c: &'static AtomicU32 = Box::leak(Box::new(AtomicU32::new(0)));
-        let a = take(Some(c), 2).expect("first");
-        let b = take(Some(c), 2).expect("second");
-        assert!(take(Some(c), 2).is_none(), "a third would take a busy core");
-        drop(a);
-        let again = take(Some(c), 2).expect("a slot freed");
-        drop((b, again));
-        assert_eq!(c.load(Ordering::Relaxed), 0);
-        assert!(take(None, 2).is_some(), "no shared word: spin as configured");
+    fn slots(n: usize) -> &'static [AtomicU32] {
+        Box::leak((0..n).map(|_| AtomicU32::new(0)).collect::<Vec<_>>().into_boxed_slice())
     }
 
     #[test]
-    fn the_host_counter_is_mapped() {
-        // On this machine `/dev/shm` exists: the word is mapped and slots come back.
-        if let Some(c) = sys::host_spinners() {
-            let before = c.load(Ordering::Relaxed);
+    fn at_most_one_spinner_per_slot() {
+        let s = slots(2);
+        let a = take(s, 7).expect("first");
+        let b = take(s, 7).expect("second");
+        assert!(take(s, 7).is_none(), "a third would take a busy core");
+        drop(a);
+        let again = take(s, 8).expect("a slot freed");
+        drop((b, again));
+        assert!(s.iter().all(|x| x.load(Ordering::Relaxed) == 0));
+    }
+
+    #[test]
+    fn slots_of_dead_processes_are_reclaimed() {
+        let s = slots(2);
+        // Two processes died mid-spin; one of them is still alive.
+        s[0].store(1111, Ordering::Relaxed);
+        s[1].store(2222, Ordering::Relaxed);
+        assert!(take(s, 7).is_none());
+        assert_eq!(reclaim(s, |pid| pid == 1111), 1);
+        assert_eq!(s[1].load(Ordering::Relaxed), 2222, "a live holder keeps its slot");
+        let slot = take(s, 7).expect("the dead one's slot");
+        drop(slot);
+        // This process is alive; a pid far beyond pid_max is not.
+        assert!(alive(std::process::id()));
+        assert!(!alive(u32::MAX - 1));
+    }
+
+    #[test]
+    fn the_host_slots_are_mapped() {
+        if let Some(host) = sys::host_spin_slots() {
+            assert_eq!(host.len(), 16);
             if let Some(slot) = try_spin() {
                 drop(slot);
             }
-            // Other tests may spin meanwhile; our own slot was returned.
-            let _ = before;
         }
     }
 }

@@ -78,14 +78,15 @@ impl Drop for Mapping {
     }
 }
 
-/// A counter shared by every process of this user that sees the same `/dev/shm` (one host, one
-/// mount namespace): how many of their threads spin on a shared-memory ring right now. Mapped
-/// once per process and never unmapped. `None` where the file cannot be made or mapped.
-pub(crate) fn host_spinners() -> Option<&'static AtomicU32> {
-    static COUNTER: std::sync::OnceLock<Option<Mapping>> = std::sync::OnceLock::new();
-    let map = COUNTER.get_or_init(|| {
+/// Spin slots shared by every process of this user that sees the same `/dev/shm` (one host,
+/// one mount namespace): each holds the pid of a process one of whose threads spins on a
+/// shared-memory ring right now, or 0. Mapped once per process and never unmapped. `None` where
+/// the file cannot be made or mapped.
+pub(crate) fn host_spin_slots() -> Option<&'static [AtomicU32; 16]> {
+    static SLOTS: std::sync::OnceLock<Option<Mapping>> = std::sync::OnceLock::new();
+    let map = SLOTS.get_or_init(|| {
         use std::os::unix::fs::OpenOptionsExt;
-        let path = format!("/dev/shm/sluice-spinners-{}", nix::unistd::getuid());
+        let path = format!("/dev/shm/sluice-spin-slots-{}", nix::unistd::getuid());
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -100,10 +101,10 @@ pub(crate) fn host_spinners() -> Option<&'static AtomicU32> {
         Mapping::new(&OwnedFd::from(file), 64).ok()
     });
     let map = map.as_ref()?;
-    // SAFETY: the mapping is page-aligned (so aligned for an AtomicU32), at least 64 bytes long,
-    // lives for the rest of the process (held by the static and never dropped), and the word is
-    // only ever accessed atomically, here and in the other processes that map the same file.
-    Some(unsafe { &*(map.as_ptr() as *const AtomicU32) })
+    // SAFETY: the mapping is page-aligned (so aligned for AtomicU32), 64 bytes long (16 words),
+    // lives for the rest of the process (held by the static and never dropped), and its words
+    // are only ever accessed atomically, here and in the other processes that map the file.
+    Some(unsafe { &*(map.as_ptr() as *const [AtomicU32; 16]) })
 }
 
 /// Creates a non-blocking eventfd (counter semantics).
