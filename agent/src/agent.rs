@@ -31,6 +31,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use sluice_channel::{Allocation, Context, Descriptor, Device, Message, Pipe, PipeError, RecvBuffer, Tensor};
 
+use crate::budget::Budget;
 use crate::calls::Calls;
 use crate::completion::{Completion, Driver, Slot};
 use crate::device_map::{self, DeviceMap, WorkerDevices};
@@ -1963,63 +1964,6 @@ async fn finish_read(
         }
     };
     Ok((d, allocation))
-}
-
-/// Bytes of one caller's requests held in memory (received, not yet answered). Reading from
-/// the caller waits while a new request would push it past the limit, so a peer cannot make
-/// this worker hold more than that (one request over the limit is let through when nothing
-/// else is held, as the message limit already bounds it).
-pub(crate) struct Budget {
-    limit: u64,
-    used: AtomicU64,
-    /// Readers waiting for bytes to be released (so a release notifies only when needed).
-    waiting: AtomicUsize,
-    freed: tokio::sync::Notify,
-}
-
-impl Budget {
-    fn new(limit: u64) -> Budget {
-        Budget {
-            limit,
-            used: AtomicU64::new(0),
-            waiting: AtomicUsize::new(0),
-            freed: tokio::sync::Notify::new(),
-        }
-    }
-
-    fn try_acquire(&self, n: u64) -> bool {
-        self.used
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
-                (used == 0 || used.saturating_add(n) <= self.limit).then(|| used + n)
-            })
-            .is_ok()
-    }
-
-    async fn acquire(&self, n: u64) {
-        if self.try_acquire(n) {
-            return;
-        }
-        self.waiting.fetch_add(1, Ordering::AcqRel);
-        loop {
-            let freed = self.freed.notified();
-            tokio::pin!(freed);
-            freed.as_mut().enable();
-            if self.try_acquire(n) {
-                break;
-            }
-            freed.await;
-        }
-        self.waiting.fetch_sub(1, Ordering::AcqRel);
-    }
-
-    fn release(&self, n: u64) {
-        let _ = self
-            .used
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| Some(used.saturating_sub(n)));
-        if self.waiting.load(Ordering::Acquire) > 0 {
-            self.freed.notify_waiters();
-        }
-    }
 }
 
 /// Serves one incoming pipe: requests in, replies out. A caller that heartbeats and then

@@ -33,6 +33,7 @@
 #![forbid(unsafe_code)]
 
 pub mod agent;
+mod budget;
 mod calls;
 pub mod completion;
 pub mod device_map;
@@ -45,6 +46,7 @@ pub mod options;
 pub mod payload;
 pub mod pool;
 mod reader;
+mod role;
 pub mod rref;
 pub mod store;
 pub mod wire;

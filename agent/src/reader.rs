@@ -19,7 +19,6 @@
 //! to the agent: read one message and deliver it, report a failed pipe, say whether replies
 //! are wanted.
 
-use std::collections::VecDeque;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -30,6 +29,7 @@ use std::time::{Duration, Instant};
 use sluice_channel::Pipe;
 
 use crate::completion::Driver;
+use crate::role::{Ask, Pass, Role};
 
 /// A dormant background reader looks again this often (a pipe that failed or a peer's goodbye
 /// on an idle pipe is noticed within it).
@@ -50,11 +50,14 @@ pub(crate) trait Replies: Send + Sync + 'static {
     fn runtime(&self) -> &tokio::runtime::Handle;
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Holder {
-    Free,
-    Background,
-    Thread,
+/// A waiting thread, compared by identity.
+#[derive(Clone)]
+struct WaiterRef(Arc<Waiter>);
+
+impl PartialEq for WaiterRef {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 /// A thread waiting for the role.
@@ -64,22 +67,11 @@ struct Waiter {
     promoted: AtomicBool,
 }
 
-struct Role {
-    holder: Holder,
-    waiting: VecDeque<Arc<Waiter>>,
-    /// The background task sleeps until told replies are wanted (or its tick).
-    dormant: bool,
-    /// A task started awaiting a reply while a thread read: the background task must take
-    /// over when that thread leaves.
-    awaited: bool,
-    ended: bool,
-}
-
 /// The read role of one pipe, and its background reader.
 pub(crate) struct ReplyReader<R> {
     replies: R,
     pipe: Pipe,
-    role: Mutex<Role>,
+    role: Mutex<Role<WaiterRef>>,
     /// Tells a dormant background task to listen.
     resume: tokio::sync::Notify,
     /// Tells a listening background task to give the role to a waiting thread.
@@ -104,13 +96,7 @@ impl<R: Replies> ReplyReader<R> {
         Arc::new(ReplyReader {
             replies,
             pipe,
-            role: Mutex::new(Role {
-                holder: Holder::Free,
-                waiting: VecDeque::new(),
-                dormant: false,
-                awaited: false,
-                ended: false,
-            }),
+            role: Mutex::new(Role::new()),
             resume: tokio::sync::Notify::new(),
             give_way: tokio::sync::Notify::new(),
         })
@@ -119,18 +105,12 @@ impl<R: Replies> ReplyReader<R> {
     /// The reader's end: the pipe failed. Every waiter wakes (their calls are failed by
     /// `failed`, which declares the peer lost).
     fn end(&self, detail: String) {
-        let waiting = {
-            let mut r = self.role.lock().unwrap();
-            if r.ended {
-                return;
-            }
-            r.ended = true;
-            r.holder = Holder::Free;
-            std::mem::take(&mut r.waiting)
+        let Some(waiting) = self.role.lock().unwrap().end() else {
+            return;
         };
         self.replies.failed(detail);
         for w in waiting {
-            w.thread.unpark();
+            w.0.thread.unpark();
         }
         self.resume.notify_one();
     }
@@ -140,36 +120,31 @@ impl<R: Replies> ReplyReader<R> {
     /// likely to come back for its next reply at once (a wake-up per call would cost more
     /// than the call), and calls nobody waits for are read on its tick.
     fn release(&self) {
-        let mut r = self.role.lock().unwrap();
-        r.holder = Holder::Free;
-        if r.ended {
-            return;
-        }
-        if let Some(w) = r.waiting.pop_front() {
-            r.holder = Holder::Thread;
-            w.promoted.store(true, Ordering::Release);
-            drop(r);
-            w.thread.unpark();
-        } else if r.dormant && std::mem::take(&mut r.awaited) && self.replies.wanted() {
-            drop(r);
-            self.resume.notify_one();
+        let pass = {
+            let mut r = self.role.lock().unwrap();
+            let wanted = self.replies.wanted();
+            r.release(wanted)
+        };
+        self.pass(pass);
+    }
+
+    /// Acts on where the role went.
+    fn pass(&self, pass: Pass<WaiterRef>) {
+        match pass {
+            Pass::To(w) => {
+                w.0.promoted.store(true, Ordering::Release);
+                w.0.thread.unpark();
+            }
+            Pass::Resume => self.resume.notify_one(),
+            Pass::Nothing => {}
         }
     }
 
     /// The background reader: reads while no thread does. Ends with the pipe.
     pub(crate) async fn background(self: Arc<Self>) {
         loop {
-            let listen = {
-                let mut r = self.role.lock().unwrap();
-                if r.ended {
-                    return;
-                }
-                let take = r.holder == Holder::Free && r.waiting.is_empty();
-                if take {
-                    r.holder = Holder::Background;
-                }
-                r.dormant = !take;
-                take
+            let Some(listen) = self.role.lock().unwrap().background_take() else {
+                return;
             };
             if !listen {
                 let _ = tokio::time::timeout(IDLE_TICK, self.resume.notified()).await;
@@ -192,8 +167,7 @@ impl<R: Replies> ReplyReader<R> {
                         }
                     }
                 }
-                let r = self.role.lock().unwrap();
-                if !r.waiting.is_empty() || r.ended {
+                if !self.role.lock().unwrap().background_keeps() {
                     break;
                 }
             }
@@ -201,7 +175,7 @@ impl<R: Replies> ReplyReader<R> {
             if !self.replies.wanted() {
                 // Sleep until asked (or the tick), rather than listen on an idle pipe that the
                 // next caller would have to take back from us.
-                self.role.lock().unwrap().dormant = true;
+                self.role.lock().unwrap().go_dormant();
                 let _ = tokio::time::timeout(IDLE_TICK, self.resume.notified()).await;
             }
         }
@@ -238,11 +212,11 @@ impl<R: Replies> ReplyReader<R> {
 
 impl<R: Replies> Driver for ReplyReader<R> {
     fn drive(&self, poll_done: &mut dyn FnMut(&mut Context<'_>) -> Poll<()>, deadline: Option<Instant>) {
-        let me = Arc::new(Waiter {
+        let me = WaiterRef(Arc::new(Waiter {
             thread: std::thread::current(),
             promoted: AtomicBool::new(false),
-        });
-        let waker = Waker::from(Arc::new(ThreadWaker(me.thread.clone())));
+        }));
+        let waker = Waker::from(Arc::new(ThreadWaker(me.0.thread.clone())));
         let mut cx = Context::from_waker(&waker);
         let mut queued = false;
         loop {
@@ -251,40 +225,24 @@ impl<R: Replies> Driver for ReplyReader<R> {
             // Take the role, queue for it, or leave.
             let lead = {
                 let mut r = self.role.lock().unwrap();
-                let promoted = me.promoted.swap(false, Ordering::AcqRel);
-                if r.ended {
-                    return;
-                }
-                if done || expired {
-                    if queued {
-                        r.waiting.retain(|w| !Arc::ptr_eq(w, &me));
-                    }
+                let promoted = me.0.promoted.swap(false, Ordering::AcqRel);
+                if done || expired || r.ended() {
+                    let wanted = promoted && self.replies.wanted();
+                    let pass = r.leave(&me, promoted, queued, wanted);
                     drop(r);
-                    if promoted {
-                        // Handed the role as our result came in: pass it on.
-                        self.release();
-                    }
+                    // Handed the role as our result came in: it went on to the next.
+                    self.pass(pass);
                     return;
                 }
-                if promoted {
-                    queued = false;
-                    true
-                } else if r.holder == Holder::Free {
-                    r.holder = Holder::Thread;
-                    if queued {
-                        r.waiting.retain(|w| !Arc::ptr_eq(w, &me));
-                        queued = false;
+                match r.ask(me.clone(), promoted, &mut queued) {
+                    Ask::Lead => true,
+                    Ask::Queued { give_way } => {
+                        if give_way {
+                            self.give_way.notify_one();
+                        }
+                        false
                     }
-                    true
-                } else {
-                    if !queued {
-                        r.waiting.push_back(me.clone());
-                        queued = true;
-                    }
-                    if r.holder == Holder::Background {
-                        self.give_way.notify_one();
-                    }
-                    false
+                    Ask::Ended => return,
                 }
             };
             if lead {
@@ -301,12 +259,12 @@ impl<R: Replies> Driver for ReplyReader<R> {
             // A follower: the leader delivers our reply, or hands us the role.
             let start = Instant::now();
             while start.elapsed() < FOLLOWER_SPIN {
-                if me.promoted.load(Ordering::Acquire) || poll_done(&mut cx).is_ready() {
+                if me.0.promoted.load(Ordering::Acquire) || poll_done(&mut cx).is_ready() {
                     break;
                 }
                 std::hint::spin_loop();
             }
-            if !me.promoted.load(Ordering::Acquire) && poll_done(&mut cx).is_pending() {
+            if !me.0.promoted.load(Ordering::Acquire) && poll_done(&mut cx).is_pending() {
                 let nap = deadline.map_or(IDLE_TICK, |d| {
                     d.saturating_duration_since(Instant::now()).min(IDLE_TICK)
                 });
@@ -316,16 +274,9 @@ impl<R: Replies> Driver for ReplyReader<R> {
     }
 
     fn awaited(&self) {
-        let mut r = self.role.lock().unwrap();
-        if !r.dormant || r.ended {
-            return;
-        }
-        if r.holder == Holder::Free {
-            drop(r);
+        // While a thread reads, the background task takes over when it leaves.
+        if self.role.lock().unwrap().awaited() {
             self.resume.notify_one();
-        } else {
-            // A thread reads now; when it leaves, the background task takes over.
-            r.awaited = true;
         }
     }
 }
