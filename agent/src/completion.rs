@@ -195,7 +195,13 @@ impl<T: Clone> Completion<T> {
 
     fn drive(&self, deadline: Option<Instant>) {
         let Some(driver) = &self.driver else { return };
-        if self.slot.is_done() || tokio::runtime::Handle::try_current().is_ok() {
+        if self.slot.is_done() {
+            return;
+        }
+        if tokio::runtime::Handle::try_current().is_ok() {
+            // Inside a runtime this thread must not read (it cannot block on the runtime):
+            // make sure someone does.
+            driver.awaited();
             return;
         }
         driver.drive(&mut |cx| self.slot.poll_done(cx), deadline);

@@ -120,11 +120,7 @@ impl<R: Replies> ReplyReader<R> {
     /// likely to come back for its next reply at once (a wake-up per call would cost more
     /// than the call), and calls nobody waits for are read on its tick.
     fn release(&self) {
-        let pass = {
-            let mut r = self.role.lock().unwrap();
-            let wanted = self.replies.wanted();
-            r.release(wanted)
-        };
+        let pass = self.role.lock().unwrap().release(|| self.replies.wanted());
         self.pass(pass);
     }
 
@@ -227,8 +223,7 @@ impl<R: Replies> Driver for ReplyReader<R> {
                 let mut r = self.role.lock().unwrap();
                 let promoted = me.0.promoted.swap(false, Ordering::AcqRel);
                 if done || expired || r.ended() {
-                    let wanted = promoted && self.replies.wanted();
-                    let pass = r.leave(&me, promoted, queued, wanted);
+                    let pass = r.leave(&me, promoted, queued, || self.replies.wanted());
                     drop(r);
                     // Handed the role as our result came in: it went on to the next.
                     self.pass(pass);

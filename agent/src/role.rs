@@ -96,7 +96,7 @@ impl<W: PartialEq> Role<W> {
 
     /// Thread `me` has its result (or gave up): it leaves the queue, and passes the role on if
     /// it had been handed it.
-    pub(crate) fn leave(&mut self, me: &W, promoted: bool, queued: bool, wanted: bool) -> Pass<W> {
+    pub(crate) fn leave(&mut self, me: &W, promoted: bool, queued: bool, wanted: impl FnOnce() -> bool) -> Pass<W> {
         if queued {
             self.waiting.retain(|w| w != me);
         }
@@ -108,8 +108,8 @@ impl<W: PartialEq> Role<W> {
     }
 
     /// The holder gives the role up: to the first waiting thread, else to the background task
-    /// if a task awaits a reply (`wanted`: replies are still expected).
-    pub(crate) fn release(&mut self, wanted: bool) -> Pass<W> {
+    /// if a task awaits a reply (`wanted`, asked only then: replies are still expected).
+    pub(crate) fn release(&mut self, wanted: impl FnOnce() -> bool) -> Pass<W> {
         self.holder = Holder::Free;
         if self.ended {
             return Pass::Nothing;
@@ -117,7 +117,7 @@ impl<W: PartialEq> Role<W> {
         if let Some(w) = self.waiting.pop_front() {
             self.holder = Holder::Thread;
             Pass::To(w)
-        } else if self.dormant && std::mem::take(&mut self.awaited) && wanted {
+        } else if self.dormant && std::mem::take(&mut self.awaited) && wanted() {
             Pass::Resume
         } else {
             Pass::Nothing
@@ -290,7 +290,7 @@ mod tests {
                         if w.result[i] || w.role.ended() {
                             let queued = w.queued[i];
                             w.queued[i] = false;
-                            let p = w.role.leave(&i, promoted, queued, true);
+                            let p = w.role.leave(&i, promoted, queued, || true);
                             w.pass(p);
                             w.threads[i] = T::Done;
                         } else {
@@ -320,7 +320,7 @@ mod tests {
                         }
                         if self.result[i] {
                             let mut w = self.clone();
-                            let p = w.role.release(true);
+                            let p = w.role.release(|| true);
                             w.pass(p);
                             w.threads[i] = T::Done;
                             out.push(w);
@@ -353,7 +353,7 @@ mod tests {
                 }
                 B::GivingWay => {
                     let mut w = self.clone();
-                    let p = w.role.release(true);
+                    let p = w.role.release(|| true);
                     w.bg = B::Dormant;
                     w.role.go_dormant();
                     w.pass(p);
