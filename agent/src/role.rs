@@ -279,6 +279,17 @@ mod tests {
             }
         }
 
+        /// The worlds where the reader delivers one of the replies still outstanding.
+        fn deliveries(&self) -> impl Iterator<Item = World> + '_ {
+            (0..2)
+                .filter(|&j| !self.result[j] && self.threads[j] != T::Done)
+                .map(|j| {
+                    let mut w = self.clone();
+                    w.deliver(j);
+                    w
+                })
+        }
+
         /// Every step the system can take from here.
         fn successors(&self) -> Vec<World> {
             let mut out = Vec::new();
@@ -311,13 +322,7 @@ mod tests {
                     }
                     T::Leading => {
                         // The leader reads its own reply (or the other's), or leaves with it.
-                        for j in 0..2 {
-                            if !self.result[j] && self.threads[j] != T::Done {
-                                let mut w = self.clone();
-                                w.deliver(j);
-                                out.push(w);
-                            }
-                        }
+                        out.extend(self.deliveries());
                         if self.result[i] {
                             let mut w = self.clone();
                             let p = w.role.release(|| true);
@@ -340,16 +345,12 @@ mod tests {
                     out.push(w);
                 }
                 B::Listening => {
-                    for j in 0..2 {
-                        if !self.result[j] && self.threads[j] != T::Done {
-                            let mut w = self.clone();
-                            w.deliver(j);
-                            if !w.role.background_keeps() {
-                                w.bg = B::GivingWay;
-                            }
-                            out.push(w);
+                    out.extend(self.deliveries().map(|mut w| {
+                        if !w.role.background_keeps() {
+                            w.bg = B::GivingWay;
                         }
-                    }
+                        w
+                    }));
                 }
                 B::GivingWay => {
                     let mut w = self.clone();
