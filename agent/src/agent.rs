@@ -1653,18 +1653,14 @@ impl AgentInner {
             // Quick last time and never blocked: run right here, on the thread that read the
             // request (the serve loop hands its read role on if the handler blocks after all).
             Handler::Sync(f, pace) if pace.inline() && crate::pool::may_inline() => Some(Box::pin(async move {
-                let start = Instant::now();
-                let (result, blocked) = crate::pool::measured(|| f(&ctx, payload));
-                pace.record(start.elapsed(), blocked);
+                let result = pace.run(|| f(&ctx, payload));
                 let reply = finish(&inner, result);
                 inner.reply(&pipe, caller, id, reply).await;
                 inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
             })),
             Handler::Sync(f, pace) => {
                 self.pool.submit(move || {
-                    let start = Instant::now();
-                    let (result, blocked) = crate::pool::measured(|| f(&ctx, payload));
-                    pace.record(start.elapsed(), blocked);
+                    let result = pace.run(|| f(&ctx, payload));
                     let reply = finish(&inner, result);
                     inner.reply_from_pool(pipe, caller, id, reply);
                 });
@@ -2071,16 +2067,14 @@ async fn serve_loop(served: Arc<Served>) {
                     .unwrap()
                     .insert((caller, request.id), (budget.clone(), size));
                 // Should a handler run here block, a new reader takes the pipe over first.
-                let handed = Arc::new(AtomicBool::new(false));
                 let hand_off = {
-                    let (served, handed) = (served.clone(), handed.clone());
+                    let served = served.clone();
                     move || {
-                        handed.store(true, Ordering::Release);
                         tokio::spawn(serve_requests(served));
                     }
                 };
                 let mut once = Some((hand_off, request, payload));
-                let pending = std::future::poll_fn(|cx| {
+                let (pending, handed) = std::future::poll_fn(|cx| {
                     let (hand_off, request, payload) = once.take().expect("polled once");
                     Poll::Ready(crate::pool::inline(hand_off, || {
                         let mut work = inner.dispatch(caller, pipe.clone(), request, payload)?;
@@ -2094,7 +2088,7 @@ async fn serve_loop(served: Arc<Served>) {
                 if let Some(work) = pending {
                     tokio::spawn(work);
                 }
-                if handed.load(Ordering::Acquire) {
+                if handed {
                     return;
                 }
             }

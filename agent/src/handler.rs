@@ -62,10 +62,16 @@ impl Pace {
         self.inline.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Records a run: quick and never blocked lets the next one run inline.
-    pub(crate) fn record(&self, took: std::time::Duration, blocked: bool) {
-        self.inline
-            .store(!blocked && took < INLINE_MAX, std::sync::atomic::Ordering::Relaxed);
+    /// Runs the handler's `job` and records how it went: quick and never blocked lets the
+    /// next run be inline.
+    pub(crate) fn run<R>(&self, job: impl FnOnce() -> R) -> R {
+        let start = std::time::Instant::now();
+        let (r, blocked) = crate::pool::measured(job);
+        self.inline.store(
+            !blocked && start.elapsed() < INLINE_MAX,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        r
     }
 }
 

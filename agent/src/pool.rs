@@ -33,14 +33,14 @@ thread_local! {
 /// Runs `work` on a runtime worker thread that is reading a pipe, with `hand_off` to run
 /// first if a handler inside blocks (through [`blocking`]): then the read role goes to a new
 /// reader, and the runtime moves this worker's other tasks to another thread while this one
-/// waits.
-pub(crate) fn inline<R>(hand_off: impl FnOnce() + 'static, work: impl FnOnce() -> R) -> R {
+/// waits. Returns `work`'s result and whether the hand-off ran.
+pub(crate) fn inline<R>(hand_off: impl FnOnce() + 'static, work: impl FnOnce() -> R) -> (R, bool) {
     HAND_OFF.with(|h| *h.borrow_mut() = Some(Box::new(hand_off)));
     let outer = INLINE.replace(true);
     let r = work();
     INLINE.set(outer);
-    HAND_OFF.with(|h| h.borrow_mut().take());
-    r
+    let handed = HAND_OFF.with(|h| h.borrow_mut().take()).is_none();
+    (r, handed)
 }
 
 /// Whether this thread is inside [`inline`]: a synchronous handler may run right here.
