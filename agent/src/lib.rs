@@ -35,19 +35,23 @@
 pub mod agent;
 mod budget;
 mod calls;
+mod client;
 pub mod completion;
 pub mod device_map;
 pub mod error;
 pub mod gpu;
 pub mod handler;
+mod lifecycle;
 pub mod membership;
 pub mod name;
 pub mod options;
 pub mod payload;
+mod peers;
 pub mod pool;
 mod reader;
 mod role;
 pub mod rref;
+mod server;
 pub mod store;
 pub mod wire;
 

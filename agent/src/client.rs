@@ -1,0 +1,354 @@
+//! The client side: a call becomes a pending entry, a request on the peer's pipe, and a reply
+//! read by the waiting thread or the background reader (see [`crate::reader`]); deadlines and
+//! control messages.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use sluice_channel::{Message, Pipe, Tensor};
+
+use crate::agent::{AgentInner, RpcFuture};
+use crate::completion::{Completion, Slot};
+use crate::device_map::{self, DeviceMap};
+use crate::error::RpcError;
+use crate::payload::Payload;
+use crate::peers::Peer;
+use crate::reader::Replies;
+use crate::server::read_message;
+use crate::wire::{self, Body, Envelope, GlobalId, Request, Response, WireError, WireRRef, WireValue};
+
+impl AgentInner {
+    /// Registers a call and sends it; the returned completion gets the reply or an error.
+    pub(crate) fn start_call(
+        self: &Arc<Self>,
+        dest: u32,
+        body: Body,
+        payload: Payload,
+        timeout: Duration,
+    ) -> RpcFuture {
+        if let Err(e) = self.check_running() {
+            return Completion::ready(Err(e));
+        }
+        let peer = match self.peer(dest) {
+            Ok(p) => p,
+            Err(e) => return Completion::ready(Err(e)),
+        };
+        if let Some(detail) = peer.down.lock().unwrap().clone() {
+            return Completion::ready(Err(RpcError::PeerLost {
+                worker: peer.info.name.clone(),
+                detail,
+            }));
+        }
+        let control = body.is_control();
+        let id = self.next_id();
+        let Outgoing {
+            value,
+            frames,
+            tensors,
+            forks,
+        } = match self.outgoing_value(&payload, dest, peer.map_to.as_ref(), false) {
+            Ok(v) => v,
+            Err(e) => return Completion::ready(Err(e)),
+        };
+        let message = build_message(Envelope::Request(Request { id, body, value }), frames, tensors);
+        let slot = Slot::new();
+        let sooner = self
+            .calls
+            .lock()
+            .unwrap()
+            .register(id, dest, timeout, Instant::now(), slot.clone());
+        if let Some(d) = sooner {
+            let due_ms = d.saturating_duration_since(self.clock).as_millis() as u64;
+            if due_ms < self.timer_due.load(Ordering::Acquire) {
+                self.timer.notify_one();
+            }
+        }
+        self.activity.fetch_add(1, Ordering::Relaxed);
+        if control && self.drop_control.load(Ordering::Relaxed) > 0 && self.take_drop() {
+            tracing::debug!(id, "fault injection: dropping a control message");
+            return Completion::new(slot);
+        }
+        let duplicate = control && self.options.faults.duplicate_control;
+        let peer_for_driver = peer.clone();
+        let inner = self.clone();
+        let send = async move {
+            let result = async {
+                let pipe = inner.pipe_for(&peer).await?;
+                pipe.write(&message)
+                    .await
+                    .map_err(|e| RpcError::from_pipe(&peer.info.name, e))?;
+                // The heartbeat pings only pipes quiet both ways.
+                peer.last_sent.store(inner.now_ms(), Ordering::Relaxed);
+                if duplicate {
+                    // Same id: the second reply finds no pending call and is dropped.
+                    pipe.write(&message)
+                        .await
+                        .map_err(|e| RpcError::from_pipe(&inner.name_of(dest), e))?;
+                }
+                Ok::<_, RpcError>(())
+            }
+            .await;
+            if let Err(e) = result {
+                inner.rrefs.undo_forks(&forks);
+                inner.finish_call(id, Err(e));
+            }
+        };
+        if tokio::runtime::Handle::try_current().is_ok() {
+            self.handle.spawn(send);
+        } else {
+            self.handle.block_on(send);
+        }
+        // Whoever waits for the reply may read it itself (the pipe is open by now when the
+        // request was written on this thread).
+        let driver = peer_for_driver.reader.lock().unwrap().clone();
+        Completion::driven(slot, driver)
+    }
+
+    pub(crate) fn take_drop(&self) -> bool {
+        self.drop_control
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok()
+    }
+
+    /// Completes a pending call (once). A call already completed (timed out) is ignored, and so
+    /// is its late reply.
+    pub(crate) fn finish_call(&self, id: u64, result: Result<Payload, RpcError>) -> bool {
+        let pending = self.calls.lock().unwrap().complete(id);
+        match pending {
+            Some(p) => {
+                p.slot.complete(result);
+                true
+            }
+            None => {
+                tracing::debug!(id, "reply for a call that already finished (timed out); discarded");
+                false
+            }
+        }
+    }
+
+    /// Fails every pending call to `rank` (or to everyone) with `error`.
+    pub(crate) fn fail_calls(&self, rank: Option<u32>, error: impl Fn(u32) -> RpcError) {
+        let failed = self.calls.lock().unwrap().fail(rank);
+        for p in failed {
+            p.slot.complete(Err(error(p.peer)));
+        }
+    }
+
+    /// Prepares a value for `dest`: RRef forks, tensor placement (`reverse` for replies).
+    pub(crate) fn outgoing_value(
+        self: &Arc<Self>,
+        payload: &Payload,
+        dest: u32,
+        map: Option<&DeviceMap>,
+        reverse: bool,
+    ) -> Result<Outgoing, RpcError> {
+        let dest_name = &self.name_of(dest);
+        let mut tensors = Vec::with_capacity(payload.tensors.len());
+        for t in &payload.tensors {
+            let device = t.buffer.device();
+            let target = if reverse {
+                device_map::reverse(map, device, dest_name)?
+            } else {
+                device_map::forward(map, device, dest_name)?
+            };
+            let mut t = t.clone();
+            t.target_device = Some(target);
+            tensors.push(t);
+        }
+        let mut forks = Vec::new();
+        let rrefs = payload
+            .rrefs
+            .iter()
+            .map(|r| {
+                let fork = self.rrefs.fork_for(self, r, dest);
+                forks.push(fork);
+                WireRRef {
+                    owner: r.owner,
+                    id: r.id,
+                    fork,
+                    parent: self.me.id,
+                }
+            })
+            .collect();
+        let inline = payload.bytes.len() <= wire::INLINE_LIMIT;
+        let value = WireValue {
+            inline: if inline { payload.bytes.clone() } else { Bytes::new() },
+            in_payload: !inline,
+            rrefs,
+        };
+        let frames = if inline {
+            Vec::new()
+        } else {
+            vec![payload.bytes.clone()]
+        };
+        Ok(Outgoing {
+            value,
+            frames,
+            tensors,
+            forks,
+        })
+    }
+
+    pub(crate) fn rpc_error(&self, rank: u32, e: WireError) -> RpcError {
+        let worker = self.name_of(rank);
+        match e {
+            WireError::Handler(h) => RpcError::Remote {
+                worker,
+                kind: h.kind,
+                message: h.message,
+            },
+            WireError::UnknownHandler(handler) => RpcError::UnknownHandler { worker, handler },
+            WireError::Failed(detail) => RpcError::Remote {
+                worker,
+                kind: "Failed".into(),
+                message: detail,
+            },
+        }
+    }
+
+    /// Sends a control message and retries it until it is acknowledged (or the peer is gone).
+    /// `then` runs once with the outcome: acknowledged, or abandoned with the error (the peer
+    /// is gone).
+    pub(crate) fn send_control(
+        self: &Arc<Self>,
+        dest: u32,
+        body: Body,
+        then: impl FnOnce(&Arc<AgentInner>, Result<(), RpcError>) + Send + 'static,
+    ) {
+        self.control_in_flight.fetch_add(1, Ordering::AcqRel);
+        let inner = self.clone();
+        self.handle.spawn(async move {
+            let mut delay = Duration::from_millis(10);
+            loop {
+                let attempt = inner.start_call(dest, body.clone(), Payload::empty(), inner.options.control_retry);
+                match attempt.await {
+                    Ok(_) => {
+                        then(&inner, Ok(()));
+                        break;
+                    }
+                    Err(RpcError::Timeout { .. }) => {
+                        tracing::debug!(worker = %inner.me, ?body, "control message unacknowledged; retrying");
+                        tokio::time::sleep(delay).await;
+                        delay = (delay * 2).min(Duration::from_secs(1));
+                    }
+                    Err(e) => {
+                        tracing::debug!(worker = %inner.me, ?body, error = %e, "control message abandoned");
+                        then(&inner, Err(e));
+                        break;
+                    }
+                }
+            }
+            inner.control_in_flight.fetch_sub(1, Ordering::AcqRel);
+        });
+    }
+}
+
+/// A value made ready for one destination: the wire value, the frames of its bytes, its
+/// tensors with their target devices, and the RRef forks made for it (undone if the send fails).
+pub(crate) struct Outgoing {
+    pub(crate) value: WireValue,
+    pub(crate) frames: Vec<Bytes>,
+    pub(crate) tensors: Vec<Tensor>,
+    pub(crate) forks: Vec<GlobalId>,
+}
+
+pub(crate) fn build_message(envelope: Envelope, payloads: Vec<Bytes>, tensors: Vec<Tensor>) -> Message {
+    Message {
+        metadata: wire::encode(&envelope),
+        payloads,
+        tensors,
+    }
+}
+
+/// The agent's side of an outgoing pipe's read role: what one reply does when it arrives.
+pub(crate) struct PeerReplies {
+    pub(crate) inner: std::sync::Weak<AgentInner>,
+    pub(crate) peer: Arc<Peer>,
+    pub(crate) generation: u64,
+    pub(crate) handle: tokio::runtime::Handle,
+}
+
+impl Replies for PeerReplies {
+    async fn read_one(&self, pipe: &Pipe) -> Result<(), String> {
+        let inner = self.inner.upgrade().ok_or("the agent is down")?;
+        let id = self.peer.info.id;
+        let (d, allocation) = read_message(pipe, &inner).await.map_err(|e| e.to_string())?;
+        self.peer.last_heard.store(inner.now_ms(), Ordering::Release);
+        match inner.receive(id, &d, allocation) {
+            Ok((Envelope::Response(Response { id: call, result }), payload)) => {
+                let result = match result {
+                    Ok(_) => Ok(payload.unwrap_or_default()),
+                    Err(e) => Err(inner.rpc_error(id, e)),
+                };
+                if inner.finish_call(call, result) {
+                    inner.activity.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(())
+            }
+            Ok((Envelope::Goodbye, _)) => {
+                self.peer.leaving.store(true, Ordering::Release);
+                Ok(())
+            }
+            Ok((other, _)) => Err(format!("protocol error: unexpected {other:?} on a reply pipe")),
+            Err(e) => Err(format!("protocol error: {e}")),
+        }
+    }
+
+    fn failed(&self, detail: String) {
+        let Some(inner) = self.inner.upgrade() else { return };
+        if let Some((g, pipe)) = self.peer.pipe.lock().unwrap().as_ref() {
+            if *g == self.generation {
+                pipe.close();
+            }
+        }
+        tracing::debug!(worker = %inner.me, peer = self.peer.info.id, error = %detail, "pipe to peer failed");
+        inner.declare_lost(self.peer.info.id, Some(self.generation), detail);
+    }
+
+    fn wanted(&self) -> bool {
+        self.inner
+            .upgrade()
+            .is_some_and(|inner| inner.calls.lock().unwrap().pending_to(self.peer.info.id) > 0)
+    }
+
+    fn runtime(&self) -> &tokio::runtime::Handle {
+        &self.handle
+    }
+}
+
+/// Fails calls whose deadline passed.
+pub(crate) async fn run_timer(weak: std::sync::Weak<AgentInner>) {
+    loop {
+        let Some(inner) = weak.upgrade() else { return };
+        if inner.is_down() {
+            return;
+        }
+        let (expired, next) = inner.calls.lock().unwrap().expire(Instant::now());
+        for p in expired {
+            let worker = inner.name_of(p.peer);
+            p.slot.complete(Err(RpcError::Timeout {
+                worker,
+                timeout: p.timeout,
+            }));
+        }
+        // The runtime's shutdown at teardown ends this task (and drops `inner`). Without a
+        // deadline it looks again now and then, so a dropped agent lets this task end; a call
+        // whose deadline falls before the next look wakes it (see `start_call`).
+        let notified = inner.timer.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let until = next.unwrap_or_else(|| Instant::now() + Duration::from_millis(200));
+        inner.timer_due.store(
+            until.saturating_duration_since(inner.clock).as_millis() as u64,
+            Ordering::Release,
+        );
+        // A call registered between `expire` and publishing `timer_due` may have seen the old
+        // value and not woken us: look again before sleeping.
+        if inner.calls.lock().unwrap().next_deadline().is_some_and(|d| d < until) {
+            continue;
+        }
+        let _ = tokio::time::timeout_at(until.into(), notified).await;
+    }
+}

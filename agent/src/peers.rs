@@ -1,0 +1,542 @@
+//! Peers: the group as this worker knows it (membership applied from the store), the pipe to
+//! each peer and its read role, heartbeats, loss and reconnection.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sluice_channel::{Message, Pipe, PipeError};
+
+use crate::agent::AgentInner;
+use crate::client::PeerReplies;
+use crate::completion::Driver;
+use crate::device_map::DeviceMap;
+use crate::error::RpcError;
+use crate::membership::{self, Announce, MembershipEvent};
+use crate::name::{Dest, WorkerInfo};
+use crate::reader::ReplyReader;
+use crate::store::{Listing, Store, StoreUrl};
+use crate::wire::{self, Body, Envelope, Request, WireValue};
+
+pub(crate) struct Peer {
+    pub(crate) info: WorkerInfo,
+    pub(crate) announce: Announce,
+    /// The open pipe: `None` before the first call and after a failure.
+    pub(crate) pipe: Mutex<Option<(u64, Pipe)>>,
+    /// The read role of the open pipe: who reads its replies (see [`crate::reader`]).
+    pub(crate) reader: Mutex<Option<Arc<dyn Driver>>>,
+    /// Serializes opening a pipe.
+    pub(crate) connecting: tokio::sync::Mutex<()>,
+    /// Bumped for every new pipe, so a stale pipe's failure is not blamed on the new one.
+    pub(crate) generation: AtomicU64,
+    /// Set while the peer is lost and not reconnected; new calls fail at once with it.
+    pub(crate) down: Mutex<Option<String>>,
+    /// The peer said goodbye: its pipes closing is a leave, not a loss.
+    pub(crate) leaving: AtomicBool,
+    /// When a message last arrived on our pipe to it, and when we last wrote one (ms on the
+    /// agent's clock). Either silent for an interval sends a ping: the callee judges us by
+    /// what we send, we judge it by what it answers.
+    pub(crate) last_heard: AtomicU64,
+    pub(crate) last_sent: AtomicU64,
+    /// My device map to this peer, and its map to me (for responses).
+    pub(crate) map_to: Option<DeviceMap>,
+    pub(crate) map_from: Option<DeviceMap>,
+}
+
+/// The group as this worker knows it.
+#[derive(Default)]
+pub(crate) struct Members {
+    pub(crate) by_id: HashMap<u32, Arc<Peer>>,
+    pub(crate) by_name: HashMap<String, u32>,
+    /// Ids that are gone, and why: errors about them still name the worker.
+    pub(crate) gone: HashMap<u32, (WorkerInfo, String)>,
+}
+
+/// Applies membership changes from the store as they happen.
+pub(crate) async fn watch_members(weak: std::sync::Weak<AgentInner>, mut revision: u64) {
+    let (url, secret) = match weak.upgrade() {
+        Some(inner) => (inner.store_url.clone(), inner.secret.clone()),
+        None => return,
+    };
+    // Its own connection: a watch is a long poll.
+    let mut watcher: Option<Store> = None;
+    let mut pause = Duration::from_millis(50);
+    loop {
+        let Some(inner) = weak.upgrade() else { return };
+        if inner.is_down() {
+            return;
+        }
+        drop(inner);
+        if watcher.is_none() {
+            let Some(inner) = weak.upgrade() else { return };
+            // Follow the main client's view of where the store is.
+            let url = match &url {
+                StoreUrl::Tcp(_) => StoreUrl::Tcp(inner.store.address()),
+                other => other.clone(),
+            };
+            drop(inner);
+            match Store::connect(&url, Duration::from_secs(2), secret.clone()).await {
+                Ok(s) => watcher = Some(s),
+                Err(e) => {
+                    tracing::debug!(error = %e, "membership watcher cannot reach the store; retrying");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(2));
+                    continue;
+                }
+            }
+        }
+        let w = watcher.as_ref().expect("connected above");
+        match w.watch("m/", revision, Duration::from_secs(5)).await {
+            Ok(Some(listing)) => {
+                pause = Duration::from_millis(50);
+                revision = listing.revision;
+                let Some(inner) = weak.upgrade() else { return };
+                if w.address() != inner.store.address() {
+                    // The store moved (hand-off): take the main client along and re-assert
+                    // our membership there at once.
+                    inner.store.follow(&w.address()).await;
+                    let _ = inner.store.list("m/live/").await;
+                }
+                inner.apply_listing(&listing).await;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::debug!(error = %e, "membership watch failed; reconnecting");
+                watcher = None;
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}
+
+impl AgentInner {
+    pub(crate) fn member_count(&self) -> u32 {
+        self.members.read().unwrap().by_id.len() as u32
+    }
+
+    pub(crate) fn add_member(&self, m: &mut Members, a: Announce) -> Arc<Peer> {
+        let info = WorkerInfo {
+            name: a.name.clone(),
+            id: a.id,
+        };
+        let peer = Arc::new(Peer {
+            info: info.clone(),
+            pipe: Mutex::new(None),
+            reader: Mutex::new(None),
+            connecting: tokio::sync::Mutex::new(()),
+            generation: AtomicU64::new(0),
+            down: Mutex::new(None),
+            leaving: AtomicBool::new(false),
+            last_heard: AtomicU64::new(0),
+            last_sent: AtomicU64::new(0),
+            map_to: self.options.device_maps.get(&a.name).cloned(),
+            map_from: a.devices.maps.get(&self.me.name).cloned(),
+            announce: a,
+        });
+        // The newest incarnation owns the name.
+        let newer = m.by_name.get(&info.name).is_none_or(|&old| old <= info.id);
+        if newer {
+            m.by_name.insert(info.name.clone(), info.id);
+        }
+        m.by_id.insert(info.id, peer.clone());
+        peer
+    }
+
+    /// Diffs a listing of `m/` against the members known here and applies the changes.
+    pub(crate) async fn apply_listing(self: &Arc<Self>, listing: &Listing) {
+        let (live, left) = membership::parse_listing(&listing.entries);
+        let known: HashMap<u32, Announce> = self
+            .members
+            .read()
+            .unwrap()
+            .by_id
+            .iter()
+            .map(|(id, p)| (*id, p.announce.clone()))
+            .collect();
+        let changes = membership::diff(&known, &live, &left);
+        for a in changes.joined {
+            if a.version != wire::AGENT_VERSION {
+                tracing::warn!(worker = %a.name, version = a.version, "a worker with another protocol version joined; ignored");
+                continue;
+            }
+            let info = {
+                let mut m = self.members.write().unwrap();
+                self.add_member(&mut m, a).info.clone()
+            };
+            self.subscribers.publish(MembershipEvent::Joined(info));
+        }
+        for (id, graceful) in changes.removed {
+            if id == self.me.id {
+                if self.is_down() {
+                    continue;
+                }
+                // Our own membership vanished (an expired lease, a store that moved without
+                // us): we are still here, so say so again.
+                tracing::warn!(worker = %self.me, "this worker's membership vanished from the store; re-announcing");
+                if let Ok(bytes) = postcard::to_allocvec(&self.announce) {
+                    let _ = self.store.set_ephemeral(&membership::live_key(id), bytes).await;
+                }
+                continue;
+            }
+            let detail = if graceful {
+                "left the group".to_owned()
+            } else {
+                "its membership expired without a goodbye (crashed, killed or cut off)".to_owned()
+            };
+            self.remove_member(id, graceful, detail);
+        }
+    }
+
+    /// A member is gone for good (left, or its membership expired).
+    pub(crate) fn remove_member(self: &Arc<Self>, id: u32, graceful: bool, detail: String) {
+        let peer = {
+            let mut m = self.members.write().unwrap();
+            let Some(peer) = m.by_id.remove(&id) else { return };
+            if m.by_name.get(&peer.info.name) == Some(&id) {
+                m.by_name.remove(&peer.info.name);
+                // An older incarnation still listed takes the name back only if it is alive.
+                if let Some(other) = m
+                    .by_id
+                    .values()
+                    .filter(|p| p.info.name == peer.info.name)
+                    .map(|p| p.info.id)
+                    .max()
+                {
+                    m.by_name.insert(peer.info.name.clone(), other);
+                }
+            }
+            m.gone.insert(id, (peer.info.clone(), detail.clone()));
+            peer
+        };
+        let was_down = peer.down.lock().unwrap().replace(detail.clone()).is_some();
+        self.drop_peer_state(&peer, &detail);
+        if graceful || peer.leaving.load(Ordering::Acquire) {
+            self.subscribers.publish(MembershipEvent::Left(peer.info.clone()));
+        } else if !was_down {
+            self.subscribers.publish(MembershipEvent::Lost {
+                worker: peer.info.clone(),
+                detail,
+            });
+        }
+    }
+
+    /// Closes the peer's pipe, fails its calls and releases what it held here.
+    pub(crate) fn drop_peer_state(&self, peer: &Peer, detail: &str) {
+        if let Some((_, pipe)) = peer.pipe.lock().unwrap().take() {
+            pipe.close();
+        }
+        peer.reader.lock().unwrap().take();
+        let name = peer.info.name.clone();
+        self.fail_calls(Some(peer.info.id), |_| RpcError::PeerLost {
+            worker: name.clone(),
+            detail: detail.to_owned(),
+        });
+        self.rrefs.peer_lost(peer.info.id);
+    }
+
+    /// Declares `id` lost (if `generation` is still its pipe's, or always with `None`). While
+    /// it stays a member, a background task tries to reconnect.
+    pub(crate) fn declare_lost(self: &Arc<Self>, id: u32, generation: Option<u64>, detail: String) {
+        if self.is_down() {
+            return;
+        }
+        let Ok(peer) = self.peer(id) else { return };
+        if generation.is_some_and(|g| g != peer.generation.load(Ordering::Acquire)) {
+            return;
+        }
+        {
+            let mut down = peer.down.lock().unwrap();
+            if down.is_some() {
+                return;
+            }
+            *down = Some(detail.clone());
+        }
+        let leaving = peer.leaving.load(Ordering::Acquire);
+        let detail = if leaving {
+            format!("{detail} (it is leaving the group)")
+        } else {
+            detail
+        };
+        tracing::info!(worker = %self.me, peer = %peer.info, %detail, "peer lost");
+        self.drop_peer_state(&peer, &detail);
+        if leaving {
+            return;
+        }
+        self.subscribers.publish(MembershipEvent::Lost {
+            worker: peer.info.clone(),
+            detail,
+        });
+        if id != self.me.id {
+            self.handle.spawn(reconnect(Arc::downgrade(self), peer));
+        }
+    }
+
+    pub(crate) fn resolve(&self, dest: &Dest) -> Result<u32, RpcError> {
+        let find = |m: &Members| match dest {
+            Dest::Name(n) => m.by_name.get(n).copied(),
+            Dest::Rank(r) => (m.by_id.contains_key(r) || m.gone.contains_key(r)).then_some(*r),
+        };
+        if let Some(id) = find(&self.members.read().unwrap()) {
+            return Ok(id);
+        }
+        // The watcher may not have seen a fresh join yet: ask the store (from plain threads).
+        if tokio::runtime::Handle::try_current().is_err()
+            && !self.is_down()
+            && self.handle.block_on(self.absorb_joins())
+        {
+            if let Some(id) = find(&self.members.read().unwrap()) {
+                return Ok(id);
+            }
+        }
+        Err(RpcError::UnknownWorker {
+            dest: dest.to_string(),
+            world_size: self.member_count(),
+        })
+    }
+
+    /// The live member `id`, or the error that says why there is none.
+    pub(crate) fn peer(&self, id: u32) -> Result<Arc<Peer>, RpcError> {
+        let m = self.members.read().unwrap();
+        if let Some(p) = m.by_id.get(&id) {
+            return Ok(p.clone());
+        }
+        match m.gone.get(&id) {
+            Some((info, detail)) => Err(RpcError::PeerLost {
+                worker: info.name.clone(),
+                detail: format!("{} {detail}", info),
+            }),
+            None => Err(RpcError::UnknownWorker {
+                dest: format!("id {id}"),
+                world_size: m.by_id.len() as u32,
+            }),
+        }
+    }
+
+    pub(crate) fn name_of(&self, id: u32) -> String {
+        self.worker_info(id).name
+    }
+
+    pub(crate) fn worker_info(&self, id: u32) -> WorkerInfo {
+        let m = self.members.read().unwrap();
+        if let Some(p) = m.by_id.get(&id) {
+            return p.info.clone();
+        }
+        match m.gone.get(&id) {
+            Some((info, _)) => info.clone(),
+            None => WorkerInfo {
+                name: format!("worker-{id}"),
+                id,
+            },
+        }
+    }
+
+    /// True if `id` is (or was: a leaving worker finishing its work) a member, asking the
+    /// store when the watcher has not seen it yet.
+    pub(crate) async fn known_or_refreshed(&self, id: u32) -> bool {
+        {
+            let m = self.members.read().unwrap();
+            if m.by_id.contains_key(&id) || m.gone.contains_key(&id) {
+                return true;
+            }
+        }
+        self.absorb_joins().await && self.members.read().unwrap().by_id.contains_key(&id)
+    }
+
+    /// Reads the membership from the store now and adds the live workers not known here (the
+    /// watcher may lag behind a fresh join), publishing their joins. False if the store did
+    /// not answer within 5 s.
+    pub(crate) async fn absorb_joins(&self) -> bool {
+        let Ok(Ok(listing)) = tokio::time::timeout(Duration::from_secs(5), self.store.list("m/")).await else {
+            return false;
+        };
+        let (live, _) = membership::parse_listing(&listing.entries);
+        let mut joined = Vec::new();
+        {
+            let mut m = self.members.write().unwrap();
+            for a in live.into_values() {
+                if !m.by_id.contains_key(&a.id) && !m.gone.contains_key(&a.id) && a.version == wire::AGENT_VERSION {
+                    joined.push(self.add_member(&mut m, a).info.clone());
+                }
+            }
+        }
+        for info in joined {
+            self.subscribers.publish(MembershipEvent::Joined(info));
+        }
+        true
+    }
+
+    /// The pipe to `id`, opened on first use; its reader task delivers replies and its
+    /// heartbeat task watches it.
+    pub(crate) async fn pipe_to(self: &Arc<Self>, id: u32) -> Result<Pipe, RpcError> {
+        self.pipe_for(&self.peer(id)?).await
+    }
+
+    /// [`pipe_to`](Self::pipe_to) for a peer already looked up.
+    pub(crate) async fn pipe_for(self: &Arc<Self>, peer: &Arc<Peer>) -> Result<Pipe, RpcError> {
+        if let Some((_, p)) = peer.pipe.lock().unwrap().as_ref() {
+            return Ok(p.clone());
+        }
+        let _connecting = peer.connecting.lock().await;
+        if let Some(detail) = peer.down.lock().unwrap().clone() {
+            return Err(RpcError::PeerLost {
+                worker: peer.info.name.clone(),
+                detail,
+            });
+        }
+        if let Some((_, p)) = peer.pipe.lock().unwrap().as_ref() {
+            return Ok(p.clone());
+        }
+        self.open_pipe(peer).await
+    }
+
+    /// Opens a new pipe to `peer` and starts its reader and heartbeat.
+    pub(crate) async fn open_pipe(self: &Arc<Self>, peer: &Arc<Peer>) -> Result<Pipe, RpcError> {
+        let name = peer.info.name.clone();
+        let address = &peer.announce.address;
+        let pipe = self.context.connect(address).await.map_err(|e| match e {
+            PipeError::Transport(_) | PipeError::Timeout { .. } => RpcError::PeerLost {
+                worker: name.clone(),
+                detail: format!("cannot open a pipe to {address}: {e}"),
+            },
+            other => RpcError::Pipe {
+                worker: name.clone(),
+                error: other,
+            },
+        })?;
+        let hello = Message {
+            metadata: wire::encode(&Envelope::Hello {
+                rank: self.me.id,
+                version: wire::AGENT_VERSION,
+                heartbeat_ms: self.options.heartbeat_interval.as_millis() as u64,
+            }),
+            ..Message::default()
+        };
+        pipe.write(&hello).await.map_err(|e| RpcError::from_pipe(&name, e))?;
+        let generation = peer.generation.fetch_add(1, Ordering::AcqRel) + 1;
+        peer.last_heard.store(self.now_ms(), Ordering::Release);
+        peer.last_sent.store(self.now_ms(), Ordering::Release);
+        *peer.pipe.lock().unwrap() = Some((generation, pipe.clone()));
+        let replies = PeerReplies {
+            inner: Arc::downgrade(self),
+            peer: peer.clone(),
+            generation,
+            handle: self.handle.clone(),
+        };
+        let reader = ReplyReader::new(replies, pipe.clone());
+        *peer.reader.lock().unwrap() = Some(reader.clone());
+        tokio::spawn(reader.background());
+        if !self.options.heartbeat_interval.is_zero() {
+            tokio::spawn(heartbeat(Arc::downgrade(self), peer.clone(), generation, pipe.clone()));
+        }
+        Ok(pipe)
+    }
+}
+
+/// Declares the caller of an incoming pipe lost once the pipe has heard nothing for `limit`;
+/// ends with the pipe.
+pub(crate) async fn watch_silence(
+    weak: std::sync::Weak<AgentInner>,
+    pipe: Pipe,
+    caller: u32,
+    heard: Arc<AtomicU64>,
+    limit: Duration,
+) {
+    loop {
+        tokio::time::sleep(limit / 4).await;
+        let Some(inner) = weak.upgrade() else { return };
+        if inner.is_down() || pipe.error().is_some() {
+            return;
+        }
+        let silent = Duration::from_millis(inner.now_ms().saturating_sub(heard.load(Ordering::Relaxed)));
+        if silent >= limit {
+            pipe.close();
+            inner.declare_lost(
+                caller,
+                None,
+                format!("its pipe to this worker was silent for {silent:?}"),
+            );
+            return;
+        }
+    }
+}
+
+/// Pings `peer` on `pipe` whenever the pipe has heard nothing for an interval, and declares the
+/// peer lost after `heartbeat_misses` silent intervals. Ends with the pipe.
+pub(crate) async fn heartbeat(weak: std::sync::Weak<AgentInner>, peer: Arc<Peer>, generation: u64, pipe: Pipe) {
+    let (interval, misses) = match weak.upgrade() {
+        Some(inner) => (inner.options.heartbeat_interval, inner.options.heartbeat_misses.max(1)),
+        None => return,
+    };
+    let limit = interval * misses;
+    loop {
+        tokio::time::sleep(interval / 2).await;
+        let Some(inner) = weak.upgrade() else { return };
+        if inner.is_down()
+            || peer.generation.load(Ordering::Acquire) != generation
+            || peer.down.lock().unwrap().is_some()
+        {
+            return;
+        }
+        let now = inner.now_ms();
+        let silent = Duration::from_millis(now.saturating_sub(peer.last_heard.load(Ordering::Acquire)));
+        let quiet = Duration::from_millis(now.saturating_sub(peer.last_sent.load(Ordering::Acquire)));
+        if silent >= limit {
+            pipe.close();
+            inner.declare_lost(
+                peer.info.id,
+                Some(generation),
+                format!("no reply to heartbeats for {silent:?}"),
+            );
+            return;
+        }
+        if silent >= interval || quiet >= interval {
+            peer.last_sent.store(now, Ordering::Release);
+            let ping = Message {
+                metadata: wire::encode(&Envelope::Request(Request {
+                    id: inner.next_id(),
+                    body: Body::Ping,
+                    value: WireValue::default(),
+                })),
+                ..Message::default()
+            };
+            let write = tokio::time::timeout(limit, pipe.write(&ping));
+            if let Ok(Err(e)) = write.await {
+                inner.declare_lost(peer.info.id, Some(generation), format!("heartbeat failed: {e}"));
+                return;
+            }
+        }
+    }
+}
+
+/// While `peer` is lost but still a member, tries to open a new pipe to it now and then.
+pub(crate) async fn reconnect(weak: std::sync::Weak<AgentInner>, peer: Arc<Peer>) {
+    let mut pause = Duration::from_millis(200);
+    loop {
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(2));
+        let Some(inner) = weak.upgrade() else { return };
+        if inner.is_down()
+            || !inner
+                .members
+                .read()
+                .unwrap()
+                .by_id
+                .get(&peer.info.id)
+                .is_some_and(|p| Arc::ptr_eq(p, &peer))
+        {
+            return;
+        }
+        let _connecting = peer.connecting.lock().await;
+        let attempt = tokio::time::timeout(Duration::from_secs(5), inner.open_pipe(&peer)).await;
+        if let Ok(Ok(_)) = attempt {
+            *peer.down.lock().unwrap() = None;
+            tracing::info!(worker = %inner.me, peer = %peer.info, "reconnected");
+            inner
+                .subscribers
+                .publish(MembershipEvent::Reconnected(peer.info.clone()));
+            return;
+        }
+    }
+}

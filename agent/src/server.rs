@@ -1,0 +1,603 @@
+//! The server side: requests read from incoming pipes, dispatched to handlers (inline, pool or
+//! async), and answered on the same pipe.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use sluice_channel::{Allocation, Descriptor, Device, Pipe, PipeError, RecvBuffer, Tensor};
+
+use crate::agent::{Agent, AgentInner, POOL_KEEP, POOL_MIN};
+use crate::budget::Budget;
+use crate::client::build_message;
+use crate::error::{HandlerError, RpcError};
+use crate::gpu::{self};
+use crate::handler::{BoxFuture, CallContext, Handler};
+use crate::payload::{Payload, Value};
+use crate::peers::watch_silence;
+use crate::wire::{self, Body, Envelope, GlobalId, Request, Response, WireError};
+
+impl AgentInner {
+    /// Memory for an incoming message: recycled CPU buffers for large tensors when possible;
+    /// CUDA tensors on their target device, one pooled stream per device. A target this
+    /// worker does not have (a peer's stale or hostile map) or a failed device allocation is
+    /// an error: the message cannot be placed.
+    pub(crate) fn allocate(&self, d: &Descriptor) -> Result<Allocation, String> {
+        let mut streams: Vec<(u32, sluice_channel::Stream)> = Vec::new();
+        let mut tensors = Vec::with_capacity(d.tensors.len());
+        for t in &d.tensors {
+            let len = t.length as usize;
+            tensors.push(match t.target_device.unwrap_or(Device::Cpu) {
+                Device::Cuda(i) => {
+                    let stream = match streams.iter().find(|(d, _)| *d == i) {
+                        Some((_, s)) => s.clone(),
+                        None => {
+                            let s = self
+                                .streams
+                                .next(i)
+                                .map_err(|e| format!("cannot place a tensor on cuda:{i}: {e}"))?;
+                            streams.push((i, s.clone()));
+                            s
+                        }
+                    };
+                    RecvBuffer::Cuda(
+                        sluice_channel::CudaBuffer::alloc_cached(len, &stream)
+                            .map_err(|e| format!("cannot allocate {len} bytes on cuda:{i}: {e}"))?,
+                    )
+                }
+                _ => RecvBuffer::Cpu(self.recv_buffer(len)),
+            });
+        }
+        Ok(Allocation {
+            payloads: d
+                .payload_lengths
+                .iter()
+                .map(|&l| BytesMut::zeroed(l as usize))
+                .collect(),
+            tensors,
+        })
+    }
+
+    pub(crate) fn recv_buffer(&self, len: usize) -> BytesMut {
+        if len >= POOL_MIN {
+            let mut pool = self.recv_pool.lock().unwrap();
+            let mut i = 0;
+            while i < pool.len() {
+                if pool[i].len() == len && pool[i].is_unique() {
+                    let b = pool.swap_remove(i);
+                    if let Ok(m) = b.try_into_mut() {
+                        return m;
+                    }
+                } else {
+                    i += 1;
+                }
+            }
+        }
+        BytesMut::zeroed(len)
+    }
+
+    pub(crate) fn keep_for_reuse(&self, b: &Bytes) {
+        if b.len() >= POOL_MIN {
+            let mut pool = self.recv_pool.lock().unwrap();
+            if pool.len() >= POOL_KEEP {
+                // Forget the oldest; it is freed when its user drops it.
+                pool.remove(0);
+            }
+            pool.push(b.clone());
+        }
+    }
+
+    /// Turns a received message into its envelope and value.
+    pub(crate) fn receive(
+        self: &Arc<Self>,
+        sender: u32,
+        d: &Descriptor,
+        allocation: Allocation,
+    ) -> Result<(Envelope, Option<Payload>), String> {
+        let envelope = wire::decode(&d.metadata)?;
+        let mut payloads = allocation.payloads.into_iter();
+        let tensors = allocation
+            .tensors
+            .into_iter()
+            .zip(&d.tensors)
+            .map(|(b, td)| {
+                let buffer = b.freeze();
+                if let Some(bytes) = buffer.as_cpu() {
+                    self.keep_for_reuse(bytes);
+                }
+                Tensor {
+                    buffer,
+                    metadata: td.metadata.clone(),
+                    target_device: None,
+                }
+            })
+            .collect::<Vec<_>>();
+        let value = match &envelope {
+            Envelope::Request(r) => Some(&r.value),
+            Envelope::Response(Response { result: Ok(v), .. }) => Some(v),
+            _ => None,
+        };
+        let payload = match value {
+            None => None,
+            Some(v) => {
+                let bytes = if v.in_payload {
+                    payloads
+                        .next()
+                        .ok_or("the value announced a payload that the message lacks")?
+                        .freeze()
+                } else {
+                    v.inline.clone()
+                };
+                let rrefs = v
+                    .rrefs
+                    .iter()
+                    .map(|w| self.rrefs.materialize(self, w, sender))
+                    .collect();
+                let mut payload = Payload {
+                    bytes,
+                    tensors,
+                    rrefs,
+                    events: Vec::new(),
+                };
+                // The copies into CUDA tensors are queued, not done: mark them.
+                gpu::record_events(&mut payload).map_err(|e| format!("recording arrival events: {e}"))?;
+                Some(payload)
+            }
+        };
+        Ok((envelope, payload))
+    }
+
+    /// Starts the request's work. Work that runs on this task (async handlers, RRef fetches,
+    /// control replies) comes back as a future for the reader to poll at once, so a handler
+    /// that finishes without waiting replies with no task switch; the reader spawns whatever is
+    /// still pending.
+    pub(crate) fn dispatch(
+        self: &Arc<Self>,
+        caller: u32,
+        pipe: Pipe,
+        request: Request,
+        payload: Payload,
+    ) -> Option<BoxFuture<()>> {
+        let ctx = CallContext {
+            agent: Agent { inner: self.clone() },
+            caller: self.worker_info(caller),
+            streams: payload.streams(),
+        };
+        let id = request.id;
+        match request.body {
+            Body::Call { handler } => self.run_handler(ctx, pipe, id, &handler, payload, None),
+            Body::Remote { handler, rref, fork } => {
+                if let Some(fork) = fork {
+                    self.rrefs.add_fork_held(rref, fork, caller);
+                }
+                self.run_handler(ctx, pipe, id, &handler, payload, Some(rref))
+            }
+            Body::Fetch { rref } => {
+                let value = self.rrefs.value(rref);
+                let inner = self.clone();
+                self.handlers_running.fetch_add(1, Ordering::AcqRel);
+                Some(Box::pin(async move {
+                    let mut pairs = Vec::new();
+                    let result = match value.await {
+                        Ok(v) => v
+                            .to_payload()
+                            .and_then(|mut p| {
+                                // Send from a stream that waits for the value's own events.
+                                pairs = gpu::restream(&mut p, &inner.streams)
+                                    .map_err(|e| RpcError::Encode(format!("ordering the value's CUDA tensors: {e}")))?;
+                                Ok(p)
+                            })
+                            .map_err(|e| WireError::Failed(e.to_string())),
+                        Err(e) => Err(WireError::Failed(format!("RRef creation failed: {e}"))),
+                    };
+                    inner.reply(&pipe, caller, id, result).await;
+                    gpu::rejoin(&pairs);
+                    inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
+                }))
+            }
+            Body::Method { rref, handler } => {
+                let Some(method) = self.registry.methods.get(&handler).cloned() else {
+                    return Some(self.reply_later(pipe, caller, id, Err(WireError::UnknownHandler(handler))));
+                };
+                let value = self.rrefs.value(rref);
+                let inner = self.clone();
+                self.handlers_running.fetch_add(1, Ordering::AcqRel);
+                Some(Box::pin(async move {
+                    match value.await {
+                        Ok(v) => {
+                            let pool_inner = inner.clone();
+                            inner.pool.submit(move || {
+                                let result = method(&ctx, &v, payload);
+                                let result = pool_inner.encode_result(result);
+                                pool_inner.reply_from_pool(pipe, caller, id, result);
+                            });
+                        }
+                        Err(e) => {
+                            let err = Err(WireError::Failed(format!("RRef creation failed: {e}")));
+                            inner.reply(&pipe, caller, id, err).await;
+                            inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
+                        }
+                    }
+                }))
+            }
+            Body::Ping => Some(self.reply_later(pipe, caller, id, Ok(Payload::empty()))),
+            Body::ForkRequest { rref, fork } => {
+                self.rrefs.add_fork_held(rref, fork, caller);
+                Some(self.reply_later(pipe, caller, id, Ok(Payload::empty())))
+            }
+            Body::ChildAccept { fork } => {
+                self.rrefs.child_accepted(fork);
+                Some(self.reply_later(pipe, caller, id, Ok(Payload::empty())))
+            }
+            Body::Delete { rref, fork } => {
+                self.rrefs.delete_fork(rref, fork);
+                Some(self.reply_later(pipe, caller, id, Ok(Payload::empty())))
+            }
+        }
+    }
+
+    pub(crate) fn reply_later(
+        self: &Arc<Self>,
+        pipe: Pipe,
+        caller: u32,
+        id: u64,
+        result: Result<Payload, WireError>,
+    ) -> BoxFuture<()> {
+        let inner = self.clone();
+        Box::pin(async move { inner.reply(&pipe, caller, id, result).await })
+    }
+
+    pub(crate) fn encode_result(&self, result: Result<Value, HandlerError>) -> Result<Payload, WireError> {
+        match result {
+            Ok(v) => v.to_payload().map_err(|e| WireError::Failed(e.to_string())),
+            Err(e) => Err(WireError::Handler(e)),
+        }
+    }
+
+    /// Runs a registered handler; with `rref`, keeps the value as that RRef's and replies
+    /// empty.
+    pub(crate) fn run_handler(
+        self: &Arc<Self>,
+        ctx: CallContext,
+        pipe: Pipe,
+        id: u64,
+        name: &str,
+        payload: Payload,
+        rref: Option<GlobalId>,
+    ) -> Option<BoxFuture<()>> {
+        let caller = ctx.caller.id;
+        let Some(handler) = self.registry.handlers.get(name).cloned() else {
+            if let Some(r) = rref {
+                self.rrefs.set_value(
+                    r,
+                    Err(RpcError::UnknownHandler {
+                        worker: self.me.name.clone(),
+                        handler: name.to_owned(),
+                    }),
+                );
+            }
+            return Some(self.reply_later(pipe, caller, id, Err(WireError::UnknownHandler(name.to_owned()))));
+        };
+        self.handlers_running.fetch_add(1, Ordering::AcqRel);
+        let inner = self.clone();
+        let finish = move |inner: &Arc<AgentInner>, result: Result<Value, HandlerError>| match rref {
+            None => inner.encode_result(result),
+            Some(r) => {
+                let reply = match &result {
+                    Ok(_) => Ok(Payload::empty()),
+                    Err(e) => Err(WireError::Handler(e.clone())),
+                };
+                let me = inner.me.name.clone();
+                // A value on a GPU keeps events marking the work that made it, for fetches.
+                let result = result.and_then(|v| match v {
+                    Value::Payload(mut p) => match gpu::record_events(&mut p) {
+                        Ok(()) => Ok(Value::Payload(p)),
+                        Err(e) => Err(HandlerError::new("CudaError", e.to_string())),
+                    },
+                    other => Ok(other),
+                });
+                inner.rrefs.set_value(
+                    r,
+                    result.map_err(|e| RpcError::Remote {
+                        worker: me,
+                        kind: e.kind,
+                        message: e.message,
+                    }),
+                );
+                reply
+            }
+        };
+        match handler {
+            // Quick last time and never blocked: run right here, on the thread that read the
+            // request (the serve loop hands its read role on if the handler blocks after all).
+            Handler::Sync(f, pace) if pace.inline() && crate::pool::may_inline() => Some(Box::pin(async move {
+                let result = pace.run(|| f(&ctx, payload));
+                let reply = finish(&inner, result);
+                inner.reply(&pipe, caller, id, reply).await;
+                inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
+            })),
+            Handler::Sync(f, pace) => {
+                self.pool.submit(move || {
+                    let result = pace.run(|| f(&ctx, payload));
+                    let reply = finish(&inner, result);
+                    inner.reply_from_pool(pipe, caller, id, reply);
+                });
+                None
+            }
+            Handler::Async(f) => Some(Box::pin(async move {
+                let result = f(ctx, payload).await;
+                let reply = finish(&inner, result);
+                inner.reply(&pipe, caller, id, reply).await;
+                inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
+            })),
+        }
+    }
+
+    /// Replies from a handler thread, then counts the handler done. A reply without tensors is
+    /// written right here (its write completes at once); one with tensors is handed to the I/O
+    /// runtime, because its write may wait for the receiver (a CMA write completes when the
+    /// caller has pulled the bytes), and a pool thread must not wait a round trip for that.
+    pub(crate) fn reply_from_pool(
+        self: &Arc<Self>,
+        pipe: Pipe,
+        caller: u32,
+        id: u64,
+        result: Result<Payload, WireError>,
+    ) {
+        let has_tensors = result.as_ref().is_ok_and(|p| !p.tensors.is_empty());
+        if has_tensors {
+            let inner = self.clone();
+            self.handle.spawn(async move {
+                inner.reply(&pipe, caller, id, result).await;
+                inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
+            });
+        } else {
+            self.handle.block_on(self.reply(&pipe, caller, id, result));
+            self.handlers_running.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Sends the reply to request `id` back on `pipe`.
+    pub(crate) async fn reply(self: &Arc<Self>, pipe: &Pipe, caller: u32, id: u64, result: Result<Payload, WireError>) {
+        let held = self.held.lock().unwrap().remove(&(caller, id));
+        if let Some((budget, size)) = held {
+            budget.release(size);
+        }
+        // The caller's map matters only for tensors; skip the lookup otherwise.
+        let needs_map = result.as_ref().is_ok_and(|p| !p.tensors.is_empty());
+        let peer = if needs_map { self.peer(caller).ok() } else { None };
+        let map = peer.as_ref().and_then(|p| p.map_from.as_ref());
+        let (result, frames, tensors, forks) = match result {
+            Ok(payload) => match self.outgoing_value(&payload, caller, map, true) {
+                Ok(o) => (Ok(o.value), o.frames, o.tensors, o.forks),
+                Err(e) => (
+                    Err(WireError::Failed(e.to_string())),
+                    Vec::new(),
+                    Vec::new(),
+                    Vec::new(),
+                ),
+            },
+            Err(e) => (Err(e), Vec::new(), Vec::new(), Vec::new()),
+        };
+        let message = build_message(Envelope::Response(Response { id, result }), frames, tensors);
+        if let Err(e) = pipe.write(&message).await {
+            self.rrefs.undo_forks(&forks);
+            tracing::debug!(worker = %self.me, caller, error = %e, "could not send a reply");
+        }
+    }
+}
+
+/// A request being served: its caller's budget and its size.
+pub(crate) type Held = (Arc<Budget>, u64);
+
+/// Bytes a message will occupy once received.
+pub(crate) fn message_bytes(d: &Descriptor) -> u64 {
+    let payloads: u64 = d.payload_lengths.iter().fold(0u64, |a, &l| a.saturating_add(l));
+    d.tensors
+        .iter()
+        .fold(payloads, |a, t| a.saturating_add(t.length))
+        .saturating_add(d.metadata.len() as u64)
+}
+
+/// Reads one whole message from `pipe`, refusing one larger than `max_message_bytes` before
+/// allocating anything for it.
+pub(crate) async fn read_message(pipe: &Pipe, inner: &AgentInner) -> Result<(Descriptor, Allocation), PipeError> {
+    let d = pipe.read_descriptor().await?;
+    finish_read(pipe, inner, d, None).await
+}
+
+pub(crate) async fn finish_read(
+    pipe: &Pipe,
+    inner: &AgentInner,
+    d: Descriptor,
+    budget: Option<(&Budget, u64)>,
+) -> Result<(Descriptor, Allocation), PipeError> {
+    let size = message_bytes(&d);
+    if size > inner.options.max_message_bytes {
+        pipe.close();
+        return Err(PipeError::Protocol {
+            peer: pipe.info().peer.clone(),
+            detail: format!(
+                "a message of {size} bytes exceeds this worker's limit of {} bytes (max_message_bytes)",
+                inner.options.max_message_bytes
+            ),
+        });
+    }
+    if let Some((b, size)) = budget {
+        b.acquire(size).await;
+    }
+    let allocation = match inner.allocate(&d) {
+        Ok(a) => a,
+        Err(detail) => {
+            if let Some((b, size)) = budget {
+                b.release(size);
+            }
+            pipe.close();
+            return Err(PipeError::Protocol {
+                peer: pipe.info().peer.clone(),
+                detail,
+            });
+        }
+    };
+    let allocation = match pipe.read(allocation).await {
+        Ok(a) => a,
+        Err(e) => {
+            if let Some((b, size)) = budget {
+                b.release(size);
+            }
+            return Err(e.error);
+        }
+    };
+    Ok((d, allocation))
+}
+
+/// Serves one incoming pipe: requests in, replies out. A caller that heartbeats and then
+/// falls silent for `heartbeat_misses` of its intervals is declared lost.
+pub(crate) async fn serve_pipe(inner: Arc<AgentInner>, pipe: Pipe) {
+    let (caller, silence) = match read_message(&pipe, &inner).await {
+        Ok((d, _)) => match wire::decode(&d.metadata) {
+            Ok(Envelope::Hello {
+                rank,
+                version,
+                heartbeat_ms,
+            }) if version == wire::AGENT_VERSION && inner.known_or_refreshed(rank).await => {
+                let silence = (heartbeat_ms > 0).then(|| {
+                    Duration::from_millis(heartbeat_ms.min(3_600_000)) * inner.options.heartbeat_misses.max(1)
+                });
+                (rank, silence)
+            }
+            Ok(other) => {
+                tracing::warn!(worker = %inner.me, peer = %pipe.info().peer, ?other, "pipe did not start with a valid hello from a member; closing it");
+                pipe.close();
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(worker = %inner.me, peer = %pipe.info().peer, error = %e, "closing pipe");
+                pipe.close();
+                return;
+            }
+        },
+        Err(_) => return,
+    };
+    let budget = Arc::new(Budget::new(inner.options.max_in_flight_bytes));
+    // Silence is watched by a separate task, so reading costs no timer per message.
+    let heard = Arc::new(AtomicU64::new(inner.now_ms()));
+    if let Some(limit) = silence {
+        tokio::spawn(watch_silence(
+            Arc::downgrade(&inner),
+            pipe.clone(),
+            caller,
+            heard.clone(),
+            limit,
+        ));
+    }
+    serve_requests(Arc::new(Served {
+        inner,
+        pipe,
+        caller,
+        budget,
+        heard,
+    }))
+    .await
+}
+
+/// An incoming pipe being served: whoever holds its read role runs [`serve_requests`].
+pub(crate) struct Served {
+    pub(crate) inner: Arc<AgentInner>,
+    pub(crate) pipe: Pipe,
+    pub(crate) caller: u32,
+    pub(crate) budget: Arc<Budget>,
+    pub(crate) heard: Arc<AtomicU64>,
+}
+
+/// Reads requests from one caller and dispatches them, until the pipe ends or the read role
+/// is handed to a new reader (a handler running inline blocked).
+pub(crate) fn serve_requests(served: Arc<Served>) -> BoxFuture<()> {
+    Box::pin(serve_loop(served))
+}
+
+pub(crate) async fn serve_loop(served: Arc<Served>) {
+    let Served {
+        inner,
+        pipe,
+        caller,
+        budget,
+        heard,
+    } = &*served;
+    let (inner, pipe, caller) = (inner, pipe, *caller);
+    loop {
+        let descriptor = pipe.read_descriptor().await;
+        heard.store(inner.now_ms(), Ordering::Relaxed);
+        let size = descriptor.as_ref().map_or(0, message_bytes);
+        let message = match descriptor {
+            Ok(d) => finish_read(pipe, inner, d, Some((budget, size))).await,
+            Err(e) => Err(e),
+        };
+        let (d, allocation) = match message {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::debug!(worker = %inner.me, caller, error = %e, "incoming pipe ended");
+                return;
+            }
+        };
+        let received = inner.receive(caller, &d, allocation);
+        if !matches!(&received, Ok((Envelope::Request(_), Some(_)))) {
+            budget.release(size);
+        }
+        match received {
+            Ok((Envelope::Request(request), Some(payload))) => {
+                if !matches!(request.body, Body::Ping) {
+                    inner.activity.fetch_add(1, Ordering::Relaxed);
+                }
+                // Held until the reply goes out (`reply` releases it).
+                inner
+                    .held
+                    .lock()
+                    .unwrap()
+                    .insert((caller, request.id), (budget.clone(), size));
+                // Should a handler run here block, a new reader takes the pipe over first.
+                let hand_off = {
+                    let served = served.clone();
+                    move || {
+                        tokio::spawn(serve_requests(served));
+                    }
+                };
+                let mut once = Some((hand_off, request, payload));
+                let (pending, handed) = std::future::poll_fn(|cx| {
+                    let (hand_off, request, payload) = once.take().expect("polled once");
+                    Poll::Ready(crate::pool::inline(hand_off, || {
+                        let mut work = inner.dispatch(caller, pipe.clone(), request, payload)?;
+                        // Poll once here, so work that finishes without waiting replies with
+                        // no task switch; what must wait continues as its own task (which
+                        // polls it again at once, so its waker is the task's own).
+                        work.as_mut().poll(cx).is_pending().then_some(work)
+                    }))
+                })
+                .await;
+                if let Some(work) = pending {
+                    tokio::spawn(work);
+                }
+                if handed {
+                    return;
+                }
+            }
+            Ok((Envelope::Goodbye, _)) => {
+                if let Ok(p) = inner.peer(caller) {
+                    p.leaving.store(true, Ordering::Release);
+                }
+            }
+            Ok((other, _)) => {
+                tracing::warn!(worker = %inner.me, caller, ?other, "unexpected message on an incoming pipe; closing it");
+                pipe.close();
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(worker = %inner.me, caller, error = %e, "closing incoming pipe");
+                pipe.close();
+                return;
+            }
+        }
+    }
+}
