@@ -39,20 +39,22 @@ use crate::calls::Calls;
 use crate::completion::{Completion, Slot};
 use crate::error::{InitError, RpcError, ShutdownError};
 use crate::gpu::StreamPool;
-use crate::handler::Registry;
 use crate::membership::{Announce, MembershipEvent, Subscribers};
 use crate::name::{Dest, WorkerInfo};
 use crate::options::AgentOptions;
 use crate::payload::{Payload, Value};
 use crate::peers::Members;
 use crate::pool::Pool;
-use crate::rref::{RRef, RRefState, RRefTable};
+use crate::rref::{RRef, RRefHost, RRefTable};
+use crate::server::CallContext;
 use crate::server::Held;
 use crate::store::{Store, StoreServer, StoreUrl};
 use crate::wire::{Body, GlobalId};
 
-/// The result of a call, awaitable or waitable any number of times.
-pub type RpcFuture = Completion<Result<Payload, RpcError>>;
+pub use crate::completion::RpcFuture;
+
+/// Every handler and method of a worker, fixed at init.
+pub type Registry = crate::handler::Handlers<CallContext>;
 
 /// Only one agent runs in a process at a time.
 pub(crate) static RUNNING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -244,12 +246,12 @@ impl Agent {
         let owner = inner.resolve(&dest.into())?;
         inner.check_running()?;
         let id = inner.global_id();
+        let host: Arc<dyn RRefHost> = inner.clone();
         let (state, fork) = if owner == inner.me.id {
-            inner.rrefs.owner_created(id);
-            (RRefState::owner(inner, id), None)
+            (inner.rrefs.owner_handle(&host, id), None)
         } else {
             let fork = inner.global_id();
-            (RRefState::user(inner, owner, id, fork, true), Some(fork))
+            (inner.rrefs.remote_user_handle(&host, owner, id, fork), Some(fork))
         };
         let body = Body::Remote {
             handler: handler.to_owned(),
@@ -264,9 +266,10 @@ impl Agent {
     /// A reference owned by this worker, holding `value`.
     pub fn rref<T: Serialize + Send + Sync + 'static>(&self, value: T) -> RRef<T> {
         let id = self.inner.global_id();
-        self.inner.rrefs.owner_created(id);
+        let host: Arc<dyn RRefHost> = self.inner.clone();
+        let state = self.inner.rrefs.owner_handle(&host, id);
         self.inner.rrefs.set_value(id, Ok(Value::object(value)));
-        RRef::from_state(RRefState::owner(&self.inner, id))
+        RRef::from_state(state)
     }
 
     /// Waits until every worker of the group has called `barrier` with the same `key` (each key

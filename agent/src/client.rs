@@ -9,6 +9,9 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use sluice_channel::{Message, Pipe, Tensor};
 
+use crate::name::WorkerInfo;
+use crate::rref::{RRefHost, RRefState, RRefTable};
+
 use crate::agent::{AgentInner, RpcFuture};
 use crate::completion::{Completion, Slot};
 use crate::device_map::{self, DeviceMap};
@@ -91,7 +94,7 @@ impl AgentInner {
             }
             .await;
             if let Err(e) = result {
-                inner.rrefs.undo_forks(&forks);
+                inner.rrefs.undo_forks(&(inner.clone() as Arc<dyn RRefHost>), &forks);
                 inner.finish_call(id, Err(e));
             }
         };
@@ -162,7 +165,12 @@ impl AgentInner {
             .rrefs
             .iter()
             .map(|r| {
-                let fork = self.rrefs.fork_for(self, r, dest);
+                let r = r
+                    .clone()
+                    .downcast::<RRefState>()
+                    .expect("a payload carries only RRef handles");
+                let host: Arc<dyn RRefHost> = self.clone();
+                let fork = self.rrefs.fork_for(&host, &r, dest);
                 forks.push(fork);
                 WireRRef {
                     owner: r.owner,
@@ -350,5 +358,39 @@ pub(crate) async fn run_timer(weak: std::sync::Weak<AgentInner>) {
             continue;
         }
         let _ = tokio::time::timeout_at(until.into(), notified).await;
+    }
+}
+
+impl RRefHost for AgentInner {
+    fn me(&self) -> &WorkerInfo {
+        &self.me
+    }
+
+    fn worker_info(&self, id: u32) -> WorkerInfo {
+        AgentInner::worker_info(self, id)
+    }
+
+    fn check_running(&self) -> Result<(), RpcError> {
+        AgentInner::check_running(self)
+    }
+
+    fn new_id(&self) -> GlobalId {
+        self.global_id()
+    }
+
+    fn rrefs(&self) -> &RRefTable {
+        &self.rrefs
+    }
+
+    fn default_timeout(&self) -> Duration {
+        self.options.default_timeout
+    }
+
+    fn call(self: Arc<Self>, to: u32, body: Body, payload: Payload, timeout: Duration) -> RpcFuture {
+        self.start_call(to, body, payload, timeout)
+    }
+
+    fn control(self: Arc<Self>, to: u32, body: Body, then: Box<dyn FnOnce(Result<(), RpcError>) + Send>) {
+        self.send_control(to, body, move |_, outcome| then(outcome));
     }
 }

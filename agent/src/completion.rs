@@ -13,6 +13,12 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
+use crate::error::RpcError;
+use crate::payload::Payload;
+
+/// The result of a call, awaitable or waitable any number of times.
+pub type RpcFuture = Completion<Result<Payload, RpcError>>;
+
 /// How long a blocking wait spins before it sleeps.
 const SPIN: Duration = Duration::from_micros(30);
 

@@ -75,26 +75,11 @@ impl StreamPool {
     }
 }
 
-/// The distinct streams of a payload's CUDA tensors.
-pub(crate) fn streams_of(payload: &Payload) -> Vec<Stream> {
-    let mut out: Vec<Stream> = Vec::new();
-    for t in &payload.tensors {
-        if let SendBuffer::Cuda(b) = &t.buffer {
-            if !out
-                .iter()
-                .any(|s| s.raw() == b.stream().raw() && s.device() == b.device())
-            {
-                out.push(b.stream().clone());
-            }
-        }
-    }
-    out
-}
-
 /// Records an event on each stream of the payload's CUDA tensors (after everything queued
 /// on them so far) and keeps them in the payload.
 pub(crate) fn record_events(payload: &mut Payload) -> Result<(), CudaError> {
-    let events = streams_of(payload)
+    let events = payload
+        .streams()
         .iter()
         .map(Event::record)
         .collect::<Result<Vec<_>, _>>()?;

@@ -16,35 +16,28 @@ use std::sync::Arc;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::agent::Agent;
 use crate::error::HandlerError;
-use crate::name::WorkerInfo;
 use crate::payload::{Payload, Value};
-
-/// What a handler sees besides its argument.
-#[derive(Clone)]
-pub struct CallContext {
-    /// This worker's agent, for nested calls.
-    pub agent: Agent,
-    /// Who called.
-    pub caller: WorkerInfo,
-    /// The streams the request's CUDA tensors arrived on (one per device): work queued on
-    /// them is ordered after the tensors' arrival, with no synchronize. Empty without CUDA
-    /// tensors.
-    pub streams: Vec<sluice_channel::Stream>,
-}
 
 pub type HandlerResult = Result<Value, HandlerError>;
 pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
-type SyncFn = dyn Fn(&CallContext, Payload) -> HandlerResult + Send + Sync;
-type AsyncFn = dyn Fn(CallContext, Payload) -> BoxFuture<HandlerResult> + Send + Sync;
-type MethodFn = dyn Fn(&CallContext, &Value, Payload) -> HandlerResult + Send + Sync;
+type SyncFn<C> = dyn Fn(&C, Payload) -> HandlerResult + Send + Sync;
+type AsyncFn<C> = dyn Fn(C, Payload) -> BoxFuture<HandlerResult> + Send + Sync;
+type MethodFn<C> = dyn Fn(&C, &Value, Payload) -> HandlerResult + Send + Sync;
 
-#[derive(Clone)]
-pub(crate) enum Handler {
-    Sync(Arc<SyncFn>, Arc<Pace>),
-    Async(Arc<AsyncFn>),
+pub(crate) enum Handler<C> {
+    Sync(Arc<SyncFn<C>>, Arc<Pace>),
+    Async(Arc<AsyncFn<C>>),
+}
+
+impl<C> Clone for Handler<C> {
+    fn clone(&self) -> Self {
+        match self {
+            Handler::Sync(f, pace) => Handler::Sync(f.clone(), pace.clone()),
+            Handler::Async(f) => Handler::Async(f.clone()),
+        }
+    }
 }
 
 /// A synchronous handler runs inline, on the thread that read its request, only after it
@@ -75,11 +68,29 @@ impl Pace {
     }
 }
 
-/// Every handler and method of a worker, fixed at init.
-#[derive(Clone, Default)]
-pub struct Registry {
-    pub(crate) handlers: HashMap<String, Handler>,
-    pub(crate) methods: HashMap<String, Arc<MethodFn>>,
+/// Every handler and method of a worker, fixed at init. `C` is what a handler sees besides its
+/// argument (the agent's [`crate::CallContext`]; this module knows nothing of agents).
+pub struct Handlers<C> {
+    pub(crate) handlers: HashMap<String, Handler<C>>,
+    pub(crate) methods: HashMap<String, Arc<MethodFn<C>>>,
+}
+
+impl<C> Clone for Handlers<C> {
+    fn clone(&self) -> Self {
+        Handlers {
+            handlers: self.handlers.clone(),
+            methods: self.methods.clone(),
+        }
+    }
+}
+
+impl<C> Default for Handlers<C> {
+    fn default() -> Self {
+        Handlers {
+            handlers: HashMap::new(),
+            methods: HashMap::new(),
+        }
+    }
 }
 
 fn decode_arg<A: DeserializeOwned>(payload: &Payload) -> Result<A, HandlerError> {
@@ -88,9 +99,9 @@ fn decode_arg<A: DeserializeOwned>(payload: &Payload) -> Result<A, HandlerError>
         .map_err(|e| HandlerError::new("DecodeError", e.to_string()))
 }
 
-impl Registry {
-    pub fn new() -> Registry {
-        Registry::default()
+impl<C: Send + 'static> Handlers<C> {
+    pub fn new() -> Handlers<C> {
+        Handlers::default()
     }
 
     /// A synchronous handler taking `A` and returning `R`.
@@ -98,9 +109,9 @@ impl Registry {
     where
         A: DeserializeOwned,
         R: Serialize + Send + Sync + 'static,
-        F: Fn(&CallContext, A) -> Result<R, HandlerError> + Send + Sync + 'static,
+        F: Fn(&C, A) -> Result<R, HandlerError> + Send + Sync + 'static,
     {
-        let f: Arc<SyncFn> = Arc::new(move |ctx, payload| {
+        let f: Arc<SyncFn<C>> = Arc::new(move |ctx, payload| {
             let arg = decode_arg::<A>(&payload)?;
             f(ctx, arg).map(Value::object)
         });
@@ -111,9 +122,9 @@ impl Registry {
     /// A synchronous handler over raw payloads (tensors in, tensors out).
     pub fn raw_handler<F>(&mut self, name: &str, f: F) -> &mut Self
     where
-        F: Fn(&CallContext, Payload) -> Result<Payload, HandlerError> + Send + Sync + 'static,
+        F: Fn(&C, Payload) -> Result<Payload, HandlerError> + Send + Sync + 'static,
     {
-        let f: Arc<SyncFn> = Arc::new(move |ctx, payload| f(ctx, payload).map(Value::Payload));
+        let f: Arc<SyncFn<C>> = Arc::new(move |ctx, payload| f(ctx, payload).map(Value::Payload));
         self.handlers.insert(name.to_owned(), Handler::Sync(f, Arc::default()));
         self
     }
@@ -124,11 +135,11 @@ impl Registry {
     where
         A: DeserializeOwned,
         R: Serialize + Send + Sync + 'static,
-        F: Fn(CallContext, A) -> Fut + Send + Sync + 'static,
+        F: Fn(C, A) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<R, HandlerError>> + Send + 'static,
     {
         let f = Arc::new(f);
-        let h: Arc<AsyncFn> = Arc::new(move |ctx, payload| {
+        let h: Arc<AsyncFn<C>> = Arc::new(move |ctx, payload| {
             let f = f.clone();
             Box::pin(async move {
                 let arg = decode_arg::<A>(&payload)?;
@@ -142,10 +153,10 @@ impl Registry {
     /// An async handler over raw payloads.
     pub fn raw_async_handler<F, Fut>(&mut self, name: &str, f: F) -> &mut Self
     where
-        F: Fn(CallContext, Payload) -> Fut + Send + Sync + 'static,
+        F: Fn(C, Payload) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<Payload, HandlerError>> + Send + 'static,
     {
-        let h: Arc<AsyncFn> = Arc::new(move |ctx, payload| {
+        let h: Arc<AsyncFn<C>> = Arc::new(move |ctx, payload| {
             let fut = f(ctx, payload);
             Box::pin(async move { fut.await.map(Value::Payload) })
         });
@@ -160,9 +171,9 @@ impl Registry {
         T: DeserializeOwned + Send + Sync + 'static,
         A: DeserializeOwned,
         R: Serialize + Send + Sync + 'static,
-        F: Fn(&CallContext, &T, A) -> Result<R, HandlerError> + Send + Sync + 'static,
+        F: Fn(&C, &T, A) -> Result<R, HandlerError> + Send + Sync + 'static,
     {
-        let m: Arc<MethodFn> = Arc::new(move |ctx, value, payload| {
+        let m: Arc<MethodFn<C>> = Arc::new(move |ctx, value, payload| {
             let target = value
                 .get::<T>()
                 .map_err(|e| HandlerError::new("TypeError", e.to_string()))?;

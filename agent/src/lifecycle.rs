@@ -8,13 +8,13 @@ use std::time::{Duration, Instant};
 
 use sluice_channel::{Context, Message, Pipe};
 
+use crate::agent::Registry;
 use crate::agent::{Agent, AgentInner, DOWN, H_TAKEOVER, RUNNING, RUNNING_STATE};
 use crate::calls::Calls;
 use crate::client::run_timer;
 use crate::device_map::{self, WorkerDevices};
 use crate::error::{HandlerError, InitError, RpcError, ShutdownError};
 use crate::gpu::{self, StreamPool};
-use crate::handler::{CallContext, Registry};
 use crate::membership::{self, Announce, Subscribers};
 use crate::name::{validate_name, WorkerInfo};
 use crate::options::{self, AgentOptions, Connect};
@@ -24,6 +24,7 @@ use crate::peers::{Members, Peer};
 use crate::pool::Pool;
 use crate::rref::RRefTable;
 use crate::server::serve_pipe;
+use crate::server::CallContext;
 use crate::store::{Snapshot, Store, StoreError, StoreServer, StoreUrl};
 use crate::wire::{self, Body, Envelope};
 
@@ -242,7 +243,7 @@ pub(crate) fn init(options: AgentOptions, mut registry: Registry) -> Result<Agen
         handlers_running: AtomicI64::new(0),
         control_in_flight: AtomicI64::new(0),
         activity: AtomicU64::new(0),
-        rrefs: RRefTable::default(),
+        rrefs: RRefTable::new(announce.id),
         incoming: Mutex::new(Vec::new()),
         held: Mutex::new(HashMap::new()),
         drop_control: AtomicUsize::new(options.faults.drop_control),

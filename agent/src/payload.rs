@@ -16,13 +16,16 @@ use sluice_channel::cuda::Event;
 use sluice_channel::{CudaError, SendBuffer, Stream, Tensor};
 
 use crate::error::RpcError;
-use crate::rref::RRefState;
+
+/// A reference a payload carries, opaque at this layer: the RRef layer above
+/// ([`crate::rref::RRefState`]) gives it meaning, so payloads do not depend on it.
+pub(crate) type Carried = Arc<dyn Any + Send + Sync>;
 
 thread_local! {
     /// Set while a value is being encoded: RRefs met on the way are collected here.
-    static ENCODING: RefCell<Option<Vec<Arc<RRefState>>>> = const { RefCell::new(None) };
+    static ENCODING: RefCell<Option<Vec<Carried>>> = const { RefCell::new(None) };
     /// Set while a value is being decoded: RRefs are looked up here by index.
-    static DECODING: RefCell<Option<Vec<Arc<RRefState>>>> = const { RefCell::new(None) };
+    static DECODING: RefCell<Option<Vec<Carried>>> = const { RefCell::new(None) };
 }
 
 /// Bytes, tensors and RRefs: the argument or result of a call.
@@ -30,7 +33,7 @@ thread_local! {
 pub struct Payload {
     pub(crate) bytes: Bytes,
     pub tensors: Vec<Tensor>,
-    pub(crate) rrefs: Vec<Arc<RRefState>>,
+    pub(crate) rrefs: Vec<Carried>,
     /// For a received payload: one event per stream its CUDA tensors arrived on, recorded
     /// after the incoming copies (see [`crate::gpu`]).
     pub(crate) events: Vec<Event>,
@@ -111,7 +114,18 @@ impl Payload {
     /// The streams the CUDA tensors are ordered by (for a received payload: the streams they
     /// arrived on, so work queued there sees their data).
     pub fn streams(&self) -> Vec<Stream> {
-        crate::gpu::streams_of(self)
+        let mut out: Vec<Stream> = Vec::new();
+        for t in &self.tensors {
+            if let SendBuffer::Cuda(b) = &t.buffer {
+                if !out
+                    .iter()
+                    .any(|s| s.raw() == b.stream().raw() && s.device() == b.device())
+                {
+                    out.push(b.stream().clone());
+                }
+            }
+        }
+        out
     }
 
     /// Makes work queued later on `stream` wait until every CUDA tensor of this payload has
@@ -166,17 +180,17 @@ impl Payload {
 }
 
 /// Called by `RRef`'s `Serialize`: records the reference, returns its index.
-pub(crate) fn encode_rref(state: &Arc<RRefState>) -> Option<u32> {
+pub(crate) fn encode_rref(state: Carried) -> Option<u32> {
     ENCODING.with(|e| {
         let mut e = e.borrow_mut();
         let list = e.as_mut()?;
-        list.push(state.clone());
+        list.push(state);
         Some(list.len() as u32 - 1)
     })
 }
 
 /// Called by `RRef`'s `Deserialize`: the reference at `index`.
-pub(crate) fn decode_rref(index: u32) -> Option<Arc<RRefState>> {
+pub(crate) fn decode_rref(index: u32) -> Option<Carried> {
     DECODING.with(|d| d.borrow().as_ref()?.get(index as usize).cloned())
 }
 

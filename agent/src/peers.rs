@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use sluice_channel::{Message, Pipe, PipeError};
 
+use crate::rref::RRefHost;
+
 use crate::agent::AgentInner;
 use crate::client::PeerReplies;
 use crate::completion::Driver;
@@ -223,7 +225,7 @@ impl AgentInner {
     }
 
     /// Closes the peer's pipe, fails its calls and releases what it held here.
-    pub(crate) fn drop_peer_state(&self, peer: &Peer, detail: &str) {
+    pub(crate) fn drop_peer_state(self: &Arc<Self>, peer: &Peer, detail: &str) {
         if let Some((_, pipe)) = peer.pipe.lock().unwrap().take() {
             pipe.close();
         }
@@ -233,7 +235,7 @@ impl AgentInner {
             worker: name.clone(),
             detail: detail.to_owned(),
         });
-        self.rrefs.peer_lost(peer.info.id);
+        self.rrefs.peer_lost(&(self.clone() as Arc<dyn RRefHost>), peer.info.id);
     }
 
     /// Declares `id` lost (if `generation` is still its pipe's, or always with `None`). While

@@ -1,80 +1,90 @@
-//! Remote references.
+//! Remote references: the public [`RRef`], the per-process handle behind it, and the driver
+//! that runs the protocol of [`crate::rref_ledger`] (which holds the rules and their tests).
 //!
-//! An RRef names a value kept by its owner. The owner holds the value while any user reference
-//! (a *fork*) exists or this process holds owner handles. The protocol keeps two guarantees
-//! (PyTorch's G1 and G2):
-//!
-//! - the owner learns of every user reference that goes away (`Delete`, sent when the last
-//!   handle in a process is dropped, only after the owner has confirmed that reference);
-//! - a reference that forks a child for another worker stays alive until the owner has
-//!   confirmed the child (`ForkRequest` from the child to the owner, then `ChildAccept` from
-//!   the child to the parent).
-//!
-//! Only these control messages are retried (on a lost acknowledgement); they are idempotent:
-//! the owner ignores a fork it already knows or already deleted. User calls are never retried.
+//! The RRef layer reaches the agent only through [`RRefHost`]: who this worker is, whether it
+//! runs, a call, and a control message with its outcome. Only control messages are retried (on
+//! a lost acknowledgement); they are idempotent: the owner ignores a fork it already knows or
+//! already deleted. User calls are never retried.
 
-use std::collections::{HashMap, HashSet};
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::agent::{AgentInner, RpcFuture};
-use crate::completion::{Completion, Slot};
+use crate::completion::{Completion, RpcFuture, Slot};
 use crate::error::RpcError;
 use crate::name::WorkerInfo;
 use crate::payload::{decode_rref, encode_rref, Payload, Value};
+use crate::rref_ledger::{Effects, Ledger, Parent};
 use crate::wire::{Body, GlobalId, WireRRef};
 
 type ValueSlot = Arc<Slot<Result<Value, RpcError>>>;
 
-struct OwnerEntry {
-    value: ValueSlot,
-    /// User references, each with the worker that holds it.
-    forks: HashMap<GlobalId, u32>,
-    /// Owner handles held in this process.
-    local: usize,
+/// What the RRef layer needs from the agent.
+pub(crate) trait RRefHost: Send + Sync + 'static {
+    fn me(&self) -> &WorkerInfo;
+    fn worker_info(&self, id: u32) -> WorkerInfo;
+    fn check_running(&self) -> Result<(), RpcError>;
+    fn new_id(&self) -> GlobalId;
+    fn rrefs(&self) -> &RRefTable;
+    fn default_timeout(&self) -> Duration;
+    fn call(self: Arc<Self>, to: u32, body: Body, payload: Payload, timeout: Duration) -> RpcFuture;
+    /// Sends a control message, retried until acknowledged or the peer is gone; `then` runs
+    /// once with the outcome.
+    fn control(self: Arc<Self>, to: u32, body: Body, then: Box<dyn FnOnce(Result<(), RpcError>) + Send>);
 }
 
-impl OwnerEntry {
-    fn new() -> Self {
-        OwnerEntry {
-            value: Slot::new(),
-            forks: HashMap::new(),
-            local: 0,
-        }
-    }
-}
-
-/// The RRef bookkeeping of one worker: values it owns, children it forked.
-#[derive(Default)]
+/// The RRef bookkeeping of one worker: the protocol's state under one lock.
 pub(crate) struct RRefTable {
-    owned: Mutex<HashMap<GlobalId, OwnerEntry>>,
-    /// Forks the owner deleted: a late or repeated fork request for one is ignored.
-    deleted: Mutex<HashSet<GlobalId>>,
-    /// Children forked by this worker's references, kept until their owner confirmed them;
-    /// holding the parent here keeps it alive. With the worker the child went to.
-    pending_children: Mutex<HashMap<GlobalId, (u32, Arc<RRefState>)>>,
-    users: AtomicI64,
+    ledger: Mutex<Ledger<ValueSlot>>,
 }
 
 impl RRefTable {
-    /// A value this worker owns is being created (by `remote` to self or `Agent::rref`), with
-    /// one owner handle.
-    pub(crate) fn owner_created(&self, id: GlobalId) {
-        self.owned
-            .lock()
-            .unwrap()
-            .entry(id)
-            .or_insert_with(OwnerEntry::new)
-            .local += 1;
+    pub(crate) fn new(me: u32) -> RRefTable {
+        RRefTable {
+            ledger: Mutex::new(Ledger::new(me)),
+        }
+    }
+
+    /// Runs one input on the ledger, then does what it returned, outside the lock (dropping
+    /// a value can drop references, which come back here).
+    fn step<R>(
+        &self,
+        host: &Arc<dyn RRefHost>,
+        f: impl FnOnce(&mut Ledger<ValueSlot>) -> (R, Effects<ValueSlot>),
+    ) -> R {
+        let (r, effects) = f(&mut self.ledger.lock().unwrap());
+        run(host, effects);
+        r
+    }
+
+    fn input(&self, host: &Arc<dyn RRefHost>, f: impl FnOnce(&mut Ledger<ValueSlot>) -> Effects<ValueSlot>) {
+        self.step(host, |l| ((), f(l)))
+    }
+
+    /// A value this worker owns is being created (by `remote` to self or `Agent::rref`): its
+    /// owner handle.
+    pub(crate) fn owner_handle(&self, host: &Arc<dyn RRefHost>, id: GlobalId) -> Arc<RRefState> {
+        self.ledger.lock().unwrap().owner_created(id, Slot::new);
+        RRefState::new(host, host.me().id, id, None)
+    }
+
+    /// A user handle made by this worker's `remote` call to `owner` (registered by the call).
+    pub(crate) fn remote_user_handle(
+        &self,
+        host: &Arc<dyn RRefHost>,
+        owner: u32,
+        id: GlobalId,
+        fork: GlobalId,
+    ) -> Arc<RRefState> {
+        self.ledger.lock().unwrap().user_created(owner, id, fork);
+        RRefState::new(host, owner, id, Some(fork))
     }
 
     pub(crate) fn set_value(&self, id: GlobalId, value: Result<Value, RpcError>) {
-        let slot = self.owned.lock().unwrap().get(&id).map(|e| e.value.clone());
+        let slot = self.ledger.lock().unwrap().existing_value(id).cloned();
         match slot {
             Some(s) => {
                 s.complete(value);
@@ -85,242 +95,125 @@ impl RRefTable {
 
     /// The value of an owned RRef (waits for its creation).
     pub(crate) fn value(&self, id: GlobalId) -> Completion<Result<Value, RpcError>> {
-        let slot = self
-            .owned
-            .lock()
-            .unwrap()
-            .entry(id)
-            .or_insert_with(OwnerEntry::new)
-            .value
-            .clone();
-        Completion::new(slot)
+        Completion::new(self.ledger.lock().unwrap().value(id, Slot::new).clone())
     }
 
     /// A user reference `fork` to the owned value `id`, held by worker `holder`.
     pub(crate) fn add_fork_held(&self, id: GlobalId, fork: GlobalId, holder: u32) {
-        if self.deleted.lock().unwrap().contains(&fork) {
-            return;
-        }
-        self.owned
-            .lock()
-            .unwrap()
-            .entry(id)
-            .or_insert_with(OwnerEntry::new)
-            .forks
-            .insert(fork, holder);
+        self.ledger.lock().unwrap().add_fork_held(id, fork, holder, Slot::new);
+    }
+
+    pub(crate) fn delete_fork(&self, host: &Arc<dyn RRefHost>, id: GlobalId, fork: GlobalId) {
+        self.input(host, |l| l.delete_fork(id, fork));
+    }
+
+    pub(crate) fn child_accepted(&self, host: &Arc<dyn RRefHost>, fork: GlobalId) {
+        self.input(host, |l| l.child_accepted(fork));
     }
 
     /// `worker` is lost: the references it held are released here, and children forked for it
     /// will never be confirmed.
-    pub(crate) fn peer_lost(&self, worker: u32) {
-        let children: Vec<_> = {
-            let mut pending = self.pending_children.lock().unwrap();
-            let ids: Vec<GlobalId> = pending
-                .iter()
-                .filter(|(_, (d, _))| *d == worker)
-                .map(|(f, _)| *f)
-                .collect();
-            ids.into_iter().filter_map(|f| pending.remove(&f)).collect()
-        };
-        drop(children);
-        let released: Vec<OwnerEntry> = {
-            let mut owned = self.owned.lock().unwrap();
-            let mut deleted = self.deleted.lock().unwrap();
-            let mut empty = Vec::new();
-            for (id, e) in owned.iter_mut() {
-                e.forks.retain(|fork, holder| {
-                    let keep = *holder != worker;
-                    if !keep {
-                        deleted.insert(*fork);
-                    }
-                    keep
-                });
-                if e.forks.is_empty() && e.local == 0 {
-                    empty.push(*id);
-                }
-            }
-            empty.into_iter().filter_map(|id| owned.remove(&id)).collect()
-        };
-        if !released.is_empty() {
-            tracing::info!(
-                worker,
-                values = released.len(),
-                "released the RRef values a lost worker held"
-            );
-        }
-    }
-
-    pub(crate) fn delete_fork(&self, id: GlobalId, fork: GlobalId) {
-        self.deleted.lock().unwrap().insert(fork);
-        let mut owned = self.owned.lock().unwrap();
-        if let Some(e) = owned.get_mut(&id) {
-            e.forks.remove(&fork);
-            if e.forks.is_empty() && e.local == 0 {
-                owned.remove(&id);
-            }
-        }
-    }
-
-    fn owner_handle_dropped(&self, id: GlobalId) {
-        let mut owned = self.owned.lock().unwrap();
-        if let Some(e) = owned.get_mut(&id) {
-            e.local = e.local.saturating_sub(1);
-            if e.forks.is_empty() && e.local == 0 {
-                owned.remove(&id);
-            }
-        }
-    }
-
-    pub(crate) fn child_accepted(&self, fork: GlobalId) {
-        // Dropping the parent here may send its own delete.
-        let parent = self.pending_children.lock().unwrap().remove(&fork);
-        drop(parent);
+    pub(crate) fn peer_lost(&self, host: &Arc<dyn RRefHost>, worker: u32) {
+        self.input(host, |l| l.peer_lost(worker));
     }
 
     /// The fork id a reference becomes when sent to `dest`, with the bookkeeping that keeps the
     /// value alive until the receiver is known to the owner.
-    pub(crate) fn fork_for(&self, inner: &Arc<AgentInner>, r: &Arc<RRefState>, dest: u32) -> GlobalId {
-        let fork = inner.global_id();
-        if r.owner == inner.me.id {
-            if dest != inner.me.id {
-                self.add_fork_held(r.id, fork, dest);
-            } else {
-                // To ourselves: the receiving side takes an owner handle; keep one meanwhile.
-                self.pending_children.lock().unwrap().insert(fork, (dest, r.clone()));
-            }
-        } else {
-            self.pending_children.lock().unwrap().insert(fork, (dest, r.clone()));
-        }
+    pub(crate) fn fork_for(&self, host: &Arc<dyn RRefHost>, r: &RRefState, dest: u32) -> GlobalId {
+        let fork = host.new_id();
+        let parent = match r.fork {
+            None => Parent::Owner(r.id),
+            Some(f) => Parent::User(f),
+        };
+        self.ledger.lock().unwrap().fork_for(parent, r.id, fork, dest);
         fork
     }
 
     /// A send failed: forget the forks made for it.
-    pub(crate) fn undo_forks(&self, forks: &[GlobalId]) {
-        for f in forks {
-            let child = self.pending_children.lock().unwrap().remove(f);
-            drop(child);
-            let mut owned = self.owned.lock().unwrap();
-            for e in owned.values_mut() {
-                e.forks.remove(f);
-            }
+    pub(crate) fn undo_forks(&self, host: &Arc<dyn RRefHost>, forks: &[GlobalId]) {
+        if !forks.is_empty() {
+            self.input(host, |l| l.undo_forks(forks));
         }
     }
 
     /// A reference arrived from `sender`: the handle this process uses for it.
-    pub(crate) fn materialize(&self, inner: &Arc<AgentInner>, w: &WireRRef, sender: u32) -> Arc<RRefState> {
-        if w.owner == inner.me.id {
-            self.owner_created(w.id);
-            let state = RRefState::owner(inner, w.id);
-            if sender == inner.me.id {
-                self.child_accepted(w.fork);
-            } else {
-                // The sender holds its reference until we confirm we hold ours.
-                inner.send_control(sender, Body::ChildAccept { fork: w.fork }, |_, _| {});
-            }
-            return state;
-        }
-        let confirmed = w.parent == w.owner;
-        let state = RRefState::user(inner, w.owner, w.id, w.fork, confirmed);
-        if !confirmed {
-            let parent = w.parent;
-            let fork = w.fork;
-            let st = state.clone();
-            inner.send_control(
-                w.owner,
-                Body::ForkRequest { rref: w.id, fork },
-                move |inner, outcome| {
-                    // Also when the owner is gone: nothing will confirm this reference, and its
-                    // delete must not wait forever (it fails fast instead).
-                    st.confirm();
-                    if outcome.is_err() {
-                        return;
-                    }
-                    if parent == inner.me.id {
-                        inner.rrefs.child_accepted(fork);
-                    } else {
-                        inner.send_control(parent, Body::ChildAccept { fork }, |_, _| {});
-                    }
-                },
-            );
-        }
-        state
+    pub(crate) fn materialize(&self, host: &Arc<dyn RRefHost>, w: &WireRRef, sender: u32) -> Arc<RRefState> {
+        self.input(host, |l| l.arrived(w, sender, Slot::new));
+        let fork = (w.owner != host.me().id).then_some(w.fork);
+        RRefState::new(host, w.owner, w.id, fork)
     }
 
     pub(crate) fn owned_count(&self) -> usize {
-        self.owned.lock().unwrap().len()
+        self.ledger.lock().unwrap().owned_count()
     }
 
     pub(crate) fn users_alive(&self) -> usize {
-        self.users.load(Ordering::Acquire).max(0) as usize
+        self.ledger.lock().unwrap().users_held()
+    }
+
+    fn is_confirmed(&self, fork: GlobalId) -> bool {
+        self.ledger.lock().unwrap().is_confirmed(fork)
     }
 
     pub(crate) fn clear(&self) {
-        let children: Vec<_> = self.pending_children.lock().unwrap().drain().collect();
-        drop(children);
-        let owned: Vec<_> = self.owned.lock().unwrap().drain().collect();
-        drop(owned);
+        let released = self.ledger.lock().unwrap().clear().released;
+        drop(released);
+    }
+}
+
+/// Does what the ledger asked: sends (while the agent runs), and drops released values.
+fn run(host: &Arc<dyn RRefHost>, effects: Effects<ValueSlot>) {
+    let Effects { send, released } = effects;
+    drop(released);
+    if host.check_running().is_err() {
+        return;
+    }
+    for (to, body) in send {
+        let then: Box<dyn FnOnce(Result<(), RpcError>) + Send> = match body {
+            Body::ForkRequest { fork, .. } => {
+                let weak = Arc::downgrade(host);
+                Box::new(move |outcome| {
+                    // Also when the owner is gone: nothing will confirm this reference, and
+                    // its delete must not wait forever.
+                    if let Some(host) = weak.upgrade() {
+                        let accepted = outcome.is_ok();
+                        host.rrefs().input(&host, |l| l.fork_confirmed(fork, accepted));
+                    }
+                })
+            }
+            _ => Box::new(|_| {}),
+        };
+        host.clone().control(to, body, then);
     }
 }
 
 /// One process's handle on a reference; shared by every clone of the `RRef`.
 pub struct RRefState {
-    agent: Weak<AgentInner>,
+    host: Weak<dyn RRefHost>,
     pub(crate) owner: u32,
     pub(crate) id: GlobalId,
     /// `None` for an owner handle.
     pub(crate) fork: Option<GlobalId>,
-    confirmed: Arc<Slot<()>>,
     creation: OnceLock<RpcFuture>,
     owner_info: WorkerInfo,
     here: WorkerInfo,
 }
 
 impl RRefState {
-    pub(crate) fn owner(inner: &Arc<AgentInner>, id: GlobalId) -> Arc<RRefState> {
-        let confirmed = Slot::new();
-        confirmed.complete(());
+    fn new(host: &Arc<dyn RRefHost>, owner: u32, id: GlobalId, fork: Option<GlobalId>) -> Arc<RRefState> {
         Arc::new(RRefState {
-            agent: Arc::downgrade(inner),
-            owner: inner.me.id,
-            id,
-            fork: None,
-            confirmed,
-            creation: OnceLock::new(),
-            owner_info: inner.me.clone(),
-            here: inner.me.clone(),
-        })
-    }
-
-    pub(crate) fn user(
-        inner: &Arc<AgentInner>,
-        owner: u32,
-        id: GlobalId,
-        fork: GlobalId,
-        confirmed: bool,
-    ) -> Arc<RRefState> {
-        inner.rrefs.users.fetch_add(1, Ordering::AcqRel);
-        let slot = Slot::new();
-        if confirmed {
-            slot.complete(());
-        }
-        Arc::new(RRefState {
-            agent: Arc::downgrade(inner),
+            host: Arc::downgrade(host),
             owner,
             id,
-            fork: Some(fork),
-            confirmed: slot,
+            fork,
             creation: OnceLock::new(),
-            owner_info: inner.worker_info(owner),
-            here: inner.me.clone(),
+            owner_info: host.worker_info(owner),
+            here: host.me().clone(),
         })
     }
 
     pub(crate) fn set_creation(&self, f: RpcFuture) {
         let _ = self.creation.set(f);
-    }
-
-    fn confirm(&self) {
-        self.confirmed.complete(());
     }
 
     fn describe(&self) -> String {
@@ -333,30 +226,12 @@ impl RRefState {
 
 impl Drop for RRefState {
     fn drop(&mut self) {
-        let Some(inner) = self.agent.upgrade() else { return };
-        match self.fork {
-            None => inner.rrefs.owner_handle_dropped(self.id),
-            Some(fork) => {
-                inner.rrefs.users.fetch_sub(1, Ordering::AcqRel);
-                if inner.check_running().is_err() {
-                    return;
-                }
-                let (owner, id) = (self.owner, self.id);
-                let confirmed = Completion::new(self.confirmed.clone());
-                if confirmed.is_done() {
-                    inner.send_control(owner, Body::Delete { rref: id, fork }, |_, _| {});
-                } else {
-                    // The owner must know the fork before it hears that it is gone.
-                    inner.control_in_flight.fetch_add(1, Ordering::AcqRel);
-                    let handle = inner.handle.clone();
-                    handle.spawn(async move {
-                        confirmed.await;
-                        inner.send_control(owner, Body::Delete { rref: id, fork }, |_, _| {});
-                        inner.control_in_flight.fetch_sub(1, Ordering::AcqRel);
-                    });
-                }
-            }
-        }
+        let Some(host) = self.host.upgrade() else { return };
+        let (id, fork) = (self.id, self.fork);
+        host.rrefs().input(&host, |l| match fork {
+            None => l.owner_dropped(id),
+            Some(f) => l.user_dropped(f),
+        });
     }
 }
 
@@ -402,11 +277,14 @@ impl<T> RRef<T> {
 
     /// True once the owner knows this reference (always true on the owner).
     pub fn confirmed_by_owner(&self) -> bool {
-        self.state.confirmed.is_done()
+        match (self.state.fork, self.state.host.upgrade()) {
+            (Some(f), Some(host)) => host.rrefs().is_confirmed(f),
+            _ => true,
+        }
     }
 
-    fn agent(&self) -> Result<Arc<AgentInner>, RpcError> {
-        let inner = self.state.agent.upgrade().ok_or(RpcError::Shutdown)?;
+    fn agent(&self) -> Result<Arc<dyn RRefHost>, RpcError> {
+        let inner = self.state.host.upgrade().ok_or(RpcError::Shutdown)?;
         inner.check_running()?;
         Ok(inner)
     }
@@ -425,7 +303,7 @@ impl<T: DeserializeOwned + Send + Sync + 'static> RRef<T> {
     /// Waits up to the default timeout.
     pub fn to_here(&self) -> Result<T, RpcError> {
         let inner = self.agent()?;
-        self.to_here_timeout(inner.options.default_timeout)
+        self.to_here_timeout(inner.default_timeout())
     }
 
     /// [`to_here`](Self::to_here) with its own timeout (zero: none).
@@ -443,8 +321,8 @@ impl<T: DeserializeOwned + Send + Sync + 'static> RRef<T> {
             return Completion::ready(Err(e));
         }
         if self.is_owner() {
-            let value = inner.rrefs.value(self.state.id);
-            let owner = inner.me.name.clone();
+            let value = inner.rrefs().value(self.state.id);
+            let owner = inner.me().name.clone();
             let local = match value.try_get() {
                 Some(v) => v,
                 None => match timeout.is_zero() {
@@ -455,7 +333,7 @@ impl<T: DeserializeOwned + Send + Sync + 'static> RRef<T> {
             };
             return Completion::ready(local.and_then(|v| v.to_payload()));
         }
-        inner.start_call(
+        inner.call(
             self.state.owner,
             Body::Fetch { rref: self.state.id },
             Payload::empty(),
@@ -473,7 +351,7 @@ impl<T: DeserializeOwned + Send + Sync + 'static> RRef<T> {
                 owner: self.state.owner_info.to_string(),
             });
         }
-        let value = inner.rrefs.value(self.state.id).wait()?;
+        let value = inner.rrefs().value(self.state.id).wait()?;
         value.get::<T>().map_err(|_| RpcError::WrongType {
             rref: self.state.describe(),
             expected: std::any::type_name::<T>(),
@@ -495,8 +373,8 @@ impl<T: DeserializeOwned + Send + Sync + 'static> RRef<T> {
             rref: self.state.id,
             handler: method.to_owned(),
         };
-        let timeout = inner.options.default_timeout;
-        inner.start_call(self.state.owner, body, payload, timeout)
+        let timeout = inner.default_timeout();
+        inner.call(self.state.owner, body, payload, timeout)
     }
 
     /// Proxy: runs `method` on the value on its owner and waits for the result.
@@ -507,7 +385,7 @@ impl<T: DeserializeOwned + Send + Sync + 'static> RRef<T> {
 
 impl<T> Serialize for RRef<T> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        match encode_rref(&self.state) {
+        match encode_rref(self.state.clone()) {
             Some(i) => s.serialize_u32(i),
             None => Err(serde::ser::Error::custom(
                 "an RRef can only be serialized inside a call's value (Payload::encode)",
@@ -520,6 +398,7 @@ impl<'de, T> Deserialize<'de> for RRef<T> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let i = u32::deserialize(d)?;
         decode_rref(i)
+            .and_then(|a| a.downcast::<RRefState>().ok())
             .map(RRef::from_state)
             .ok_or_else(|| serde::de::Error::custom(format!("RRef #{i} is not in this value")))
     }

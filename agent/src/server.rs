@@ -14,10 +14,26 @@ use crate::budget::Budget;
 use crate::client::build_message;
 use crate::error::{HandlerError, RpcError};
 use crate::gpu::{self};
-use crate::handler::{BoxFuture, CallContext, Handler};
+use crate::handler::{BoxFuture, Handler};
+use crate::name::WorkerInfo;
+use crate::payload::Carried;
 use crate::payload::{Payload, Value};
 use crate::peers::watch_silence;
+use crate::rref::RRefHost;
 use crate::wire::{self, Body, Envelope, GlobalId, Request, Response, WireError};
+
+/// What a handler sees besides its argument.
+#[derive(Clone)]
+pub struct CallContext {
+    /// This worker's agent, for nested calls.
+    pub agent: Agent,
+    /// Who called.
+    pub caller: WorkerInfo,
+    /// The streams the request's CUDA tensors arrived on (one per device): work queued on
+    /// them is ordered after the tensors' arrival, with no synchronize. Empty without CUDA
+    /// tensors.
+    pub streams: Vec<sluice_channel::Stream>,
+}
 
 impl AgentInner {
     /// Memory for an incoming message: recycled CPU buffers for large tensors when possible;
@@ -133,7 +149,10 @@ impl AgentInner {
                 let rrefs = v
                     .rrefs
                     .iter()
-                    .map(|w| self.rrefs.materialize(self, w, sender))
+                    .map(|w| {
+                        let host: Arc<dyn RRefHost> = self.clone();
+                        self.rrefs.materialize(&host, w, sender) as Carried
+                    })
                     .collect();
                 let mut payload = Payload {
                     bytes,
@@ -228,11 +247,11 @@ impl AgentInner {
                 Some(self.reply_later(pipe, caller, id, Ok(Payload::empty())))
             }
             Body::ChildAccept { fork } => {
-                self.rrefs.child_accepted(fork);
+                self.rrefs.child_accepted(&(self.clone() as Arc<dyn RRefHost>), fork);
                 Some(self.reply_later(pipe, caller, id, Ok(Payload::empty())))
             }
             Body::Delete { rref, fork } => {
-                self.rrefs.delete_fork(rref, fork);
+                self.rrefs.delete_fork(&(self.clone() as Arc<dyn RRefHost>), rref, fork);
                 Some(self.reply_later(pipe, caller, id, Ok(Payload::empty())))
             }
         }
@@ -383,7 +402,7 @@ impl AgentInner {
         };
         let message = build_message(Envelope::Response(Response { id, result }), frames, tensors);
         if let Err(e) = pipe.write(&message).await {
-            self.rrefs.undo_forks(&forks);
+            self.rrefs.undo_forks(&(self.clone() as Arc<dyn RRefHost>), &forks);
             tracing::debug!(worker = %self.me, caller, error = %e, "could not send a reply");
         }
     }

@@ -70,7 +70,7 @@ pub struct Request {
     pub value: WireValue,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Body {
     /// Run a handler, reply with its value.
     Call { handler: String },
