@@ -44,7 +44,7 @@ impl AgentInner {
         let mut streams: Vec<(u32, sluice_channel::Stream)> = Vec::new();
         let mut tensors = Vec::with_capacity(d.tensors.len());
         for t in &d.tensors {
-            let len = t.length as usize;
+            let len = t.buffer_len();
             tensors.push(match t.target_device.unwrap_or(Device::Cpu) {
                 Device::Cuda(i) => {
                     let stream = match streams.iter().find(|(d, _)| *d == i) {
@@ -119,8 +119,10 @@ impl AgentInner {
             .into_iter()
             .zip(&d.tensors)
             .map(|(b, td)| {
+                // Memory shared with the sender goes back to it, not to our pool.
+                let shared = matches!(b, RecvBuffer::Shared(_));
                 let buffer = b.freeze();
-                if let Some(bytes) = buffer.as_cpu() {
+                if let (Some(bytes), false) = (buffer.as_cpu(), shared) {
                     self.keep_for_reuse(bytes);
                 }
                 Tensor {

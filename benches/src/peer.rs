@@ -122,12 +122,7 @@ async fn serve_pipe(pipe: Pipe, directory: String) -> anyhow::Result<()> {
                 spare = Some(got);
             }
             b"echo" => {
-                let tensors: Vec<Bytes> = got
-                    .tensors
-                    .into_iter()
-                    .filter_map(|t| t.into_cpu())
-                    .map(|b| b.freeze())
-                    .collect();
+                let tensors: Vec<Bytes> = got.tensors.into_iter().filter_map(|t| t.into_cpu()).collect();
                 let message = Message {
                     metadata: d.metadata.clone(),
                     payloads: Vec::new(),

@@ -34,10 +34,12 @@ use crate::channel::cma::{self, CmaContext};
 use crate::channel::cuda::{process_token, CudaIpcContext, CudaP2pContext, CudaStagedContext};
 use crate::channel::gdr::GdrContext;
 use crate::channel::rdma::RdmaContext;
+use crate::channel::segment::{Segment, SegmentOffer};
 use crate::channel::{BasicContext, ChannelContext, ChannelKind, MultiLaneContext};
 use crate::device::Device;
 use crate::error::{PipeError, Result};
 use crate::negotiation;
+use crate::pipe::Segments;
 use crate::pipe::{Links, Pipe, PipeInfo};
 use crate::wire::{self, Answer, Brochure, ChannelOffer, Hello, Reply, TransportOffer};
 
@@ -93,6 +95,10 @@ pub struct ContextOptions {
     /// Lets cuda_p2p pair a GPU with itself within this process, so its peer-copy path runs on
     /// a machine with one GPU (tests and benchmarks only).
     pub cuda_p2p_loopback: bool,
+    /// Size of the shared segment each side of a cma pipe receives CPU tensors into (see
+    /// [`crate::channel::segment`]): address space, with pages allocated as they are first
+    /// used. Tensors that do not fit go by cross-memory attach. 0: no segment.
+    pub segment_bytes: usize,
 }
 
 impl Default for ContextOptions {
@@ -110,6 +116,7 @@ impl Default for ContextOptions {
             max_descriptor_bytes: 64 << 20,
             secret: None,
             cuda_p2p_loopback: false,
+            segment_bytes: 256 << 20,
         }
     }
 }
@@ -253,7 +260,10 @@ impl Context {
         let staged = async {
             let (mut r, mut w) = AnyConnection::from(conn).split();
             self.authenticate(&mut r, &mut w, &peer).await?;
-            w.write(&[&wire::encode_setup(&Hello::Pipe(self.brochure()))]).await?;
+            let inbox = self.inbox_segment();
+            let mut brochure = self.brochure();
+            brochure.segment = inbox.as_ref().map(|s| s.offer());
+            w.write(&[&wire::encode_setup(&Hello::Pipe(brochure))]).await?;
             let reply = r.read_vec(wire::MAX_SETUP_BYTES).await?;
             let answer = match wire::decode_setup::<Reply>(&reply, &peer)? {
                 Reply::Accept(a) => *a,
@@ -264,7 +274,7 @@ impl Context {
                     })
                 }
             };
-            self.finish_client(addr, &peer, (r, w), answer).await
+            self.finish_client(addr, &peer, (r, w), answer, inbox).await
         };
         tokio::time::timeout(timeout, staged)
             .await
@@ -288,6 +298,7 @@ impl Context {
             pid: std::process::id(),
             process: process_token(),
             cma_probe: cma::probe_address(),
+            segment: None,
             transports: self.transport_offers(),
             channels: self.channel_offers(),
         }
@@ -345,12 +356,24 @@ impl Context {
             .any(|c| c.kind().name() == name && c.can_communicate(local, remote))
     }
 
+    /// The segment this side receives CPU tensors into, when cma may be chosen.
+    fn inbox_segment(&self) -> Option<Arc<Segment>> {
+        let size = self.inner.options.segment_bytes;
+        if size == 0 || !self.inner.channels.iter().any(|c| c.kind() == ChannelKind::Cma) {
+            return None;
+        }
+        Segment::create(size)
+            .inspect_err(|e| tracing::info!("no shared segment for cma pipes: {e}"))
+            .ok()
+    }
+
     async fn finish_client(
         &self,
         addr: &str,
         peer: &str,
         bootstrap: (AnyReader, AnyWriter),
         answer: Answer,
+        inbox: Option<Arc<Segment>>,
     ) -> Result<Pipe> {
         let negotiation = |reason: String| PipeError::Negotiation {
             peer: peer.to_owned(),
@@ -451,6 +474,7 @@ impl Context {
             local_pairs(&answer.choices, false),
             Links { control, reply, lanes },
             self.inner.options.max_descriptor_bytes,
+            segments(cpu, inbox, answer.pid, answer.segment, peer),
         ))
     }
 }
@@ -485,6 +509,26 @@ struct Peer {
 }
 
 /// The pipe both ends build once their connections are in place.
+/// The pipe's segments (inbox, outbox) when cma was chosen: ours, and the peer's opened here.
+/// Either may be missing; then tensors that would use it go by cross-memory attach.
+fn segments(
+    cpu: ChannelKind,
+    inbox: Option<Arc<Segment>>,
+    peer_pid: u32,
+    offer: Option<SegmentOffer>,
+    peer: &str,
+) -> Segments {
+    if cpu != ChannelKind::Cma {
+        return Segments::default();
+    }
+    let outbox = offer.and_then(|o| {
+        Segment::open(peer_pid, o)
+            .inspect_err(|e| tracing::info!(peer = %peer, "sending by cross-memory attach only: {e}"))
+            .ok()
+    });
+    Segments { inbox, outbox }
+}
+
 fn assemble(
     peer: Peer,
     kind: TransportKind,
@@ -492,6 +536,7 @@ fn assemble(
     channels: Vec<(Device, Device, ChannelKind)>,
     links: Links,
     max: usize,
+    segments: Segments,
 ) -> Pipe {
     let info = PipeInfo {
         peer: peer.name,
@@ -501,7 +546,7 @@ fn assemble(
         channels,
         lanes: links.lanes.len(),
     };
-    Pipe::new(info, links, max, peer.process)
+    Pipe::new(info, links, max, peer.process, segments)
 }
 
 /// The server's choices as (local device, remote device, channel) for one side.
@@ -723,6 +768,10 @@ async fn serve_pipe(shared: &ListenerShared, peer: &str, bootstrap: Halves, broc
     } else {
         0
     };
+    let inbox = match (cpu, brochure.segment) {
+        (ChannelKind::Cma, Some(_)) => ctx.inbox_segment(),
+        _ => None,
+    };
     let control_token = (kind != TransportKind::Tcp).then(rand::random::<u64>);
     let reply_token = rand::random::<u64>();
     let lane_tokens: Vec<u64> = (0..lane_count).map(|_| rand::random()).collect();
@@ -744,6 +793,7 @@ async fn serve_pipe(shared: &ListenerShared, peer: &str, bootstrap: Halves, broc
         pid: std::process::id(),
         process: process_token(),
         cma_probe: cma::probe_address(),
+        segment: inbox.as_ref().map(|s| s.offer()),
         transport: kind.name().to_owned(),
         transport_descriptor: local
             .iter()
@@ -798,5 +848,6 @@ async fn serve_pipe(shared: &ListenerShared, peer: &str, bootstrap: Halves, broc
         local_pairs(&pairs, true),
         Links { control, reply, lanes },
         ctx.inner.options.max_descriptor_bytes,
+        segments(cpu, inbox, brochure.pid, brochure.segment, peer),
     ))
 }

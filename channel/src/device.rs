@@ -122,6 +122,10 @@ impl From<Vec<u8>> for SendBuffer {
 #[non_exhaustive]
 pub enum RecvBuffer {
     Cpu(BytesMut),
+    /// Received in place, in memory shared with the sender (a cma pipe's segment): the pipe
+    /// puts it here instead of filling the buffer supplied. Read-only; its memory goes back to
+    /// the sender when the last handle drops.
+    Shared(Bytes),
     /// Filled by copies queued on the buffer's stream: work queued there after the read
     /// completes sees the data.
     Cuda(CudaBuffer),
@@ -135,7 +139,7 @@ impl RecvBuffer {
 
     pub fn device(&self) -> Device {
         match self {
-            RecvBuffer::Cpu(_) => Device::Cpu,
+            RecvBuffer::Cpu(_) | RecvBuffer::Shared(_) => Device::Cpu,
             RecvBuffer::Cuda(b) => Device::Cuda(b.device()),
         }
     }
@@ -143,6 +147,7 @@ impl RecvBuffer {
     pub fn len(&self) -> usize {
         match self {
             RecvBuffer::Cpu(b) => b.len(),
+            RecvBuffer::Shared(b) => b.len(),
             RecvBuffer::Cuda(b) => b.len(),
         }
     }
@@ -152,16 +157,19 @@ impl RecvBuffer {
     }
 
     /// The CPU bytes, if this is a CPU buffer.
-    pub fn as_cpu(&self) -> Option<&BytesMut> {
+    pub fn as_cpu(&self) -> Option<&[u8]> {
         match self {
             RecvBuffer::Cpu(b) => Some(b),
+            RecvBuffer::Shared(b) => Some(b),
             RecvBuffer::Cuda(_) => None,
         }
     }
 
-    pub fn into_cpu(self) -> Option<BytesMut> {
+    /// The CPU bytes as shared bytes, without copying, if this is a CPU buffer.
+    pub fn into_cpu(self) -> Option<Bytes> {
         match self {
-            RecvBuffer::Cpu(b) => Some(b),
+            RecvBuffer::Cpu(b) => Some(b.freeze()),
+            RecvBuffer::Shared(b) => Some(b),
             RecvBuffer::Cuda(_) => None,
         }
     }
@@ -170,7 +178,7 @@ impl RecvBuffer {
     pub fn as_cuda(&self) -> Option<&CudaBuffer> {
         match self {
             RecvBuffer::Cuda(b) => Some(b),
-            RecvBuffer::Cpu(_) => None,
+            RecvBuffer::Cpu(_) | RecvBuffer::Shared(_) => None,
         }
     }
 
@@ -178,6 +186,7 @@ impl RecvBuffer {
     pub fn freeze(self) -> SendBuffer {
         match self {
             RecvBuffer::Cpu(b) => SendBuffer::Cpu(b.freeze()),
+            RecvBuffer::Shared(b) => SendBuffer::Cpu(b),
             RecvBuffer::Cuda(b) => SendBuffer::Cuda(b),
         }
     }

@@ -59,10 +59,25 @@ pub struct TensorDescriptor {
     pub source_device: Device,
     pub target_device: Option<Device>,
     pub metadata: Bytes,
+    /// The tensor arrives in memory shared with the sender (a cma pipe's segment) and is
+    /// handed over as [`RecvBuffer::Shared`]: the buffer supplied for it is not used, so an
+    /// empty one will do.
+    pub arrives_shared: bool,
+}
+
+impl TensorDescriptor {
+    /// The length of the buffer to supply: 0 for a tensor that arrives shared.
+    pub fn buffer_len(&self) -> usize {
+        if self.arrives_shared {
+            0
+        } else {
+            self.length as usize
+        }
+    }
 }
 
 /// The memory a receiver supplies for one message: one buffer per payload and per tensor, each
-/// exactly as long as the descriptor says. Filled in place and handed back by `Pipe::read`.
+/// exactly as long as the descriptor says (empty for a tensor that arrives shared). Filled in place and handed back by `Pipe::read`.
 #[derive(Debug, Default)]
 pub struct Allocation {
     pub payloads: Vec<BytesMut>,
@@ -82,7 +97,7 @@ impl Allocation {
         for t in &descriptor.tensors {
             tensors.push(match t.target_device.unwrap_or(t.source_device) {
                 Device::Cuda(i) => RecvBuffer::Cuda(CudaBuffer::alloc(t.length as usize, &stream(i)?)?),
-                _ => RecvBuffer::cpu(t.length as usize),
+                _ => RecvBuffer::cpu(t.buffer_len()),
             });
         }
         Ok(Allocation {
@@ -99,7 +114,7 @@ impl Allocation {
             tensors: descriptor
                 .tensors
                 .iter()
-                .map(|t| RecvBuffer::cpu(t.length as usize))
+                .map(|t| RecvBuffer::cpu(t.buffer_len()))
                 .collect(),
         }
     }

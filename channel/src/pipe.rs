@@ -43,16 +43,60 @@ use tokio::sync::Mutex;
 
 use crate::channel::gdr;
 use crate::channel::rdma::{self, RegCache};
+use crate::channel::segment::Segment;
 use crate::channel::{cma, multilane, ChannelKind};
 use crate::cuda::events::{self, EventSlot};
 use crate::cuda::{driver, ipc, staged, CudaBuffer, CudaError};
 use crate::device::{Device, RecvBuffer, SendBuffer};
 use crate::error::{PipeError, Result};
 use crate::message::{Allocation, Descriptor, Message, TensorDescriptor};
-use crate::wire::{self, Ack, CudaDone, CudaSource, RdmaSource, WireDescriptor, WireTensor};
+use crate::wire::{self, Ack, CpuSource, CudaDone, CudaSource, RdmaSource, WireDescriptor, WireTensor};
 
 /// Tensors at least this long are copied by CMA on a blocking thread rather than inline.
 const CMA_OFFLOAD: usize = 1 << 20;
+
+/// cma-channel tensors below this go inline through the control connection: a frame copy on
+/// each side costs less than a segment block or a system call and an acknowledgement.
+const INLINE_MAX: usize = 16 << 10;
+
+/// A cma pipe's shared segments: the one this side receives into, and the peer's, which this
+/// side sends into (see [`crate::channel::segment`]).
+#[derive(Default)]
+pub(crate) struct Segments {
+    pub(crate) inbox: Option<Arc<Segment>>,
+    pub(crate) outbox: Option<Arc<Segment>>,
+}
+
+/// Blocks of the peer's segment reserved for one message: given back if the message is never
+/// announced (a failed or cancelled write), kept once its descriptor went out.
+struct Reserved {
+    segment: Arc<Segment>,
+    ranges: Vec<(u64, Bytes)>,
+    announced: bool,
+}
+
+impl Reserved {
+    /// Copies every reserved tensor into the segment.
+    fn copy(&self) {
+        for (offset, bytes) in &self.ranges {
+            self.segment.write(*offset, bytes);
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        self.ranges.iter().map(|(_, b)| b.len()).sum()
+    }
+}
+
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        if !self.announced {
+            for (offset, bytes) in &self.ranges {
+                self.segment.unreserve(*offset, bytes.len());
+            }
+        }
+    }
+}
 
 /// The connections of one pipe, already split, as setup produced them.
 pub(crate) struct Links {
@@ -118,6 +162,8 @@ struct WriteSide {
     registrations: Option<RegCache>,
     /// cuda_gdr's registrations of sent GPU allocations.
     gpu_registrations: Option<RegCache>,
+    /// The peer's segment, which cma tensors are copied into when they fit.
+    outbox: Option<Arc<Segment>>,
 }
 
 struct ReadSide {
@@ -147,6 +193,8 @@ struct Inner {
     closers: Vec<Closer>,
     /// One-sided RDMA on the control connection (when it is ibverbs).
     rdma: Option<RdmaHandle>,
+    /// The segment cma tensors from the peer arrive in.
+    inbox: Option<Arc<Segment>>,
     writer: Mutex<WriteSide>,
     reader: Mutex<ReadSide>,
 }
@@ -208,7 +256,13 @@ impl std::fmt::Debug for Pipe {
 }
 
 impl Pipe {
-    pub(crate) fn new(info: PipeInfo, links: Links, max_descriptor: usize, peer_process: u64) -> Pipe {
+    pub(crate) fn new(
+        info: PipeInfo,
+        links: Links,
+        max_descriptor: usize,
+        peer_process: u64,
+        segments: Segments,
+    ) -> Pipe {
         let table = info.channels.iter().map(|&(l, r, k)| ((l, r), k)).collect();
         let ipc_counted = info.channels.iter().any(|c| c.2.is_direct_cuda());
         if ipc_counted {
@@ -235,6 +289,7 @@ impl Pipe {
                 error: OnceLock::new(),
                 closers,
                 rdma,
+                inbox: segments.inbox,
                 writer: Mutex::new(WriteSide {
                     control: links.control.1,
                     acks: links.reply.0,
@@ -243,6 +298,7 @@ impl Pipe {
                     exposed: Vec::new(),
                     registrations,
                     gpu_registrations,
+                    outbox: segments.outbox,
                 }),
                 reader: Mutex::new(ReadSide {
                     control: links.control.0,
@@ -329,6 +385,7 @@ impl Pipe {
         // Sender events of cuda_ipc/cuda_p2p tensors: the receiver waits on them before its
         // copy, so they are kept until its acknowledgement.
         let mut ready_events = Vec::new();
+        let mut reserved: Option<Reserved> = None;
         for t in &message.tensors {
             let source = t.buffer.device();
             let target = t.target_device.or_else(|| self.default_target(source));
@@ -337,11 +394,11 @@ impl Pipe {
             let channel = self
                 .channel_for(source, target.unwrap_or(source))
                 .map_err(|e| PipeError::Misuse(e.to_string()))?;
-            let mut address = None;
+            let mut cpu = None;
             let mut cuda = None;
             let mut rdma = None;
             match (&t.buffer, channel) {
-                (SendBuffer::Cpu(b), ChannelKind::Cma) => address = Some(b.as_ptr() as u64),
+                (SendBuffer::Cpu(b), ChannelKind::Cma) => cpu = Some(place_cpu(side.outbox.as_ref(), &mut reserved, b)),
                 (SendBuffer::Cpu(b), ChannelKind::Rdma) if b.len() >= rdma::INLINE_MAX => {
                     let cache = side
                         .registrations
@@ -379,7 +436,7 @@ impl Pipe {
                 source,
                 target,
                 metadata: t.metadata.clone(),
-                address,
+                cpu,
                 cuda,
                 rdma,
             });
@@ -394,7 +451,8 @@ impl Pipe {
         };
         let mut acked = Vec::new();
         for ((t, &channel), w) in message.tensors.iter().zip(&channels).zip(&descriptor.tensors) {
-            if channel == ChannelKind::Cma || channel.is_direct_cuda() || w.rdma.is_some() {
+            let by_cma = matches!(w.cpu, Some(CpuSource::Cma { .. }));
+            if by_cma || channel.is_direct_cuda() || w.rdma.is_some() {
                 // Kept alive until acknowledged, even if this write is cancelled.
                 side.exposed.push(t.buffer.clone());
                 if channel.is_direct_cuda() {
@@ -407,12 +465,32 @@ impl Pipe {
                 }
             }
         }
+        // Tensors in the peer's segment are copied before it hears of them; a large copy runs
+        // on a blocking thread, which keeps the reservation until it is done (even if this
+        // write is cancelled meanwhile).
+        let reserved = match reserved {
+            Some(r) if r.bytes() >= CMA_OFFLOAD => tokio::task::spawn_blocking(move || {
+                r.copy();
+                r
+            })
+            .await
+            .map(Some)
+            .map_err(|e| self.inner.protocol(format!("segment copy thread failed: {e}")))?,
+            Some(r) => {
+                r.copy();
+                Some(r)
+            }
+            None => None,
+        };
         side.control.write(&[&wire::encode(&descriptor)]).await?;
+        if let Some(mut r) = reserved {
+            r.announced = true;
+        }
         for p in &message.payloads {
             side.control.write(&[p]).await?;
         }
         let mut needs_ack = false;
-        for (t, &channel) in message.tensors.iter().zip(&channels) {
+        for ((t, &channel), w) in message.tensors.iter().zip(&channels).zip(&descriptor.tensors) {
             match (&t.buffer, channel) {
                 (SendBuffer::Cpu(bytes), ChannelKind::Basic) => side.control.write(&[bytes]).await?,
                 (SendBuffer::Cpu(bytes), ChannelKind::MultiLane) => {
@@ -422,7 +500,11 @@ impl Pipe {
                 (SendBuffer::Cuda(b), ChannelKind::CudaStaged) => {
                     staged::send_gpu(&mut side.control, b, &self.inner.info.peer).await?
                 }
-                (_, ChannelKind::Cma) => needs_ack = true,
+                (SendBuffer::Cpu(bytes), ChannelKind::Cma) => match w.cpu {
+                    Some(CpuSource::Inline) => side.control.write(&[bytes]).await?,
+                    Some(CpuSource::Segment { .. }) => {}
+                    _ => needs_ack = true,
+                },
                 (SendBuffer::Cpu(bytes), ChannelKind::Rdma) => {
                     if bytes.len() >= rdma::INLINE_MAX {
                         needs_ack = true;
@@ -538,7 +620,14 @@ impl Pipe {
                 .channel_for(t.target.unwrap_or(t.source), t.source)
                 .map_err(|e| self.inner.fail(e))?;
             let by_rdma = carried_by_rdma(channel, t.length);
-            if (channel == ChannelKind::Cma) != t.address.is_some()
+            let in_segment = matches!(t.cpu, Some(CpuSource::Segment { .. }));
+            if in_segment && self.inner.inbox.is_none() {
+                return Err(self.inner.fail(
+                    self.inner
+                        .protocol("tensor announced in a segment this pipe does not have"),
+                ));
+            }
+            if (channel == ChannelKind::Cma) != t.cpu.is_some()
                 || channel.is_direct_cuda() != t.cuda.is_some()
                 || by_rdma != t.rdma.is_some()
             {
@@ -561,6 +650,7 @@ impl Pipe {
                     source_device: t.source,
                     target_device: t.target,
                     metadata: t.metadata.clone(),
+                    arrives_shared: matches!(t.cpu, Some(CpuSource::Segment { .. })),
                 })
                 .collect(),
         };
@@ -631,6 +721,16 @@ impl Pipe {
         let mut done = Vec::new();
         for (t, buf) in descriptor.tensors.iter().zip(allocation.tensors.iter_mut()) {
             let channel = self.channel_for(buf.device(), t.source)?;
+            if let (Some(CpuSource::Segment { offset }), Some(inbox)) = (t.cpu, &self.inner.inbox) {
+                // Nothing to copy: the tensor is handed over where the sender put it.
+                let bytes = inbox.take(offset, t.length).map_err(|e| self.inner.protocol(e))?;
+                *buf = RecvBuffer::Shared(bytes);
+                continue;
+            }
+            if let RecvBuffer::Shared(b) = buf {
+                // A buffer handed back from an earlier read: this tensor needs writable memory.
+                *buf = RecvBuffer::cpu(b.len());
+            }
             match (buf, channel) {
                 (RecvBuffer::Cpu(dst), ChannelKind::Basic) => {
                     read_exact_frame(&mut side.control, dst, &self.inner).await?
@@ -639,8 +739,14 @@ impl Pipe {
                     recv_lanes(&mut side.lanes, dst, &self.inner.info.peer).await?
                 }
                 (RecvBuffer::Cpu(dst), ChannelKind::Cma) => {
+                    let address = match t.cpu {
+                        Some(CpuSource::Cma { address }) => address,
+                        _ => {
+                            read_exact_frame(&mut side.control, dst, &self.inner).await?;
+                            continue;
+                        }
+                    };
                     cma = true;
-                    let address = t.address.expect("checked in read_descriptor");
                     cma_read(self.inner.info.peer_pid as i32, address, dst)
                         .await
                         .map_err(|detail| PipeError::Channel {
@@ -884,7 +990,8 @@ fn check_allocation(d: &WireDescriptor, a: &Allocation) -> std::result::Result<(
         }
     }
     for (i, (b, t)) in a.tensors.iter().zip(&d.tensors).enumerate() {
-        if b.len() as u64 != t.length {
+        let shared = matches!(t.cpu, Some(CpuSource::Segment { .. }));
+        if b.len() as u64 != t.length && !shared {
             return Err(format!(
                 "tensor {i}: buffer of {} bytes for {} bytes",
                 b.len(),
@@ -956,6 +1063,30 @@ async fn cma_read(pid: i32, address: u64, dst: &mut BytesMut) -> std::result::Re
     .map_err(|e| format!("copy thread failed: {e}"))?;
     *dst = buf;
     result.map_err(|e| e.to_string())
+}
+
+/// Where a cma-channel tensor goes: inline when small, into the peer's segment when it fits
+/// (reserving its blocks in `reserved`), else by cross-memory attach.
+fn place_cpu(outbox: Option<&Arc<Segment>>, reserved: &mut Option<Reserved>, b: &Bytes) -> CpuSource {
+    if b.len() < INLINE_MAX {
+        return CpuSource::Inline;
+    }
+    if let Some(seg) = outbox {
+        if let Some(offset) = seg.allocate(b.len()) {
+            reserved
+                .get_or_insert_with(|| Reserved {
+                    segment: seg.clone(),
+                    ranges: Vec::new(),
+                    announced: false,
+                })
+                .ranges
+                .push((offset, b.clone()));
+            return CpuSource::Segment { offset };
+        }
+    }
+    CpuSource::Cma {
+        address: b.as_ptr() as u64,
+    }
 }
 
 /// What one lane task hands back: its lane, what it carried (if anything), and how it went.

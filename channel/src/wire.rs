@@ -13,12 +13,13 @@ use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use crate::channel::segment::SegmentOffer;
 use crate::device::Device;
 use crate::error::PipeError;
 
 pub const MAGIC: [u8; 4] = *b"SLCE";
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 3;
+pub const VERSION: u16 = 4;
 const ENVELOPE: usize = 6;
 
 /// Largest setup frame accepted (hello or answer).
@@ -42,6 +43,9 @@ pub struct Brochure {
     pub process: u64,
     /// Address of the CMA probe in the sender's memory (see `channel::cma`).
     pub cma_probe: u64,
+    /// The segment the client receives CPU tensors into (see `channel::segment`), used by the
+    /// server when cma is chosen.
+    pub segment: Option<SegmentOffer>,
     /// In the client's priority order.
     pub transports: Vec<TransportOffer>,
     /// In the client's priority order.
@@ -74,6 +78,8 @@ pub struct Answer {
     pub pid: u32,
     pub process: u64,
     pub cma_probe: u64,
+    /// The segment the server receives CPU tensors into (only when cma is chosen).
+    pub segment: Option<SegmentOffer>,
     pub transport: String,
     pub transport_descriptor: String,
     /// Where to open the control connection (when the transport is not the bootstrap one).
@@ -112,12 +118,25 @@ pub struct WireTensor {
     pub source: Device,
     pub target: Option<Device>,
     pub metadata: Bytes,
-    /// For CMA: where the bytes sit in the sender's address space.
-    pub address: Option<u64>,
+    /// For a CPU tensor between two processes of one host (the cma channel): where its bytes
+    /// are.
+    pub cpu: Option<CpuSource>,
     /// For cuda_ipc and cuda_p2p: where the receiver copies from, and what it waits for.
     pub cuda: Option<CudaSource>,
     /// For rdma (tensors of at least `rdma::INLINE_MAX` bytes): the sender's registered memory.
     pub rdma: Option<RdmaSource>,
+}
+
+/// Where a CPU tensor of the cma channel is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CpuSource {
+    /// In a frame on the control connection, after the payloads (small tensors).
+    Inline,
+    /// In the receiver's segment, at this offset of its data area.
+    Segment { offset: u64 },
+    /// In the sender's address space: the receiver reads it with `process_vm_readv` and
+    /// acknowledges.
+    Cma { address: u64 },
 }
 
 /// Where the receiver RDMA-reads an rdma tensor from.
@@ -243,7 +262,7 @@ mod tests {
                 source: Device::Cpu,
                 target: None,
                 metadata: Bytes::new(),
-                address: Some(77),
+                cpu: Some(CpuSource::Cma { address: 77 }),
                 cuda: Some(CudaSource::Ipc {
                     memory: Bytes::from_static(&[1; 64]),
                     offset: 5,

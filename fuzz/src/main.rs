@@ -4,9 +4,10 @@
 use std::path::Path;
 
 use sluice_agent::wire::{Body, Envelope, GlobalId, Request, Response, WireRRef, WireValue};
+
 use sluice_channel::wire::{
-    encode, encode_setup, Ack, Answer, Brochure, ChannelChoice, ChannelOffer, CudaDone, CudaSource, Hello, Reply,
-    TransportOffer, WireDescriptor, WireTensor,
+    encode, encode_setup, Ack, Answer, Brochure, ChannelChoice, ChannelOffer, CpuSource, CudaDone, CudaSource, Hello,
+    Reply, TransportOffer, WireDescriptor, WireTensor,
 };
 use sluice_channel::Device;
 
@@ -49,6 +50,10 @@ fn main() {
         pid: 42,
         process: 0xabc1,
         cma_probe: 0x7fff_0000,
+        segment: Some(sluice_channel::channel::segment::SegmentOffer {
+            fd: 12,
+            bytes: 256 << 20,
+        }),
         transports: vec![
             TransportOffer {
                 name: "shm".into(),
@@ -66,6 +71,7 @@ fn main() {
         pid: 43,
         process: 0xabc3,
         cma_probe: 1,
+        segment: None,
         transport: "tcp".into(),
         transport_descriptor: String::new(),
         address: "127.0.0.1:1".into(),
@@ -94,7 +100,7 @@ fn main() {
         source: Device::Cpu,
         target: Some(Device::Cpu),
         metadata: vec![1, 2].into(),
-        address: Some(0x1000),
+        cpu: Some(CpuSource::Cma { address: 0x1000 }),
         cuda: None,
         rdma: None,
     };
@@ -103,7 +109,7 @@ fn main() {
         source: Device::Cuda(0),
         target: Some(Device::Cuda(1)),
         metadata: vec![3].into(),
-        address: None,
+        cpu: None,
         cuda: Some(CudaSource::Ipc {
             memory: vec![7; 64].into(),
             offset: 4096,
@@ -113,7 +119,7 @@ fn main() {
     };
     let rdma = WireTensor {
         length: 1 << 24,
-        address: None,
+        cpu: None,
         rdma: Some(sluice_channel::wire::RdmaSource {
             addr: 0x7f00_0000_0000,
             rkey: 0x1234,
@@ -134,7 +140,23 @@ fn main() {
                 seq: 3,
                 metadata: vec![0; 16].into(),
                 payloads: vec![100, 0],
-                tensors: vec![t, gpu, local, rdma],
+                tensors: vec![t.clone(), gpu, local, rdma],
+            }),
+            encode(&WireDescriptor {
+                seq: 4,
+                metadata: Vec::new().into(),
+                payloads: vec![],
+                tensors: vec![
+                    WireTensor {
+                        cpu: Some(CpuSource::Segment { offset: 65536 }),
+                        ..t.clone()
+                    },
+                    WireTensor {
+                        length: 12,
+                        cpu: Some(CpuSource::Inline),
+                        ..t
+                    },
+                ],
             }),
             encode(&Ack { seq: 3, cuda: vec![] }),
             encode(&Ack {

@@ -63,7 +63,7 @@ async fn without_cuda_the_gpu_channels_are_not_offered_and_cpu_work_is_untouched
         let d = b.read_descriptor().await.unwrap();
         let got = b.read(Allocation::for_descriptor(&d)).await.unwrap();
         w.await.unwrap().unwrap();
-        assert_eq!(&got.tensors[0].as_cpu().unwrap()[..], &[7u8; 5000][..]);
+        assert_eq!(got.tensors[0].as_cpu().unwrap(), &[7u8; 5000][..]);
     })
     .await
 }
@@ -115,6 +115,7 @@ fn gpu_memory_without_cuda_is_an_error_with_the_reason() {
             source_device: Device::Cuda(0),
             target_device: Some(Device::Cuda(0)),
             metadata: Bytes::new(),
+            arrives_shared: false,
         }],
     };
     let e = Allocation::try_for_descriptor(&d, cuda::Stream::new).expect_err("no GPU");

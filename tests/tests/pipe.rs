@@ -264,10 +264,16 @@ async fn misuse_is_reported_and_leaves_the_pipe_usable() {
     .await
 }
 
+/// Channels that copy (here cross-memory attach, with no shared segment) fill the memory the
+/// receiver supplies.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn receiver_memory_is_reused_in_place() {
     watchdog("reuse", async {
-        let (a, b) = pair_with(ContextOptions::default()).await;
+        let (a, b) = pair_with(ContextOptions {
+            segment_bytes: 0,
+            ..ContextOptions::default()
+        })
+        .await;
         let mut alloc = None;
         let writer = tokio::spawn(async move {
             for i in 0..5 {
@@ -288,6 +294,90 @@ async fn receiver_memory_is_reused_in_place() {
             alloc = Some(got);
         }
         writer.await.unwrap();
+    })
+    .await
+}
+
+/// On one host (cma), a large tensor arrives where the sender copied it, in the receiver's
+/// segment: handed over shared, no memory supplied; its blocks go back when the receiver drops
+/// it, so the next one lands in the same place. Small tensors go inline, and tensors that do
+/// not fit (too large, or while the receiver holds the segment full) go by cross-memory attach.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cma_tensors_arrive_in_the_receivers_segment_and_go_back_when_dropped() {
+    watchdog("segment", async {
+        let (a, b) = pair_with(ContextOptions {
+            segment_bytes: 8 << 20,
+            ..ContextOptions::default()
+        })
+        .await;
+        assert_eq!(b.info().cpu_channel, ChannelKind::Cma);
+        let send = |p: &Pipe, i: u64, sizes: &'static [usize]| {
+            let p = p.clone();
+            tokio::spawn(async move { p.write(&message(i, sizes)).await })
+        };
+        // (size, expected to arrive shared)
+        const SIZES: &[usize] = &[100, 16 << 10, 3 << 20];
+        let w = send(&a, 0, SIZES);
+        let d = b.read_descriptor().await.unwrap();
+        let shared: Vec<bool> = d.tensors.iter().map(|t| t.arrives_shared).collect();
+        assert_eq!(shared, [false, true, true], "inline below 16 KiB, in the segment above");
+        let got = b.read(Allocation::for_descriptor(&d)).await.unwrap();
+        w.await.unwrap().unwrap();
+        check(0, SIZES, &got);
+        assert!(matches!(got.tensors[2], RecvBuffer::Shared(_)));
+        let first = got.tensors[2].as_cpu().unwrap().as_ptr();
+        // Held: a second large tensor does not fit next to the first and goes by cma.
+        const BIG: &[usize] = &[6 << 20];
+        let w = send(&a, 1, BIG);
+        let d = b.read_descriptor().await.unwrap();
+        assert!(!d.tensors[0].arrives_shared, "the segment is held full");
+        let held = b.read(Allocation::for_descriptor(&d)).await.unwrap();
+        w.await.unwrap().unwrap();
+        check(1, BIG, &held);
+        assert!(matches!(held.tensors[0], RecvBuffer::Cpu(_)));
+        // Larger than the segment: cma.
+        const HUGE: &[usize] = &[9 << 20];
+        let w = send(&a, 2, HUGE);
+        let d = b.read_descriptor().await.unwrap();
+        assert!(!d.tensors[0].arrives_shared);
+        check(2, HUGE, &b.read(Allocation::for_descriptor(&d)).await.unwrap());
+        w.await.unwrap().unwrap();
+        // Dropped: the blocks go back, and the next tensor lands where the first was.
+        drop(got);
+        let w = send(&a, 3, SIZES);
+        let d = b.read_descriptor().await.unwrap();
+        let again = b.read(Allocation::for_descriptor(&d)).await.unwrap();
+        w.await.unwrap().unwrap();
+        check(3, SIZES, &again);
+        assert_eq!(
+            again.tensors[2].as_cpu().unwrap().as_ptr(),
+            first,
+            "first fit reuses the blocks"
+        );
+        // A received tensor can be sent on as it is.
+        let back = Message {
+            metadata: Bytes::new(),
+            payloads: vec![],
+            tensors: again
+                .tensors
+                .into_iter()
+                .map(|t| Tensor {
+                    buffer: t.freeze(),
+                    metadata: Bytes::new(),
+                    target_device: None,
+                })
+                .collect(),
+        };
+        let echo = {
+            let b = b.clone();
+            tokio::spawn(async move { b.write(&back).await })
+        };
+        let d = a.read_descriptor().await.unwrap();
+        let got = a.read(Allocation::for_descriptor(&d)).await.unwrap();
+        echo.await.unwrap().unwrap();
+        for (i, &n) in SIZES.iter().enumerate() {
+            assert!(got.tensors[i].as_cpu().unwrap() == &pattern(3 * 31 + i as u64, n)[..]);
+        }
     })
     .await
 }

@@ -32,6 +32,7 @@ pub mod cuda;
 pub mod gdr;
 pub mod multilane;
 pub mod rdma;
+pub mod segment;
 
 use crate::device::Device;
 

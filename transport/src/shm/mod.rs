@@ -18,6 +18,7 @@
 //! Addresses are abstract socket names; `listen("")` picks a fresh one.
 
 mod ring;
+mod shared;
 mod spin;
 mod sys;
 
@@ -28,6 +29,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::io::unix::AsyncFd;
+
+pub use shared::SharedFile;
 use tokio::io::Interest;
 use tokio::net::UnixStream;
 use tokio::sync::mpsc;

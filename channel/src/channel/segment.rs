@@ -1,0 +1,336 @@
+//! The shared segment: where CPU tensors between two processes of one host land, so the
+//! receiver keeps them where the sender put them (one copy in all, none on the receiving side)
+//! and no acknowledgement is needed.
+//!
+//! Each side of a pipe creates the segment it *receives* into (a memory file, see
+//! [`SharedFile`]) and offers it in setup; the peer opens it through `/proc` and allocates from
+//! it when it sends. The segment is blocks of [`BLOCK`] bytes after a header with one bit per
+//! block: the sender alone sets bits (it allocates, with a first fit that keeps reused pages
+//! warm), the receiver alone clears them (when the last handle on a received tensor drops).
+//! So allocation needs no lock and no round trip: the sender's copy happens-before the
+//! descriptor it writes on the control connection; the receiver's last read happens-before its
+//! release store, which the sender's acquire load sees before reusing the blocks.
+//!
+//! Trust: a peer that can open the segment can already read and write this process's memory
+//! (the same permission as cross-memory attach), so the segment adds no exposure. A confused
+//! peer is still caught: the receiver takes only blocks marked allocated and not already held
+//! by a tensor it delivered, else the read fails with a protocol error.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use sluice_transport::shm::SharedFile;
+
+/// Allocation unit. Tensors smaller than this go inline through the control connection.
+pub const BLOCK: usize = 64 << 10;
+const MAGIC: u64 = u64::from_le_bytes(*b"SLCSEG01");
+/// Header: magic, block count, then the bitmap; padded to whole blocks.
+const FIXED: usize = 16;
+
+/// What a side offers in setup: the file its peer opens to send to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SegmentOffer {
+    pub fd: i32,
+    pub bytes: u64,
+}
+
+/// One direction's segment, mapped on both sides.
+pub struct Segment {
+    file: SharedFile,
+    blocks: usize,
+    /// Where data starts (after the header).
+    data: usize,
+    /// Receiving side only: blocks held by tensors this process received (so a peer naming
+    /// them twice is caught). Bit per block.
+    held: Mutex<Vec<u64>>,
+}
+
+impl std::fmt::Debug for Segment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Segment").field("blocks", &self.blocks).finish()
+    }
+}
+
+fn layout(bytes: usize) -> Option<(usize, usize)> {
+    // blocks * BLOCK + header(blocks) <= bytes
+    let mut blocks = bytes / BLOCK;
+    while blocks > 0 {
+        let header = (FIXED + blocks.div_ceil(64) * 8).div_ceil(BLOCK) * BLOCK;
+        if header + blocks * BLOCK <= bytes {
+            return Some((blocks, header));
+        }
+        blocks -= 1;
+    }
+    None
+}
+
+impl Segment {
+    /// A new segment of about `bytes` bytes for this process to receive into.
+    pub fn create(bytes: usize) -> Result<Arc<Segment>, String> {
+        let (blocks, data) = layout(bytes).ok_or_else(|| format!("a segment of {bytes} bytes holds no block"))?;
+        let file = SharedFile::create("sluice-segment", bytes).map_err(|e| format!("creating the segment: {e}"))?;
+        let seg = Segment {
+            file,
+            blocks,
+            data,
+            held: Mutex::new(vec![0; blocks.div_ceil(64)]),
+        };
+        seg.word(0).store(MAGIC, Ordering::Relaxed);
+        seg.word(1).store(blocks as u64, Ordering::Release);
+        Ok(Arc::new(seg))
+    }
+
+    /// The peer's segment, to send into.
+    pub fn open(pid: u32, offer: SegmentOffer) -> Result<Arc<Segment>, String> {
+        let bytes = usize::try_from(offer.bytes).map_err(|_| "segment too large".to_owned())?;
+        let (blocks, data) = layout(bytes).ok_or_else(|| format!("a segment of {bytes} bytes holds no block"))?;
+        let file = SharedFile::open_peer(pid, offer.fd, bytes)
+            .map_err(|e| format!("cannot open process {pid}'s segment: {e}"))?;
+        let seg = Segment {
+            file,
+            blocks,
+            data,
+            held: Mutex::new(Vec::new()),
+        };
+        if seg.word(0).load(Ordering::Relaxed) != MAGIC || seg.word(1).load(Ordering::Acquire) != blocks as u64 {
+            return Err(format!("process {pid}'s file is not a segment of {blocks} blocks"));
+        }
+        Ok(Arc::new(seg))
+    }
+
+    pub fn offer(&self) -> SegmentOffer {
+        SegmentOffer {
+            fd: self.file.raw_fd(),
+            bytes: self.file.len() as u64,
+        }
+    }
+
+    /// Largest tensor that can ever fit.
+    pub fn capacity(&self) -> usize {
+        self.blocks * BLOCK
+    }
+
+    /// Header word `i` (0: magic, 1: block count, 2..: bitmap).
+    fn word(&self, i: usize) -> &AtomicU64 {
+        assert!(FIXED / 8 + self.blocks.div_ceil(64) > i, "header word {i} out of range");
+        // SAFETY: the header lies inside the mapping (checked by `layout`), `i` is in range
+        // (asserted), the mapping is page-aligned so every u64 is aligned, and the memory is
+        // shared with the peer only through atomic operations on these words.
+        unsafe { &*(self.file.as_ptr().add(i * 8) as *const AtomicU64) }
+    }
+
+    fn bits(&self, w: usize) -> &AtomicU64 {
+        self.word(FIXED / 8 + w)
+    }
+
+    /// Sender: reserves `len` bytes (first fit), returning their offset in the data area.
+    pub fn allocate(&self, len: usize) -> Option<u64> {
+        let need = len.div_ceil(BLOCK).max(1);
+        if need > self.blocks {
+            return None;
+        }
+        let words = self.blocks.div_ceil(64);
+        let snapshot: Vec<u64> = (0..words).map(|w| self.bits(w).load(Ordering::Acquire)).collect();
+        let used = |b: usize| b >= self.blocks || snapshot[b / 64] & (1 << (b % 64)) != 0;
+        let mut start = 0;
+        while start + need <= self.blocks {
+            // Skip whole used words quickly.
+            if start % 64 == 0 && snapshot[start / 64] == u64::MAX {
+                start += 64;
+                continue;
+            }
+            match (start..start + need).find(|&b| used(b)) {
+                Some(b) => start = b + 1,
+                None => {
+                    self.mark(start, need, true);
+                    return Some((start * BLOCK) as u64);
+                }
+            }
+        }
+        None
+    }
+
+    /// Sets (sender) or clears (receiver) the bits of blocks `first..first + n`.
+    fn mark(&self, first: usize, n: usize, set: bool) {
+        let mut b = first;
+        while b < first + n {
+            let w = b / 64;
+            let lo = b % 64;
+            let count = (64 - lo).min(first + n - b);
+            let mask = if count == 64 {
+                u64::MAX
+            } else {
+                ((1u64 << count) - 1) << lo
+            };
+            if set {
+                self.bits(w).fetch_or(mask, Ordering::AcqRel);
+            } else {
+                self.bits(w).fetch_and(!mask, Ordering::AcqRel);
+            }
+            b += count;
+        }
+    }
+
+    /// Sender: gives back blocks reserved at `offset` for `len` bytes that the receiver never
+    /// heard of (the message carrying them was not sent).
+    pub fn unreserve(&self, offset: u64, len: usize) {
+        self.mark(offset as usize / BLOCK, len.div_ceil(BLOCK).max(1), false);
+    }
+
+    /// Sender: copies `src` into the blocks reserved at `offset`.
+    pub fn write(&self, offset: u64, src: &[u8]) {
+        let offset = offset as usize;
+        assert!(
+            offset.is_multiple_of(BLOCK) && offset + src.len() <= self.capacity(),
+            "write outside the reserved blocks"
+        );
+        // SAFETY: the range lies in the data area (asserted) and was reserved by `allocate` on
+        // this side, so the receiver does not read it until the descriptor naming it arrives,
+        // and no other sender writes it.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.file.as_ptr().add(self.data + offset), src.len());
+        }
+    }
+
+    /// Receiver: the `len` bytes at `offset`, as bytes that free their blocks when the last
+    /// handle drops. Fails for a range outside the segment, not allocated by the sender, or
+    /// already held by a tensor delivered earlier.
+    pub fn take(self: &Arc<Self>, offset: u64, len: u64) -> Result<Bytes, String> {
+        let bad = || format!("segment range {offset}+{len} is not a sent tensor");
+        let (offset, len) = (
+            usize::try_from(offset).map_err(|_| bad())?,
+            usize::try_from(len).map_err(|_| bad())?,
+        );
+        if !offset.is_multiple_of(BLOCK) || offset.checked_add(len).is_none_or(|end| end > self.capacity()) {
+            return Err(bad());
+        }
+        let (first, n) = (offset / BLOCK, len.div_ceil(BLOCK).max(1));
+        {
+            let mut held = self.held.lock().unwrap();
+            for b in first..first + n {
+                let (w, bit) = (b / 64, 1u64 << (b % 64));
+                if held[w] & bit != 0 || self.bits(w).load(Ordering::Acquire) & bit == 0 {
+                    return Err(bad());
+                }
+            }
+            for b in first..first + n {
+                held[b / 64] |= 1 << (b % 64);
+            }
+        }
+        Ok(Bytes::from_owner(Lease {
+            seg: self.clone(),
+            first,
+            n,
+            len,
+        }))
+    }
+
+    fn release(&self, first: usize, n: usize) {
+        {
+            let mut held = self.held.lock().unwrap();
+            for b in first..first + n {
+                held[b / 64] &= !(1 << (b % 64));
+            }
+        }
+        self.mark(first, n, false);
+    }
+
+    /// Blocks currently allocated (for tests and statistics).
+    pub fn blocks_in_use(&self) -> usize {
+        (0..self.blocks.div_ceil(64))
+            .map(|w| self.bits(w).load(Ordering::Acquire).count_ones() as usize)
+            .sum()
+    }
+}
+
+/// A received tensor's blocks, freed when the last `Bytes` over them drops.
+struct Lease {
+    seg: Arc<Segment>,
+    first: usize,
+    n: usize,
+    len: usize,
+}
+
+impl AsRef<[u8]> for Lease {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: the range lies in the data area (checked in `take`) and its blocks stay
+        // allocated while this lease lives, so the sender does not write them; the mapping lives
+        // as long as `seg`.
+        unsafe { std::slice::from_raw_parts(self.seg.file.as_ptr().add(self.seg.data + self.first * BLOCK), self.len) }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.seg.release(self.first, self.n);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pair(bytes: usize) -> (Arc<Segment>, Arc<Segment>) {
+        let inbox = Segment::create(bytes).unwrap();
+        let outbox = Segment::open(std::process::id(), inbox.offer()).unwrap();
+        (outbox, inbox)
+    }
+
+    #[test]
+    fn a_tensor_arrives_in_place_and_its_blocks_return_when_dropped() {
+        let (tx, rx) = pair(1 << 20);
+        let data: Vec<u8> = (0..200_000u32).map(|i| i as u8).collect();
+        let at = tx.allocate(data.len()).unwrap();
+        tx.write(at, &data);
+        let got = rx.take(at, data.len() as u64).unwrap();
+        assert_eq!(&got[..], &data[..]);
+        assert_eq!(tx.blocks_in_use(), 4);
+        let copy = got.slice(10..20);
+        drop(got);
+        assert_eq!(tx.blocks_in_use(), 4, "a slice still holds the blocks");
+        drop(copy);
+        assert_eq!(tx.blocks_in_use(), 0);
+        assert_eq!(tx.allocate(1), Some(0), "first fit reuses the freed blocks");
+    }
+
+    #[test]
+    fn a_full_segment_refuses_and_recovers() {
+        let (tx, rx) = pair(BLOCK * 5);
+        let cap = tx.capacity();
+        assert!(tx.allocate(cap + 1).is_none(), "larger than the segment");
+        let a = tx.allocate(cap / 2).unwrap();
+        assert!(tx.allocate(cap).is_none(), "no room while half is held");
+        let t = rx.take(a, (cap / 2) as u64).unwrap();
+        drop(t);
+        assert_eq!(tx.allocate(cap), Some(0));
+    }
+
+    #[test]
+    fn a_confused_peer_is_caught() {
+        let (tx, rx) = pair(1 << 20);
+        let at = tx.allocate(100).unwrap();
+        assert!(rx.take(at + 1, 10).is_err(), "unaligned");
+        assert!(rx.take(BLOCK as u64 * 3, 10).is_err(), "never allocated");
+        assert!(rx.take(0, u64::MAX).is_err(), "absurd length");
+        assert!(rx.take(u64::MAX - 5, 1).is_err(), "absurd offset");
+        let held = rx.take(at, 100).unwrap();
+        assert!(rx.take(at, 100).is_err(), "already delivered");
+        drop(held);
+    }
+
+    #[test]
+    fn a_file_that_is_not_a_segment_is_refused() {
+        let f = SharedFile::create("not-a-segment", 1 << 20).unwrap();
+        let offer = SegmentOffer {
+            fd: f.raw_fd(),
+            bytes: 1 << 20,
+        };
+        assert!(Segment::open(std::process::id(), offer).is_err());
+        let wrong = SegmentOffer {
+            fd: f.raw_fd(),
+            bytes: 2 << 20,
+        };
+        assert!(Segment::open(std::process::id(), wrong).is_err(), "size differs");
+    }
+}

@@ -1,0 +1,74 @@
+//! Shared memory files another local process can map: a memfd this process creates, and the
+//! same file opened by a peer through `/proc/PID/fd/N` (which needs the same permission as
+//! reading the peer's memory, so it works wherever cross-memory attach does).
+
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Arc;
+
+use super::sys::{self, Mapping};
+
+/// A whole memory file mapped shared and read-write in this process.
+pub struct SharedFile {
+    /// For a file this process created: kept open so a peer can open it through `/proc`. A
+    /// peer's file needs no descriptor once mapped.
+    fd: Option<OwnedFd>,
+    map: Arc<Mapping>,
+    len: usize,
+}
+
+impl std::fmt::Debug for SharedFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedFile")
+            .field("fd", &self.raw_fd())
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl SharedFile {
+    /// A fresh file of `len` bytes (zero-filled; pages are allocated when first touched).
+    pub fn create(name: &str, len: usize) -> io::Result<SharedFile> {
+        let fd = sys::memfd(name, len)?;
+        let map = Arc::new(Mapping::new(&fd, len)?);
+        Ok(SharedFile { fd: Some(fd), map, len })
+    }
+
+    /// Process `pid`'s file descriptor `fd`, which must be a file of exactly `len` bytes.
+    pub fn open_peer(pid: u32, fd: i32, len: usize) -> io::Result<SharedFile> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(format!("/proc/{pid}/fd/{fd}"))?;
+        let fd = OwnedFd::from(file);
+        let actual = sys::file_len(&fd)?;
+        if actual != len as u64 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("process {pid}'s file {fd:?} holds {actual} bytes, not the {len} announced"),
+            ));
+        }
+        let map = Arc::new(Mapping::new(&fd, len)?);
+        Ok(SharedFile { fd: None, map, len })
+    }
+
+    /// The descriptor number a peer opens (see [`SharedFile::open_peer`]); -1 for a file opened
+    /// from a peer.
+    pub fn raw_fd(&self) -> i32 {
+        self.fd.as_ref().map_or(-1, |f| f.as_raw_fd())
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The start of the mapping; valid for `len()` bytes while `self` lives. Other processes
+    /// may write it at any time: callers coordinate access through atomics in the file.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.map.as_ptr()
+    }
+}
