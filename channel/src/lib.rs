@@ -14,6 +14,7 @@
 //!
 //! What this crate does not do: reconnect a failed pipe, retry, or order messages across
 //! pipes.
+#![deny(unsafe_code)]
 
 pub mod channel;
 pub mod context;

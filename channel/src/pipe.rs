@@ -30,6 +30,7 @@
 //!   later operation fails with that same error. [`Pipe::read`] hands the allocation back even
 //!   then. Misuse (reading without a descriptor, a wrong allocation) is reported without
 //!   breaking the pipe.
+#![allow(unsafe_code)]
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -18,6 +18,7 @@
 //!
 //! Pairing is one NIC per process (the transport's device): on a multi-rail host, GPUs nearest
 //! another NIC are not offered rather than sent across the PCIe root complex.
+#![allow(unsafe_code)]
 
 use std::path::{Path, PathBuf};
 

@@ -13,6 +13,7 @@
 //!   registration after it (its buffers are caller-owned `BytesMut`, which a cache could not
 //!   keep alive).
 //! - The sender's write completes when the receiver acknowledges its reads (as with CMA).
+#![allow(unsafe_code)]
 
 use std::collections::VecDeque;
 use std::sync::Arc;

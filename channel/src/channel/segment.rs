@@ -15,6 +15,7 @@
 //! (the same permission as cross-memory attach), so the segment adds no exposure. A confused
 //! peer is still caught: the receiver takes only blocks marked allocated and not already held
 //! by a tensor it delivered, else the read fails with a protocol error.
+#![allow(unsafe_code)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

@@ -10,6 +10,7 @@
 //! A [`Program`] is compiled once per (source, device) by its owner and keeps its kernels
 //! looked up by name. Launching is `unsafe`: a kernel can write anywhere, so the caller states
 //! that it writes only inside buffers it owns.
+#![allow(unsafe_code)]
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};

@@ -14,6 +14,7 @@
 //! Raw handles travel as integers ([`RawStream`], [`RawEvent`], [`RawContext`]): the driver's
 //! handles are process-wide and may be used from any thread, which the integer form makes
 //! `Send` and `Sync` without claiming anything about Rust memory.
+#![allow(unsafe_code)]
 
 use std::ffi::{c_int, c_uint, c_void, CStr};
 

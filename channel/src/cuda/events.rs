@@ -5,6 +5,7 @@
 //! on demand, never destroyed, and reused through a free list. An [`EventSlot`] goes back to its
 //! pool when dropped; the protocol drops it only once the peer can no longer be waiting for the
 //! record it carried (see the pipe).
+#![allow(unsafe_code)]
 
 use std::sync::{Arc, Mutex, OnceLock};
 

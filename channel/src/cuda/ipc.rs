@@ -5,6 +5,7 @@
 //! entries are closed when its last pipe goes away, so a peer that crashed or restarted does not
 //! keep its GPU memory alive through us. Before a mapping is closed, the device is synchronized:
 //! copies queued from it may still be running.
+#![allow(unsafe_code)]
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};

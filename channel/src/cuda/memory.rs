@@ -7,6 +7,7 @@
 //! a buffer keeps its allocation alive (`keep`). Pinned memory is touched by the host only
 //! through `&mut`, and the staging code waits for the device's copies out of a slot before it
 //! hands the slot out again.
+#![allow(unsafe_code)]
 
 use std::any::Any;
 use std::ops::Range;

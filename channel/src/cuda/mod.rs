@@ -15,6 +15,7 @@
 //! owning types) hold most of the `unsafe`; `events` and `ipc` call into `driver` too;
 //! [`descriptor`] is the pure negotiation logic; `events`, `ipc` and `staged` are the channels'
 //! machinery, used by the pipe.
+#![allow(unsafe_code)]
 
 pub mod compute;
 pub mod descriptor;

@@ -5,6 +5,7 @@
 //!   bytes, each side busy-polling its own completion queue (the `ib_write_lat` pattern).
 //! - [`write_bandwidth`]: one queue pair streams RDMA writes of `size` bytes, keeping the send
 //!   queue full (the `ib_write_bw` pattern).
+#![allow(unsafe_code)]
 
 use std::time::{Duration, Instant};
 

@@ -23,6 +23,7 @@
 //!
 //! [`ModelDevice::kill`] stands in for a crashed process: its queue pairs stop answering and
 //! its completion queues report the device gone.
+#![allow(unsafe_code)]
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};

@@ -9,6 +9,7 @@
 //! or the first RoCE v2 GID (IPv4-mapped preferred), because RoCE v1 and link-local GIDs do not
 //! route. The choice is logged. Fork safety: `ibv_fork_init` runs before any memory is
 //! registered (a no-op where the kernel copes with fork on its own).
+#![allow(unsafe_code)]
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};

@@ -1,5 +1,6 @@
 //! Page-aligned memory the NIC reads or writes behind the compiler's back (ring inboxes and
 //! outboxes). Accessed only through raw copies whose callers state why the range is theirs.
+#![allow(unsafe_code)]
 
 use std::alloc::Layout;
 

@@ -15,6 +15,7 @@
 //!   and a completion queue holds every completion its queue pairs can produce at once.
 //! - On close, a queue pair is moved to the error state and its flushed completions are drained
 //!   before its memory is deregistered or freed.
+#![allow(unsafe_code)]
 
 use std::time::Duration;
 

@@ -11,6 +11,7 @@
 //! is trusted for memory safety: the capacity is validated once against the file size and kept
 //! locally, indices are masked, copy lengths are clamped, and a head/tail pair that claims more
 //! than `capacity` bytes in flight is reported as corruption.
+#![allow(unsafe_code)]
 
 use std::io;
 use std::os::fd::OwnedFd;

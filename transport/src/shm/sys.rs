@@ -1,5 +1,6 @@
 //! The system calls behind the shared-memory transport: memfd segments, mappings, eventfds and
 //! descriptor passing. All of this module's `unsafe` is here or in `ring.rs`.
+#![allow(unsafe_code)]
 
 use std::ffi::CString;
 use std::io;
