@@ -26,6 +26,7 @@
 //!
 //! Degrading: a backend that cannot run here says so through [`Transport::viability`] and is not
 //! offered; nothing in this crate panics on a missing kernel feature.
+#![deny(unsafe_code)]
 
 pub mod any;
 pub mod auth;

@@ -443,3 +443,168 @@ fn baselines_run_on_the_model() {
     assert!(bps > 0.0 && n >= 8);
     assert!(fabric.violations().is_empty(), "{:?}", fabric.violations());
 }
+
+/// Two transports on devices of a fresh fabric, one connection between them (`a` connects to
+/// `b`), on 64 KiB rings (the reader hands space back every 16 KiB consumed).
+async fn connected(fabric: &ModelFabric) -> (IbvTransport, IbvTransport, IbvConnection, IbvConnection) {
+    let opts = IbvOptions {
+        device: DeviceChoice::Model,
+        ring_capacity: 1 << 16,
+        ..IbvOptions::default()
+    };
+    let a = IbvTransport::with_device(fabric.device("a", DEFAULT_LIMITS), opts.clone());
+    let b = IbvTransport::with_device(fabric.device("b", DEFAULT_LIMITS), opts);
+    let mut listener = b.listen("127.0.0.1:0").await.unwrap();
+    let addr = listener.address();
+    let (ca, cb) = tokio::join!(a.connect(&addr), listener.accept());
+    (a, b, ca.unwrap(), cb.unwrap())
+}
+
+/// Holds a reactor's connection table on a thread of its own until dropped, so the reactor
+/// cannot apply the completions it polls: a reactor running late, made deterministic.
+struct Stall {
+    release: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Stall {
+    fn new(reactor: &Arc<Reactor>) -> Stall {
+        let reactor = reactor.clone();
+        let (locked_tx, locked_rx) = std::sync::mpsc::channel();
+        let (release, release_rx) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let _table = reactor.conns.lock().unwrap();
+            locked_tx.send(()).unwrap();
+            let _ = release_rx.recv();
+        });
+        locked_rx.recv().unwrap();
+        Stall {
+            release: Some(release),
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Stall {
+    fn drop(&mut self) {
+        drop(self.release.take());
+        if let Some(t) = self.thread.take() {
+            t.join().unwrap();
+        }
+    }
+}
+
+/// Waits (10 s at most) until `done` holds.
+async fn until(what: &str, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "timed out waiting until {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+fn frame(i: u8) -> Vec<u8> {
+    vec![i; 4000]
+}
+
+fn multi_thread() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A peer that writes, closes and releases (shutting its bootstrap socket) before our reactor
+/// polled its data and close notice: the socket's hang-up overtakes the completion queue. What
+/// it sent is still read in full, and then its close reads as a close, not as "peer process
+/// hung up".
+#[test]
+fn a_hang_up_overtaking_the_peers_last_completions_loses_nothing() {
+    multi_thread().block_on(async {
+        let fabric = ModelFabric::new();
+        let (a, b, ca, cb) = connected(&fabric).await;
+        let theirs = cb.conn.clone();
+        let (mut r, w) = cb.split();
+        let stall = Stall::new(&theirs.reactor);
+        let (ar, mut aw) = ca.split();
+        for i in 0..4 {
+            aw.write(&[&frame(i)]).await.unwrap();
+        }
+        aw.close();
+        until("the writer's side is released", || a.open_connections() == 0).await;
+        until("the reader's side saw the socket hang up", || {
+            theirs.lock().hung_up.is_some()
+        })
+        .await;
+        assert!(
+            !theirs.lock().peer_gone,
+            "a hang-up counts only once the queue is drained"
+        );
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            for _ in 0..4 {
+                got.push(r.read_vec(1 << 20).await?);
+            }
+            let end = r.read_vec(1 << 20).await.expect_err("the peer closed");
+            Ok::<_, TransportError>((got, end))
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!reader.is_finished(), "nothing was readable yet: {:?}", reader.await);
+        drop(stall);
+        let (got, end) = reader.await.unwrap().expect("everything the peer sent is read");
+        assert_eq!(got, (0..4).map(frame).collect::<Vec<_>>());
+        assert!(end.is_peer_lost() && end.to_string().contains("peer closed"), "{end}");
+        drop((ar, aw, w));
+        until("both sides are released", || {
+            a.open_connections() + b.open_connections() == 0
+        })
+        .await;
+        assert!(fabric.violations().is_empty(), "{:?}", fabric.violations());
+    });
+}
+
+/// An acknowledgement posted before our reactor polled the peer's close notice reaches a queue
+/// pair the peer already tore down and fails: that ends the connection quietly, and the data
+/// still in the inbox stays readable.
+#[test]
+fn an_acknowledgement_racing_the_peers_teardown_does_not_fail_the_reader() {
+    multi_thread().block_on(async {
+        let fabric = ModelFabric::new();
+        let (a, b, ca, cb) = connected(&fabric).await;
+        let theirs = cb.conn.clone();
+        let (mut r, w) = cb.split();
+        let (ar, mut aw) = ca.split();
+        // 8 frames (32 KiB) fit the ring: the writer needs no acknowledgement.
+        for i in 0..8 {
+            aw.write(&[&frame(i)]).await.unwrap();
+        }
+        let sent = 8 * (4000 + HEADER_LEN as u64);
+        until("the data has arrived", || theirs.lock().arrived == sent).await;
+        let stall = Stall::new(&theirs.reactor);
+        aw.close();
+        until("the writer's side is released", || a.open_connections() == 0).await;
+        // Five frames consume more than a quarter of the ring: an acknowledgement goes out,
+        // to a queue pair in the error state.
+        for i in 0..5 {
+            assert_eq!(r.read_vec(1 << 20).await.unwrap(), frame(i));
+        }
+        assert_eq!(theirs.lock().sq, 1, "the acknowledgement is outstanding");
+        drop(stall);
+        until("the acknowledgement's completion is polled", || theirs.lock().sq == 0).await;
+        for i in 5..8 {
+            assert_eq!(r.read_vec(1 << 20).await.unwrap(), frame(i));
+        }
+        let end = r.read_vec(1 << 20).await.expect_err("the peer closed");
+        assert!(end.is_peer_lost() && end.to_string().contains("peer closed"), "{end}");
+        drop((ar, aw, r, w));
+        until("both sides are released", || {
+            a.open_connections() + b.open_connections() == 0
+        })
+        .await;
+        assert!(fabric.violations().is_empty(), "{:?}", fabric.violations());
+    });
+}
