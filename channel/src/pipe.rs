@@ -56,6 +56,10 @@ use crate::wire::{self, Ack, CpuSource, CudaDone, CudaSource, RdmaSource, WireDe
 /// Tensors at least this long are copied by CMA on a blocking thread rather than inline.
 const CMA_OFFLOAD: usize = 1 << 20;
 
+/// Copies into the peer's segment at least this large let the runtime move this worker's other
+/// tasks elsewhere while they run.
+const COPY_OFFLOAD: usize = 8 << 20;
+
 /// cma-channel tensors below this go inline through the control connection: a frame copy on
 /// each side costs less than a segment block or a system call and an acknowledgement.
 const INLINE_MAX: usize = 16 << 10;
@@ -466,17 +470,27 @@ impl Pipe {
                 }
             }
         }
-        // Tensors in the peer's segment are copied before it hears of them; a large copy runs
-        // on a blocking thread, which keeps the reservation until it is done (even if this
-        // write is cancelled meanwhile).
+        // Tensors in the peer's segment are copied before it hears of them: in place (a thread
+        // hand-off costs more than copying a few MiB), and for large copies on a multi-thread
+        // runtime with the worker's other tasks moved elsewhere meanwhile. On a current-thread
+        // runtime a large copy runs on a blocking thread, which keeps the reservation until it
+        // is done (even if this write is cancelled meanwhile).
         let reserved = match reserved {
-            Some(r) if r.bytes() >= CMA_OFFLOAD => tokio::task::spawn_blocking(move || {
-                r.copy();
-                r
-            })
-            .await
-            .map(Some)
-            .map_err(|e| self.inner.protocol(format!("segment copy thread failed: {e}")))?,
+            Some(r) if r.bytes() >= COPY_OFFLOAD => {
+                let flavor = tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor());
+                if matches!(flavor, Ok(tokio::runtime::RuntimeFlavor::MultiThread)) {
+                    tokio::task::block_in_place(|| r.copy());
+                    Some(r)
+                } else {
+                    tokio::task::spawn_blocking(move || {
+                        r.copy();
+                        r
+                    })
+                    .await
+                    .map(Some)
+                    .map_err(|e| self.inner.protocol(format!("segment copy thread failed: {e}")))?
+                }
+            }
             Some(r) => {
                 r.copy();
                 Some(r)
