@@ -9,7 +9,6 @@
 //! that each sequence number completes exactly once. At the end every worker reports to rank 0:
 //! calls sent and completed, errors, bad replies, latencies, and its memory over time.
 
-use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -136,8 +135,9 @@ struct LaneStats {
     latencies_us: Vec<u32>,
 }
 
-/// Latency samples kept per call loop.
-const LATENCIES_PER_LANE: usize = 200_000;
+/// Latency samples kept per worker, shared out over its call loops; each loop keeps a uniform
+/// sample of its calls (reservoir sampling), so memory stays flat however long the soak runs.
+const LATENCIES_PER_WORKER: usize = 1 << 20;
 
 /// One worker's load: `in_flight` concurrent call loops to random peers until `stop`.
 fn drive(agent: &Agent, in_flight: u32, stop: Arc<AtomicBool>, peers: Vec<String>) -> WorkerReport {
@@ -179,9 +179,12 @@ fn drive(agent: &Agent, in_flight: u32, stop: Arc<AtomicBool>, peers: Vec<String
             let (agent, stop, peers, data) = (agent.clone(), stop.clone(), peers.clone(), data.clone());
             let next_seq = next_seq.clone();
             let id = me.id;
+            let keep = (LATENCIES_PER_WORKER / in_flight.max(1) as usize).max(16);
             tasks.push(tokio::spawn(async move {
                 let mut st = LaneStats::default();
-                let mut seen = HashSet::new();
+                // The highest sequence number echoed so far: a loop's sequence numbers only
+                // grow, so an echo that does not is a duplicate or stale reply.
+                let mut last_echoed: Option<u64> = None;
                 let mut r = (lane as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ id as u64;
                 while !stop.load(Ordering::Acquire) {
                     r ^= r << 13;
@@ -208,22 +211,28 @@ fn drive(agent: &Agent, in_flight: u32, stop: Arc<AtomicBool>, peers: Vec<String
                         Ok(mut reply) => {
                             let echo: Option<Echo> = reply.decode().ok();
                             let back = reply.take_tensors();
-                            let ok = echo.is_some_and(|e| {
+                            let ok = echo.as_ref().is_some_and(|e| {
                                 e.caller == id && e.seq == seq && &e.responder == dest && e.checksum == call.checksum
                             }) && back.len() == 1
                                 && back[0].buffer.as_cpu().is_some_and(|b| checksum(b) == call.checksum);
                             if !ok {
                                 st.bad_replies += 1;
                             }
-                            // Sequence numbers are unique per worker and each is used by one
-                            // loop, so a per-loop set sees every duplicate.
-                            if !seen.insert(seq) {
-                                st.duplicates += 1;
+                            if let Some(e) = &echo {
+                                if last_echoed.is_some_and(|l| e.seq <= l) {
+                                    st.duplicates += 1;
+                                }
+                                last_echoed = Some(e.seq);
                             }
                             st.completed += 1;
                             st.bytes += 2 * size as u64;
-                            if st.latencies_us.len() < LATENCIES_PER_LANE {
+                            if st.latencies_us.len() < keep {
                                 st.latencies_us.push(us);
+                            } else {
+                                let slot = (r >> 3) % st.completed;
+                                if (slot as usize) < keep {
+                                    st.latencies_us[slot as usize] = us;
+                                }
                             }
                         }
                         Err(e) => {

@@ -18,7 +18,7 @@
 //! listener.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use sluice_transport::any::{AnyConnection, AnyReader, AnyWriter};
@@ -95,9 +95,10 @@ pub struct ContextOptions {
     /// Lets cuda_p2p pair a GPU with itself within this process, so its peer-copy path runs on
     /// a machine with one GPU (tests and benchmarks only).
     pub cuda_p2p_loopback: bool,
-    /// Size of the shared segment each side of a cma pipe receives CPU tensors into (see
-    /// [`crate::channel::segment`]): address space, with pages allocated as they are first
-    /// used. Tensors that do not fit go by cross-memory attach. 0: no segment.
+    /// Size of the shared segment this process receives cma pipes' CPU tensors into, one for
+    /// all its peers (see [`crate::channel::segment`]): address space, with pages allocated as
+    /// they are first used and reused first. Tensors that do not fit go by cross-memory
+    /// attach. 0: no segment.
     pub segment_bytes: usize,
 }
 
@@ -116,7 +117,7 @@ impl Default for ContextOptions {
             max_descriptor_bytes: 64 << 20,
             secret: None,
             cuda_p2p_loopback: false,
-            segment_bytes: 256 << 20,
+            segment_bytes: 1 << 30,
         }
     }
 }
@@ -130,6 +131,11 @@ struct ContextInner {
     ibv: Option<IbvTransport>,
     /// Viable and enabled channels, in priority order.
     channels: Vec<Box<dyn ChannelContext>>,
+    /// The segment every cma pipe of this context receives into, made with the first one.
+    inbox: OnceLock<Option<Arc<Segment>>>,
+    /// Peers' segments opened here, by (process token, pid, descriptor), shared by the pipes
+    /// to each peer.
+    outboxes: Mutex<HashMap<(u64, u32, i32), Weak<Segment>>>,
 }
 
 /// A process's set of transports and channels. Cheap to clone.
@@ -195,6 +201,8 @@ impl Context {
                 shm,
                 ibv,
                 channels,
+                inbox: OnceLock::new(),
+                outboxes: Mutex::new(HashMap::new()),
             }),
         })
     }
@@ -356,15 +364,49 @@ impl Context {
             .any(|c| c.kind().name() == name && c.can_communicate(local, remote))
     }
 
-    /// The segment this side receives CPU tensors into, when cma may be chosen.
+    /// The segment this process receives CPU tensors into, when cma may be chosen.
     fn inbox_segment(&self) -> Option<Arc<Segment>> {
-        let size = self.inner.options.segment_bytes;
-        if size == 0 || !self.inner.channels.iter().any(|c| c.kind() == ChannelKind::Cma) {
-            return None;
+        self.inner
+            .inbox
+            .get_or_init(|| {
+                let size = self.inner.options.segment_bytes;
+                if size == 0 || !self.inner.channels.iter().any(|c| c.kind() == ChannelKind::Cma) {
+                    return None;
+                }
+                Segment::create(size)
+                    .inspect_err(|e| tracing::info!("no shared segment for cma pipes: {e}"))
+                    .ok()
+            })
+            .clone()
+    }
+
+    /// The pipe's segments (inbox, outbox) when cma was chosen: ours, and the peer's opened
+    /// here (once per peer process). Either may be missing; then tensors that would use it go
+    /// by cross-memory attach.
+    fn segments(
+        &self,
+        cpu: ChannelKind,
+        inbox: Option<Arc<Segment>>,
+        peer: &Peer,
+        offer: Option<SegmentOffer>,
+    ) -> Segments {
+        if cpu != ChannelKind::Cma {
+            return Segments::default();
         }
-        Segment::create(size)
-            .inspect_err(|e| tracing::info!("no shared segment for cma pipes: {e}"))
-            .ok()
+        let outbox = offer.and_then(|o| {
+            let key = (peer.process, peer.pid, o.fd);
+            let mut open = self.inner.outboxes.lock().expect("outbox table");
+            open.retain(|_, s| s.strong_count() > 0);
+            if let Some(s) = open.get(&key).and_then(Weak::upgrade) {
+                return Some(s);
+            }
+            let s = Segment::open(peer.pid, o)
+                .inspect_err(|e| tracing::info!(peer = %peer.name, "sending by cross-memory attach only: {e}"))
+                .ok()?;
+            open.insert(key, Arc::downgrade(&s));
+            Some(s)
+        });
+        Segments { inbox, outbox }
     }
 
     async fn finish_client(
@@ -463,18 +505,20 @@ impl Context {
             w.write(&[&wire::encode_setup(&Hello::Join { token })]).await?;
             lanes.push((r, w));
         }
+        let peer = Peer {
+            name: format!("{}@{addr}", answer.name),
+            pid: answer.pid,
+            process: answer.process,
+        };
+        let segments = self.segments(cpu, inbox, &peer, answer.segment);
         Ok(assemble(
-            Peer {
-                name: format!("{}@{addr}", answer.name),
-                pid: answer.pid,
-                process: answer.process,
-            },
+            peer,
             kind,
             cpu,
             local_pairs(&answer.choices, false),
             Links { control, reply, lanes },
             self.inner.options.max_descriptor_bytes,
-            segments(cpu, inbox, answer.pid, answer.segment, peer),
+            segments,
         ))
     }
 }
@@ -509,26 +553,6 @@ struct Peer {
 }
 
 /// The pipe both ends build once their connections are in place.
-/// The pipe's segments (inbox, outbox) when cma was chosen: ours, and the peer's opened here.
-/// Either may be missing; then tensors that would use it go by cross-memory attach.
-fn segments(
-    cpu: ChannelKind,
-    inbox: Option<Arc<Segment>>,
-    peer_pid: u32,
-    offer: Option<SegmentOffer>,
-    peer: &str,
-) -> Segments {
-    if cpu != ChannelKind::Cma {
-        return Segments::default();
-    }
-    let outbox = offer.and_then(|o| {
-        Segment::open(peer_pid, o)
-            .inspect_err(|e| tracing::info!(peer = %peer, "sending by cross-memory attach only: {e}"))
-            .ok()
-    });
-    Segments { inbox, outbox }
-}
-
 fn assemble(
     peer: Peer,
     kind: TransportKind,
@@ -837,17 +861,19 @@ async fn serve_pipe(shared: &ListenerShared, peer: &str, bootstrap: Halves, broc
     };
     let reply = halves.next().expect("reply connection");
     let lanes: Vec<Halves> = halves.collect();
+    let peer = Peer {
+        name: format!("{}@{peer}", brochure.name),
+        pid: brochure.pid,
+        process: brochure.process,
+    };
+    let segments = ctx.segments(cpu, inbox, &peer, brochure.segment);
     Ok(assemble(
-        Peer {
-            name: format!("{}@{peer}", brochure.name),
-            pid: brochure.pid,
-            process: brochure.process,
-        },
+        peer,
         kind,
         cpu,
         local_pairs(&pairs, true),
         Links { control, reply, lanes },
         ctx.inner.options.max_descriptor_bytes,
-        segments(cpu, inbox, brochure.pid, brochure.segment, peer),
+        segments,
     ))
 }

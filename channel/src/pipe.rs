@@ -61,8 +61,9 @@ const CMA_OFFLOAD: usize = 1 << 20;
 const COPY_OFFLOAD: usize = 8 << 20;
 
 /// cma-channel tensors below this go inline through the control connection: a frame copy on
-/// each side costs less than a segment block or a system call and an acknowledgement.
-const INLINE_MAX: usize = 16 << 10;
+/// each side costs less than a segment block or a system call and an acknowledgement. Kept
+/// small: every byte through a pipe's ring eventually touches all of the ring's pages.
+const INLINE_MAX: usize = 4 << 10;
 
 /// A cma pipe's shared segments: the one this side receives into, and the peer's, which this
 /// side sends into (see [`crate::channel::segment`]).

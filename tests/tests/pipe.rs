@@ -312,11 +312,11 @@ async fn cma_tensors_arrive_in_the_receivers_segment_and_go_back_when_dropped() 
             tokio::spawn(async move { p.write(&message(i, sizes)).await })
         };
         // (size, expected to arrive shared)
-        const SIZES: &[usize] = &[100, 16 << 10, 3 << 20];
+        const SIZES: &[usize] = &[100, 4 << 10, 3 << 20];
         let w = send(&a, 0, SIZES);
         let d = b.read_descriptor().await.unwrap();
         let shared: Vec<bool> = d.tensors.iter().map(|t| t.arrives_shared).collect();
-        assert_eq!(shared, [false, true, true], "inline below 16 KiB, in the segment above");
+        assert_eq!(shared, [false, true, true], "inline below 4 KiB, in the segment above");
         let got = b.read(Allocation::for_descriptor(&d)).await.unwrap();
         w.await.unwrap().unwrap();
         check(0, SIZES, &got);

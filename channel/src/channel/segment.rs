@@ -2,14 +2,17 @@
 //! receiver keeps them where the sender put them (one copy in all, none on the receiving side)
 //! and no acknowledgement is needed.
 //!
-//! Each side of a pipe creates the segment it *receives* into (a memory file, see
-//! [`SharedFile`]) and offers it in setup; the peer opens it through `/proc` and allocates from
-//! it when it sends. The segment is blocks of [`BLOCK`] bytes after a header with one bit per
-//! block: the sender alone sets bits (it allocates, with a first fit that keeps reused pages
-//! warm), the receiver alone clears them (when the last handle on a received tensor drops).
-//! So allocation needs no lock and no round trip: the sender's copy happens-before the
-//! descriptor it writes on the control connection; the receiver's last read happens-before its
-//! release store, which the sender's acquire load sees before reusing the blocks.
+//! Each process creates one segment it *receives* into (a memory file, see [`SharedFile`]), for
+//! all its cma pipes, and offers it in every pipe's setup; each peer opens it through `/proc`
+//! (once per peer process) and allocates from it when it sends. One segment per receiving
+//! process, not per pipe, keeps the memory it touches at the bytes in flight *to* it, however
+//! many peers it has. The segment is blocks of [`BLOCK`] bytes after a header with one bit per
+//! block. Senders set bits (a first fit that keeps reused pages warm, claiming each bitmap word
+//! with a compare-and-swap, so senders in several processes never claim the same block); the
+//! receiver clears them (when the last handle on a received tensor drops). So allocation needs
+//! no lock and no round trip: the sender's copy happens-before the descriptor it writes on the
+//! control connection; the receiver's last read happens-before its release, which a sender's
+//! acquire load sees before reusing the blocks.
 //!
 //! Trust: a peer that can open the segment can already read and write this process's memory
 //! (the same permission as cross-memory attach), so the segment adds no exposure. A confused
@@ -125,58 +128,112 @@ impl Segment {
         self.word(FIXED / 8 + w)
     }
 
-    /// Sender: reserves `len` bytes (first fit), returning their offset in the data area.
+    /// Sender: reserves `len` bytes, returning their offset in the data area. Senders in
+    /// several threads and processes may allocate at once. Single blocks are taken first fit
+    /// from the bottom, longer runs from the top down, so the two kinds do not fragment each
+    /// other: the pages a segment touches stay close to its peak of bytes in flight.
     pub fn allocate(&self, len: usize) -> Option<u64> {
         let need = len.div_ceil(BLOCK).max(1);
         if need > self.blocks {
             return None;
         }
         let words = self.blocks.div_ceil(64);
-        let snapshot: Vec<u64> = (0..words).map(|w| self.bits(w).load(Ordering::Acquire)).collect();
-        let used = |b: usize| b >= self.blocks || snapshot[b / 64] & (1 << (b % 64)) != 0;
+        let mut snapshot: Vec<u64> = (0..words).map(|w| self.bits(w).load(Ordering::Acquire)).collect();
+        if need > 1 {
+            return self.allocate_from_top(need, &mut snapshot);
+        }
         let mut start = 0;
         while start + need <= self.blocks {
             // Skip whole used words quickly.
-            if start % 64 == 0 && snapshot[start / 64] == u64::MAX {
+            if start.is_multiple_of(64) && snapshot[start / 64] == u64::MAX {
                 start += 64;
                 continue;
             }
-            match (start..start + need).find(|&b| used(b)) {
+            let used = |b: usize| snapshot[b / 64] & (1 << (b % 64)) != 0;
+            match (start..start + need).rev().find(|&b| used(b)) {
                 Some(b) => start = b + 1,
-                None => {
-                    self.mark(start, need, true);
-                    return Some((start * BLOCK) as u64);
-                }
+                None => match self.claim(start, need) {
+                    Ok(()) => return Some((start * BLOCK) as u64),
+                    // Another sender got there first: look again from here.
+                    Err(w) => snapshot[w] = self.bits(w).load(Ordering::Acquire),
+                },
             }
         }
         None
     }
 
-    /// Sets (sender) or clears (receiver) the bits of blocks `first..first + n`.
-    fn mark(&self, first: usize, n: usize, set: bool) {
+    /// The highest free run of `need` blocks, claimed.
+    fn allocate_from_top(&self, need: usize, snapshot: &mut [u64]) -> Option<u64> {
+        let mut start = self.blocks - need;
+        loop {
+            let used = |b: usize| snapshot[b / 64] & (1 << (b % 64)) != 0;
+            match (start..start + need).find(|&b| used(b)) {
+                // The run must end below the lowest used block of this window.
+                Some(b) if b >= need => start = b - need,
+                Some(_) => return None,
+                None => match self.claim(start, need) {
+                    Ok(()) => return Some((start * BLOCK) as u64),
+                    Err(w) => snapshot[w] = self.bits(w).load(Ordering::Acquire),
+                },
+            }
+        }
+    }
+
+    /// The word masks covering blocks `first..first + n`.
+    fn masks(first: usize, n: usize) -> impl Iterator<Item = (usize, u64)> {
         let mut b = first;
-        while b < first + n {
-            let w = b / 64;
-            let lo = b % 64;
+        std::iter::from_fn(move || {
+            if b >= first + n {
+                return None;
+            }
+            let (w, lo) = (b / 64, b % 64);
             let count = (64 - lo).min(first + n - b);
             let mask = if count == 64 {
                 u64::MAX
             } else {
                 ((1u64 << count) - 1) << lo
             };
-            if set {
-                self.bits(w).fetch_or(mask, Ordering::AcqRel);
-            } else {
-                self.bits(w).fetch_and(!mask, Ordering::AcqRel);
-            }
             b += count;
+            Some((w, mask))
+        })
+    }
+
+    /// Claims blocks `first..first + n` word by word; if one is taken meanwhile, gives back
+    /// what it claimed and returns that word.
+    fn claim(&self, first: usize, n: usize) -> Result<(), usize> {
+        let mut claimed: Vec<(usize, u64)> = Vec::new();
+        for (w, mask) in Self::masks(first, n) {
+            let word = self.bits(w);
+            let mut cur = word.load(Ordering::Acquire);
+            loop {
+                if cur & mask != 0 {
+                    for &(w, mask) in &claimed {
+                        self.bits(w).fetch_and(!mask, Ordering::AcqRel);
+                    }
+                    return Err(w);
+                }
+                match word.compare_exchange_weak(cur, cur | mask, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(_) => break,
+                    Err(now) => cur = now,
+                }
+            }
+            claimed.push((w, mask));
+        }
+        Ok(())
+    }
+
+    /// Clears the bits of blocks `first..first + n` (the receiver releasing, or a sender giving
+    /// back blocks it never announced).
+    fn clear(&self, first: usize, n: usize) {
+        for (w, mask) in Self::masks(first, n) {
+            self.bits(w).fetch_and(!mask, Ordering::AcqRel);
         }
     }
 
     /// Sender: gives back blocks reserved at `offset` for `len` bytes that the receiver never
     /// heard of (the message carrying them was not sent).
     pub fn unreserve(&self, offset: u64, len: usize) {
-        self.mark(offset as usize / BLOCK, len.div_ceil(BLOCK).max(1), false);
+        self.clear(offset as usize / BLOCK, len.div_ceil(BLOCK).max(1));
     }
 
     /// Sender: copies `src` into the blocks reserved at `offset`.
@@ -234,7 +291,7 @@ impl Segment {
                 held[b / 64] &= !(1 << (b % 64));
             }
         }
-        self.mark(first, n, false);
+        self.clear(first, n);
     }
 
     /// Blocks currently allocated (for tests and statistics).
@@ -292,7 +349,10 @@ mod tests {
         assert_eq!(tx.blocks_in_use(), 4, "a slice still holds the blocks");
         drop(copy);
         assert_eq!(tx.blocks_in_use(), 0);
-        assert_eq!(tx.allocate(1), Some(0), "first fit reuses the freed blocks");
+        let again = tx.allocate(data.len()).unwrap();
+        assert_eq!(again, at, "the same run is reused");
+        assert_eq!(tx.allocate(1), Some(0), "single blocks come from the bottom");
+        assert_eq!(at as usize + 4 * BLOCK, tx.capacity(), "longer runs from the top");
     }
 
     #[test]
@@ -305,6 +365,42 @@ mod tests {
         let t = rx.take(a, (cap / 2) as u64).unwrap();
         drop(t);
         assert_eq!(tx.allocate(cap), Some(0));
+        let one = tx.allocate(1);
+        assert!(one.is_none(), "full");
+    }
+
+    /// Several senders (threads here; processes behave the same through the shared file)
+    /// allocate, fill and free at once: no block is ever handed to two of them.
+    #[test]
+    fn concurrent_senders_never_share_a_block() {
+        let (tx, rx) = pair(4 << 20);
+        let threads: Vec<_> = (0..4u8)
+            .map(|id| {
+                let (tx, rx) = (tx.clone(), rx.clone());
+                std::thread::spawn(move || {
+                    let mut seed = 0x2545_f491_4f6c_dd1du64 ^ id as u64;
+                    for round in 0..2000u32 {
+                        seed ^= seed << 13;
+                        seed ^= seed >> 7;
+                        seed ^= seed << 17;
+                        let len = 1 + (seed % (BLOCK as u64 * 5)) as usize;
+                        let Some(at) = tx.allocate(len) else { continue };
+                        let fill = vec![id.wrapping_mul(31).wrapping_add(round as u8); len];
+                        tx.write(at, &fill);
+                        std::thread::yield_now();
+                        let got = rx.take(at, len as u64).expect("a block handed out once is taken once");
+                        assert!(
+                            got.iter().all(|&b| b == fill[0]),
+                            "another sender wrote into our blocks"
+                        );
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(tx.blocks_in_use(), 0);
     }
 
     #[test]
