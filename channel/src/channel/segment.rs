@@ -137,43 +137,46 @@ impl Segment {
         if need > self.blocks {
             return None;
         }
-        let words = self.blocks.div_ceil(64);
-        let mut snapshot: Vec<u64> = (0..words).map(|w| self.bits(w).load(Ordering::Acquire)).collect();
         if need > 1 {
-            return self.allocate_from_top(need, &mut snapshot);
+            return self.allocate_from_top(need);
         }
-        let mut start = 0;
-        while start + need <= self.blocks {
-            // Skip whole used words quickly.
-            if start.is_multiple_of(64) && snapshot[start / 64] == u64::MAX {
-                start += 64;
-                continue;
-            }
-            let used = |b: usize| snapshot[b / 64] & (1 << (b % 64)) != 0;
-            match (start..start + need).rev().find(|&b| used(b)) {
-                Some(b) => start = b + 1,
-                None => match self.claim(start, need) {
-                    Ok(()) => return Some((start * BLOCK) as u64),
-                    // Another sender got there first: look again from here.
-                    Err(w) => snapshot[w] = self.bits(w).load(Ordering::Acquire),
-                },
+        // Words are read one at a time (each is a cache line other processes write): the
+        // first with a free block usually is the first.
+        for w in 0..self.blocks.div_ceil(64) {
+            let valid = if (w + 1) * 64 <= self.blocks {
+                u64::MAX
+            } else {
+                (1u64 << (self.blocks % 64)) - 1
+            };
+            let word = self.bits(w);
+            let mut cur = word.load(Ordering::Acquire);
+            while !cur & valid != 0 {
+                let bit = (!cur & valid).trailing_zeros();
+                match word.compare_exchange_weak(cur, cur | 1 << bit, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(_) => return Some(((w * 64 + bit as usize) * BLOCK) as u64),
+                    Err(now) => cur = now,
+                }
             }
         }
         None
     }
 
-    /// The highest free run of `need` blocks, claimed.
-    fn allocate_from_top(&self, need: usize, snapshot: &mut [u64]) -> Option<u64> {
+    /// The highest free run of `need` blocks, claimed. Reads only the words it looks at.
+    fn allocate_from_top(&self, need: usize) -> Option<u64> {
+        let mut seen: Vec<Option<u64>> = vec![None; self.blocks.div_ceil(64)];
         let mut start = self.blocks - need;
         loop {
-            let used = |b: usize| snapshot[b / 64] & (1 << (b % 64)) != 0;
+            let mut used = |b: usize| {
+                *seen[b / 64].get_or_insert_with(|| self.bits(b / 64).load(Ordering::Acquire)) & (1 << (b % 64)) != 0
+            };
             match (start..start + need).find(|&b| used(b)) {
                 // The run must end below the lowest used block of this window.
                 Some(b) if b >= need => start = b - need,
                 Some(_) => return None,
                 None => match self.claim(start, need) {
                     Ok(()) => return Some((start * BLOCK) as u64),
-                    Err(w) => snapshot[w] = self.bits(w).load(Ordering::Acquire),
+                    // Another sender got there first: look again.
+                    Err(w) => seen[w] = None,
                 },
             }
         }
