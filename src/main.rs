@@ -158,6 +158,12 @@ fn main() -> anyhow::Result<()> {
                 s.worst_growth,
                 s.lost
             );
+            let sizes: Vec<String> = s
+                .by_size
+                .iter()
+                .map(|b| format!("{} B p50 {:.0} us p99 {:.0} us", b.bytes, b.p50_us, b.p99_us))
+                .collect();
+            eprintln!("soak: {:>3} workers by tensor size: {}", s.workers, sizes.join("; "));
         }
         let clean = summaries
             .iter()

@@ -37,8 +37,9 @@ pub struct WorkerReport {
     pub duplicates: u64,
     pub outstanding_at_end: u64,
     pub bytes: u64,
-    /// Round-trip latencies in microseconds (a sample: every call's, capped).
-    pub latencies_us: Vec<u32>,
+    /// Round-trip latencies in microseconds with each call's tensor size (a uniform sample of
+    /// the calls).
+    pub latencies_us: Vec<(u32, u32)>,
     /// Private resident memory (`RssAnon`) in KiB, sampled about every second.
     pub rss_kib: Vec<u64>,
     /// Resident shared memory (`RssShmem`, the rings) in KiB, sampled with it.
@@ -132,7 +133,7 @@ struct LaneStats {
     bad_replies: u64,
     duplicates: u64,
     bytes: u64,
-    latencies_us: Vec<u32>,
+    latencies_us: Vec<(u32, u32)>,
 }
 
 /// Latency samples kept per worker, shared out over its call loops; each loop keeps a uniform
@@ -226,12 +227,13 @@ fn drive(agent: &Agent, in_flight: u32, stop: Arc<AtomicBool>, peers: Vec<String
                             }
                             st.completed += 1;
                             st.bytes += 2 * size as u64;
+                            let sample = (size as u32, us);
                             if st.latencies_us.len() < keep {
-                                st.latencies_us.push(us);
+                                st.latencies_us.push(sample);
                             } else {
                                 let slot = (r >> 3) % st.completed;
                                 if (slot as usize) < keep {
-                                    st.latencies_us[slot as usize] = us;
+                                    st.latencies_us[slot as usize] = sample;
                                 }
                             }
                         }
@@ -362,6 +364,23 @@ pub struct Summary {
     pub ratio_to_baseline: f64,
     /// Tail against median (waiting should be queueing, not outliers).
     pub p99_over_p50: f64,
+    /// The latency by tensor size: where the tail comes from.
+    pub by_size: Vec<SizeLatency>,
+}
+
+/// Latency of the calls carrying one tensor size.
+#[derive(Debug, Clone, Serialize)]
+pub struct SizeLatency {
+    pub bytes: u32,
+    /// Calls in the sample.
+    pub sampled: usize,
+    pub p50_us: f64,
+    pub p99_us: f64,
+}
+
+/// The `p` quantile of sorted `v` (0 when empty).
+fn quantile(v: &[u32], p: f64) -> f64 {
+    v.get(((v.len() as f64 - 1.0) * p) as usize).copied().unwrap_or(0) as f64
 }
 
 /// Runs the soak as rank 0, spawning the other workers with `spawn(rank, store)`.
@@ -398,14 +417,28 @@ pub fn run(
     }
     let mut all = reports.lock().unwrap().clone();
     all.push(mine);
-    let mut latencies: Vec<u32> = all.iter().flat_map(|r| r.latencies_us.iter().copied()).collect();
+    let mut latencies: Vec<u32> = all.iter().flat_map(|r| r.latencies_us.iter().map(|l| l.1)).collect();
     latencies.sort_unstable();
-    let pct = |p: f64| {
-        latencies
-            .get(((latencies.len() as f64 - 1.0) * p) as usize)
-            .copied()
-            .unwrap_or(0) as f64
-    };
+    let pct = |p: f64| quantile(&latencies, p);
+    let mut sizes: Vec<u32> = all.iter().flat_map(|r| r.latencies_us.iter().map(|l| l.0)).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let by_size = sizes
+        .into_iter()
+        .map(|bytes| {
+            let mut v: Vec<u32> = all
+                .iter()
+                .flat_map(|r| r.latencies_us.iter().filter(|l| l.0 == bytes).map(|l| l.1))
+                .collect();
+            v.sort_unstable();
+            SizeLatency {
+                bytes,
+                sampled: v.len(),
+                p50_us: quantile(&v, 0.5),
+                p99_us: quantile(&v, 0.99),
+            }
+        })
+        .collect();
     let warm = |r: &WorkerReport| {
         r.rss_kib
             .get(10.min(r.rss_kib.len().saturating_sub(1)))
@@ -438,5 +471,6 @@ pub fn run(
             .iter()
             .map(|r| end(r) as f64 / warm(r).max(1) as f64)
             .fold(0.0, f64::max),
+        by_size,
     })
 }
