@@ -311,7 +311,6 @@ async fn cma_tensors_arrive_in_the_receivers_segment_and_go_back_when_dropped() 
             let p = p.clone();
             tokio::spawn(async move { p.write(&message(i, sizes)).await })
         };
-        // (size, expected to arrive shared)
         const SIZES: &[usize] = &[100, 4 << 10, 3 << 20];
         let w = send(&a, 0, SIZES);
         let d = b.read_descriptor().await.unwrap();
