@@ -246,7 +246,7 @@ impl Agent {
         let owner = inner.resolve(&dest.into())?;
         inner.check_running()?;
         let id = inner.global_id();
-        let host: Arc<dyn RRefHost> = inner.clone();
+        let host = inner.host();
         let (state, fork) = if owner == inner.me.id {
             (inner.rrefs.owner_handle(&host, id), None)
         } else {
@@ -266,7 +266,7 @@ impl Agent {
     /// A reference owned by this worker, holding `value`.
     pub fn rref<T: Serialize + Send + Sync + 'static>(&self, value: T) -> RRef<T> {
         let id = self.inner.global_id();
-        let host: Arc<dyn RRefHost> = self.inner.clone();
+        let host = self.inner.host();
         let state = self.inner.rrefs.owner_handle(&host, id);
         self.inner.rrefs.set_value(id, Ok(Value::object(value)));
         RRef::from_state(state)
@@ -354,6 +354,11 @@ impl AgentInner {
     /// A fresh `worker << 48 | counter` id.
     pub(crate) fn next_id(&self) -> u64 {
         (self.me.id as u64) << 48 | self.counter.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// This agent as the RRef layer sees it.
+    pub(crate) fn host(self: &Arc<Self>) -> Arc<dyn RRefHost> {
+        self.clone()
     }
 
     pub(crate) fn global_id(&self) -> GlobalId {

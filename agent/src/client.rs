@@ -94,7 +94,7 @@ impl AgentInner {
             }
             .await;
             if let Err(e) = result {
-                inner.rrefs.undo_forks(&(inner.clone() as Arc<dyn RRefHost>), &forks);
+                inner.rrefs.undo_forks(&inner.host(), &forks);
                 inner.finish_call(id, Err(e));
             }
         };
@@ -169,7 +169,7 @@ impl AgentInner {
                     .clone()
                     .downcast::<RRefState>()
                     .expect("a payload carries only RRef handles");
-                let host: Arc<dyn RRefHost> = self.clone();
+                let host = self.host();
                 let fork = self.rrefs.fork_for(&host, &r, dest);
                 forks.push(fork);
                 WireRRef {

@@ -8,8 +8,6 @@ use std::time::Duration;
 
 use sluice_channel::{Message, Pipe, PipeError};
 
-use crate::rref::RRefHost;
-
 use crate::agent::AgentInner;
 use crate::client::PeerReplies;
 use crate::completion::Driver;
@@ -235,7 +233,7 @@ impl AgentInner {
             worker: name.clone(),
             detail: detail.to_owned(),
         });
-        self.rrefs.peer_lost(&(self.clone() as Arc<dyn RRefHost>), peer.info.id);
+        self.rrefs.peer_lost(&self.host(), peer.info.id);
     }
 
     /// Declares `id` lost (if `generation` is still its pipe's, or always with `None`). While

@@ -19,7 +19,6 @@ use crate::name::WorkerInfo;
 use crate::payload::Carried;
 use crate::payload::{Payload, Value};
 use crate::peers::watch_silence;
-use crate::rref::RRefHost;
 use crate::wire::{self, Body, Envelope, GlobalId, Request, Response, WireError};
 
 /// What a handler sees besides its argument.
@@ -152,7 +151,7 @@ impl AgentInner {
                     .rrefs
                     .iter()
                     .map(|w| {
-                        let host: Arc<dyn RRefHost> = self.clone();
+                        let host = self.host();
                         self.rrefs.materialize(&host, w, sender) as Carried
                     })
                     .collect();
@@ -249,11 +248,11 @@ impl AgentInner {
                 Some(self.reply_later(pipe, caller, id, Ok(Payload::empty())))
             }
             Body::ChildAccept { fork } => {
-                self.rrefs.child_accepted(&(self.clone() as Arc<dyn RRefHost>), fork);
+                self.rrefs.child_accepted(&self.host(), fork);
                 Some(self.reply_later(pipe, caller, id, Ok(Payload::empty())))
             }
             Body::Delete { rref, fork } => {
-                self.rrefs.delete_fork(&(self.clone() as Arc<dyn RRefHost>), rref, fork);
+                self.rrefs.delete_fork(&self.host(), rref, fork);
                 Some(self.reply_later(pipe, caller, id, Ok(Payload::empty())))
             }
         }
@@ -404,7 +403,7 @@ impl AgentInner {
         };
         let message = build_message(Envelope::Response(Response { id, result }), frames, tensors);
         if let Err(e) = pipe.write(&message).await {
-            self.rrefs.undo_forks(&(self.clone() as Arc<dyn RRefHost>), &forks);
+            self.rrefs.undo_forks(&self.host(), &forks);
             tracing::debug!(worker = %self.me, caller, error = %e, "could not send a reply");
         }
     }

@@ -636,8 +636,7 @@ impl Pipe {
                 .channel_for(t.target.unwrap_or(t.source), t.source)
                 .map_err(|e| self.inner.fail(e))?;
             let by_rdma = carried_by_rdma(channel, t.length);
-            let in_segment = matches!(t.cpu, Some(CpuSource::Segment { .. }));
-            if in_segment && self.inner.inbox.is_none() {
+            if t.in_segment() && self.inner.inbox.is_none() {
                 return Err(self.inner.fail(
                     self.inner
                         .protocol("tensor announced in a segment this pipe does not have"),
@@ -666,7 +665,7 @@ impl Pipe {
                     source_device: t.source,
                     target_device: t.target,
                     metadata: t.metadata.clone(),
-                    arrives_shared: matches!(t.cpu, Some(CpuSource::Segment { .. })),
+                    arrives_shared: t.in_segment(),
                 })
                 .collect(),
         };
@@ -1006,8 +1005,7 @@ fn check_allocation(d: &WireDescriptor, a: &Allocation) -> std::result::Result<(
         }
     }
     for (i, (b, t)) in a.tensors.iter().zip(&d.tensors).enumerate() {
-        let shared = matches!(t.cpu, Some(CpuSource::Segment { .. }));
-        if b.len() as u64 != t.length && !shared {
+        if b.len() as u64 != t.length && !t.in_segment() {
             return Err(format!(
                 "tensor {i}: buffer of {} bytes for {} bytes",
                 b.len(),

@@ -127,6 +127,13 @@ pub struct WireTensor {
     pub rdma: Option<RdmaSource>,
 }
 
+impl WireTensor {
+    /// Whether the tensor is in the receiver's segment (handed over in place).
+    pub fn in_segment(&self) -> bool {
+        matches!(self.cpu, Some(CpuSource::Segment { .. }))
+    }
+}
+
 /// Where a CPU tensor of the cma channel is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum CpuSource {
