@@ -161,6 +161,13 @@ fn drain(mut r: impl Read + Send + 'static) -> std::thread::JoinHandle<String> {
 /// Declares a test whose body runs on `n` worker processes: `worker_test!(name, n, |env| ..)`.
 #[macro_export]
 macro_rules! worker_test {
+    (#[$meta:meta] $name:ident, $n:expr, $body:expr) => {
+        #[test]
+        #[$meta]
+        fn $name() {
+            $crate::workers::run_workers(stringify!($name), $n, $body);
+        }
+    };
     ($name:ident, $n:expr, $body:expr) => {
         #[test]
         fn $name() {
