@@ -538,6 +538,9 @@ pub(crate) fn serve_requests(served: Arc<Served>) -> BoxFuture<()> {
     Box::pin(serve_loop(served))
 }
 
+/// Most requests whose replies one batch holds back.
+const MAX_BATCH: usize = 32;
+
 pub(crate) async fn serve_loop(served: Arc<Served>) {
     let Served {
         inner,
@@ -547,7 +550,19 @@ pub(crate) async fn serve_loop(served: Arc<Served>) {
         heard,
     } = &*served;
     let (inner, pipe, caller) = (inner, pipe, *caller);
+    // Requests in this batch (see below).
+    let mut batched = 0usize;
     loop {
+        // Replies to a burst of requests leave together: while more requests are already
+        // here, the pipe batches (replies wait in the transport), and the batch ends, sending
+        // them in one transport write, before this loop would wait for a request, or after
+        // MAX_BATCH requests so a steady stream cannot hold replies back. (A batch left open
+        // by a loop that handed the pipe over is ended here too.)
+        if pipe.is_batching() && (batched >= MAX_BATCH || !pipe.has_input()) {
+            batched = 0;
+            // A failed pipe is reported by the read below.
+            let _ = pipe.set_batching(false).await;
+        }
         let descriptor = pipe.read_descriptor().await;
         heard.store(inner.now_ms(), Ordering::Relaxed);
         let size = descriptor.as_ref().map_or(0, message_bytes);
@@ -570,6 +585,10 @@ pub(crate) async fn serve_loop(served: Arc<Served>) {
             Ok((Envelope::Request(request), Some(payload))) => {
                 if !matches!(request.body, Body::Ping) {
                     inner.activity.fetch_add(1, Ordering::Relaxed);
+                }
+                if pipe.is_batching() || pipe.has_input() {
+                    let _ = pipe.set_batching(true).await;
+                    batched += 1;
                 }
                 // Held until the reply goes out (`reply` releases it).
                 inner

@@ -4,6 +4,8 @@
 //! - `rpc_sync` no-op round trip (a synchronous handler on the pool, and an async handler),
 //!   called from a plain thread, against an empty message echoed on a bare pipe;
 //! - `rpc_async` no-op throughput with 64 calls in flight;
+//! - the same two over TCP (a second group whose caller offers only TCP), against an empty
+//!   message echoed on a bare TCP pipe: where replies batched into one write save system calls;
 //! - tensor echo (1 MiB, 64 MiB by default) through `rpc_sync`, against the same echo on a bare
 //!   pipe. Bandwidth here is tensor bytes per round trip over the round trip's time.
 //!
@@ -23,7 +25,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use sluice_agent::{Agent, AgentOptions, Payload, Registry, Tensor};
 use sluice_channel::cuda::{self, CudaBuffer, RawCopy, Stream};
-use sluice_channel::{Context, ContextOptions, Device, Message, SendBuffer};
+use sluice_channel::{Context, ContextOptions, Device, Message, SendBuffer, TransportKind};
 
 use crate::report::Record;
 use crate::run::{message_rtt, pipe_rtt, BenchOptions, MAX_RTT_SAMPLES};
@@ -82,9 +84,29 @@ fn echo_gbps(size: usize, samples: &[f64]) -> f64 {
 pub fn run(
     options: &BenchOptions,
     pipe_addr: &str,
-    spawn_worker: impl FnOnce(&str) -> anyhow::Result<Box<dyn std::any::Any>>,
+    spawn_worker: impl Fn(&str) -> anyhow::Result<Box<dyn std::any::Any>>,
 ) -> anyhow::Result<Vec<Record>> {
     let budget = options.budget() * 3;
+    let empty_rtt = |pipe_options: ContextOptions| -> anyhow::Result<(Record, String)> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        rt.block_on(async {
+            let pipe = Context::new(pipe_options)?.connect(pipe_addr).await?;
+            let transport = format!("{}/{}", pipe.info().cpu_channel, pipe.info().transport);
+            let empty = Message {
+                metadata: Bytes::from_static(b"echo"),
+                ..Message::default()
+            };
+            let samples = message_rtt(&pipe, &empty, budget).await?;
+            pipe.close();
+            Ok((
+                Record::rtt("rpc", format!("pipe-empty/{transport}"), 0, samples),
+                transport,
+            ))
+        })
+    };
     let mut out = Vec::new();
 
     // Baselines on a bare pipe, same negotiation as the agent's pipes.
@@ -129,44 +151,9 @@ pub fn run(
     let _worker = spawn_worker(&store)?;
     let agent = Agent::init(agent_options("bench", "bench-peer", 0, &store), registry())?;
 
-    let mut noop_sync = None;
-    for handler in ["noop", "noop_async"] {
-        let empty = Payload::encode(&())?;
-        let mut samples = Vec::new();
-        let start = Instant::now();
-        while samples.len() < MAX_RTT_SAMPLES && (start.elapsed() < budget || samples.len() < 3) {
-            let t0 = Instant::now();
-            agent.rpc_sync(1u32, handler, empty.clone())?;
-            samples.push(t0.elapsed().as_nanos() as f64);
-        }
-        let mut r = Record::rtt("rpc", format!("rpc_sync-{handler}/{transport}"), 0, samples);
-        r.against(&noop_base);
-        noop_sync.get_or_insert_with(|| r.clone());
-        out.push(r);
-    }
-
-    let empty = Payload::encode(&())?;
-    let mut window = VecDeque::with_capacity(IN_FLIGHT);
-    let mut done = 0u64;
-    let start = Instant::now();
-    while start.elapsed() < budget || done < 3 {
-        while window.len() < IN_FLIGHT {
-            window.push_back(agent.rpc_async(1u32, "noop", empty.clone()));
-        }
-        window.pop_front().expect("a call in flight").wait()?;
-        done += 1;
-    }
-    for f in window {
-        f.wait()?;
-    }
-    let per_second = done as f64 / start.elapsed().as_secs_f64();
-    out.push(Record::rate(
-        "rpc",
-        format!("rpc_async-64/{transport}"),
-        0,
-        per_second,
-        done,
-    ));
+    let calls = call_records(&agent, &transport, &noop_base, budget)?;
+    let noop_sync = calls.first().cloned();
+    out.extend(calls);
 
     for (size, base) in echo_sizes(options).into_iter().zip(&echo_base) {
         let data = Bytes::from(vec![7u8; size]);
@@ -188,6 +175,70 @@ pub fn run(
         out.extend(cuda_records(&agent, options, budget, noop_sync.as_ref())?);
     }
     agent.shutdown()?;
+    drop(_worker);
+
+    // The calls again over TCP: a group whose caller offers only TCP (its pipe to rank 1 is
+    // the one both directions use), against a bare TCP pipe's empty round trip.
+    let tcp_only = || ContextOptions {
+        transports: vec![TransportKind::Tcp],
+        ..ContextOptions::default()
+    };
+    let (tcp_base, tcp_transport) = empty_rtt(tcp_only())?;
+    out.push(tcp_base.clone());
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let store = format!("127.0.0.1:{port}");
+    let _worker = spawn_worker(&store)?;
+    let mut tcp_options = agent_options("bench", "bench-peer", 0, &store);
+    tcp_options.pipe = tcp_only();
+    let agent = Agent::init(tcp_options, registry())?;
+    out.extend(call_records(&agent, &tcp_transport, &tcp_base, budget)?);
+    agent.shutdown()?;
+    Ok(out)
+}
+
+/// `rpc_sync` no-op round trips (sync and async handler) against `base`, then the `rpc_async`
+/// no-op rate with 64 calls in flight, all to rank 1.
+fn call_records(
+    agent: &Agent,
+    transport: &str,
+    base: &Record,
+    budget: std::time::Duration,
+) -> anyhow::Result<Vec<Record>> {
+    let mut out = Vec::new();
+    let empty = Payload::encode(&())?;
+    for handler in ["noop", "noop_async"] {
+        let mut samples = Vec::new();
+        let start = Instant::now();
+        while samples.len() < MAX_RTT_SAMPLES && (start.elapsed() < budget || samples.len() < 3) {
+            let t0 = Instant::now();
+            agent.rpc_sync(1u32, handler, empty.clone())?;
+            samples.push(t0.elapsed().as_nanos() as f64);
+        }
+        let mut r = Record::rtt("rpc", format!("rpc_sync-{handler}/{transport}"), 0, samples);
+        r.against(base);
+        out.push(r);
+    }
+    let mut window = VecDeque::with_capacity(IN_FLIGHT);
+    let mut done = 0u64;
+    let start = Instant::now();
+    while start.elapsed() < budget || done < 3 {
+        while window.len() < IN_FLIGHT {
+            window.push_back(agent.rpc_async(1u32, "noop", empty.clone()));
+        }
+        window.pop_front().expect("a call in flight").wait()?;
+        done += 1;
+    }
+    for f in window {
+        f.wait()?;
+    }
+    let per_second = done as f64 / start.elapsed().as_secs_f64();
+    out.push(Record::rate(
+        "rpc",
+        format!("rpc_async-64/{transport}"),
+        0,
+        per_second,
+        done,
+    ));
     Ok(out)
 }
 

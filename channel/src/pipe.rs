@@ -195,6 +195,8 @@ struct Inner {
     ipc_counted: bool,
     max_descriptor: usize,
     failed: AtomicBool,
+    /// Writes may be held in the transport (see [`Pipe::set_batching`]).
+    batching: AtomicBool,
     error: OnceLock<PipeError>,
     closers: Vec<Closer>,
     /// One-sided RDMA on the control connection (when it is ibverbs).
@@ -292,6 +294,7 @@ impl Pipe {
                 ipc_counted,
                 max_descriptor,
                 failed: AtomicBool::new(false),
+                batching: AtomicBool::new(false),
                 error: OnceLock::new(),
                 closers,
                 rdma,
@@ -374,17 +377,56 @@ impl Pipe {
     }
 
     /// Sends `message`. Completes, in issue order, once every buffer of the message may be
-    /// reused.
+    /// reused. While the pipe [batches](Self::set_batching), the message may wait in the
+    /// transport for a later write or flush.
     pub async fn write(&self, message: &Message) -> Result<()> {
         let mut side = self.inner.writer.lock().await;
         self.inner.check()?;
-        match self.write_locked(&mut side, message).await {
+        // Read under the write lock, so a write cannot miss the flush that ends a batch.
+        let defer = self.inner.batching.load(Ordering::Acquire);
+        match self.write_locked(&mut side, message, defer).await {
             Ok(()) => Ok(()),
             Err(e) => Err(self.inner.fail(e)),
         }
     }
 
-    async fn write_locked(&self, side: &mut WriteSide, message: &Message) -> Result<()> {
+    /// Starts or ends a batch. While batching, messages written to this pipe (by anyone) may
+    /// stay in the transport until the batch ends, so that several leave in one transport
+    /// write (one system call for TCP); ending the batch sends what is held. A server that
+    /// sees more requests already waiting batches its replies; it must end the batch before it
+    /// waits for the next request. Messages that need the peer's acknowledgement, and tensors
+    /// on other connections, are never held back.
+    pub async fn set_batching(&self, on: bool) -> Result<()> {
+        if on {
+            self.inner.batching.store(true, Ordering::Release);
+            return Ok(());
+        }
+        if !self.inner.batching.swap(false, Ordering::AcqRel) {
+            return Ok(());
+        }
+        let mut side = self.inner.writer.lock().await;
+        self.inner.check()?;
+        match side.control.flush().await {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.inner.fail(e.into())),
+        }
+    }
+
+    /// Whether a batch is open (see [`set_batching`](Self::set_batching)).
+    pub fn is_batching(&self) -> bool {
+        self.inner.batching.load(Ordering::Acquire)
+    }
+
+    /// Whether the start of another message has already arrived (never waits). `false` while
+    /// someone else is reading.
+    pub fn has_input(&self) -> bool {
+        match self.inner.reader.try_lock() {
+            Ok(mut side) => side.pending.is_some() || side.control.has_input(),
+            Err(_) => false,
+        }
+    }
+
+    async fn write_locked(&self, side: &mut WriteSide, message: &Message, defer: bool) -> Result<()> {
         let seq = side.seq;
         let mut channels = Vec::with_capacity(message.tensors.len());
         let mut tensors = Vec::with_capacity(message.tensors.len());
@@ -498,18 +540,22 @@ impl Pipe {
             }
             None => None,
         };
-        side.control.write(&[&wire::encode(&descriptor)]).await?;
+        // The message's frames on the control connection leave as one transport write (one
+        // system call, one publication), at the end or before anything that waits on the peer.
+        side.control.write_deferred(&[&wire::encode(&descriptor)]).await?;
         if let Some(mut r) = reserved {
             r.announced = true;
         }
         for p in &message.payloads {
-            side.control.write(&[p]).await?;
+            side.control.write_deferred(&[p]).await?;
         }
         let mut needs_ack = false;
         for ((t, &channel), w) in message.tensors.iter().zip(&channels).zip(&descriptor.tensors) {
             match (&t.buffer, channel) {
-                (SendBuffer::Cpu(bytes), ChannelKind::Basic) => side.control.write(&[bytes]).await?,
+                (SendBuffer::Cpu(bytes), ChannelKind::Basic) => side.control.write_deferred(&[bytes]).await?,
                 (SendBuffer::Cpu(bytes), ChannelKind::MultiLane) => {
+                    // The receiver reads the lanes only once it has the descriptor.
+                    side.control.flush().await?;
                     send_lanes(&mut side.lanes, bytes, &self.inner.info.peer).await?
                 }
                 (SendBuffer::Cpu(bytes), ChannelKind::CudaStaged) => staged::send_cpu(&mut side.control, bytes).await?,
@@ -517,7 +563,7 @@ impl Pipe {
                     staged::send_gpu(&mut side.control, b, &self.inner.info.peer).await?
                 }
                 (SendBuffer::Cpu(bytes), ChannelKind::Cma) => match w.cpu {
-                    Some(CpuSource::Inline) => side.control.write(&[bytes]).await?,
+                    Some(CpuSource::Inline) => side.control.write_deferred(&[bytes]).await?,
                     Some(CpuSource::Segment { .. }) => {}
                     _ => needs_ack = true,
                 },
@@ -525,7 +571,7 @@ impl Pipe {
                     if bytes.len() >= rdma::INLINE_MAX {
                         needs_ack = true;
                     } else {
-                        side.control.write(&[bytes]).await?
+                        side.control.write_deferred(&[bytes]).await?
                     }
                 }
                 (_, k) if k.is_direct_cuda() => needs_ack = true,
@@ -537,6 +583,9 @@ impl Pipe {
                     )))
                 }
             }
+        }
+        if !defer || needs_ack {
+            side.control.flush().await?;
         }
         if needs_ack {
             let ack = side.acks.read_vec(64 + acked.len() * 80).await?;

@@ -232,6 +232,52 @@ async fn no_common_transport_is_a_clear_error() {
     .await
 }
 
+/// A batch holds messages (from any writer) until it ends, then they all arrive in order,
+/// over each transport and with every CPU channel: messages that need the peer (CMA reads,
+/// multi-lane tensors) are never held, so they cannot wedge a batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_writes_arrive_in_order_once_the_batch_ends() {
+    watchdog("batched writes", async {
+        for (transport, channel) in [
+            (TransportKind::Shm, ChannelKind::Cma),
+            (TransportKind::Tcp, ChannelKind::Basic),
+            (TransportKind::Tcp, ChannelKind::MultiLane),
+        ] {
+            let (a, b) = pair_with(options(&[transport], &[channel])).await;
+            let sizes = [0usize, 64, 70_000, 3 << 20];
+            a.set_batching(true).await.expect("batch");
+            assert!(a.is_batching());
+            for i in 0..6 {
+                a.write(&message(i, &sizes[..(i as usize % 4) + 1]))
+                    .await
+                    .expect("write");
+            }
+            // A writer on another task joins the batch.
+            let other = a.clone();
+            tokio::spawn(async move { other.write(&message(6, &sizes[..1])).await })
+                .await
+                .unwrap()
+                .expect("write from another task");
+            a.set_batching(false).await.expect("end of batch");
+            assert!(!a.is_batching());
+            for i in 0..7 {
+                let shape = if i == 6 {
+                    &sizes[..1]
+                } else {
+                    &sizes[..(i as usize % 4) + 1]
+                };
+                let got = receive(&b).await;
+                check(i, shape, &got);
+            }
+            // Nothing left behind, and plain writes flow again.
+            assert!(!b.has_input());
+            a.write(&message(7, &sizes[..2])).await.expect("write after the batch");
+            check(7, &sizes[..2], &receive(&b).await);
+        }
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn misuse_is_reported_and_leaves_the_pipe_usable() {
     watchdog("misuse", async {

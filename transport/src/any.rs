@@ -116,6 +116,10 @@ impl FrameReader for AnyReader {
         delegate!(self, r => r.readable().await)
     }
 
+    fn has_input(&mut self) -> bool {
+        delegate!(self, r => r.has_input())
+    }
+
     fn close(&self) {
         delegate!(self, r => r.close())
     }
@@ -132,6 +136,14 @@ impl FrameReader for AnyReader {
 impl FrameWriter for AnyWriter {
     async fn write(&mut self, parts: &[&[u8]]) -> Result<()> {
         delegate!(self, w => w.write(parts).await)
+    }
+
+    async fn write_deferred(&mut self, parts: &[&[u8]]) -> Result<()> {
+        delegate!(self, w => w.write_deferred(parts).await)
+    }
+
+    async fn flush(&mut self) -> Result<()> {
+        delegate!(self, w => w.flush().await)
     }
 
     fn close(&self) {

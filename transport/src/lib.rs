@@ -113,6 +113,13 @@ pub trait FrameReader: Send + 'static {
     /// connection.) After it returned `Ok`, the next `read` finds its first byte at once.
     fn readable(&mut self) -> impl Future<Output = Result<()>> + Send;
 
+    /// Whether a byte of the next frame is already here, without waiting or consuming
+    /// anything (a hint: `false` may mean it has not been looked for). Backends that cannot
+    /// tell cheaply say `false`.
+    fn has_input(&mut self) -> bool {
+        false
+    }
+
     /// Closes the whole connection; pending operations on both halves fail promptly.
     fn close(&self);
 
@@ -148,6 +155,21 @@ pub trait FrameWriter: Send + 'static {
     /// Writes one frame made of the concatenation of `parts`. Completes once every byte has
     /// left `parts` (the buffers may be reused).
     fn write(&mut self, parts: &[&[u8]]) -> impl Future<Output = Result<()>> + Send;
+
+    /// Writes one frame like [`write`](Self::write), but the backend may hold it back, together
+    /// with the frames deferred before it, until the next `write` or [`flush`](Self::flush),
+    /// which send everything held in one transport operation (one system call for TCP, one
+    /// publication for shared memory). Completes once `parts` may be reused. Frames keep their
+    /// order; a frame held back when the connection fails is lost with it. Backends without
+    /// batching send it at once.
+    fn write_deferred(&mut self, parts: &[&[u8]]) -> impl Future<Output = Result<()>> + Send {
+        self.write(parts)
+    }
+
+    /// Sends every frame held back by [`write_deferred`](Self::write_deferred).
+    fn flush(&mut self) -> impl Future<Output = Result<()>> + Send {
+        std::future::ready(Ok(()))
+    }
 
     /// Closes the whole connection; pending operations on both halves fail promptly.
     fn close(&self);

@@ -2,7 +2,9 @@
 //!
 //! The reader keeps a small buffer so a small frame costs one `read` system call (header and
 //! body together), as a raw ping-pong would; large bodies go straight into the caller's memory.
-//! The writer sends header and body with one vectored write.
+//! The writer sends header and body with one vectored write; frames deferred by
+//! `write_deferred` wait in a small buffer and leave with the next write or flush, so a batch of
+//! small frames costs one system call.
 
 use std::io::IoSlice;
 use std::sync::Arc;
@@ -15,6 +17,10 @@ use crate::frame::{decode_header, encode_header, total_len, HEADER_LEN};
 
 /// Bytes the reader buffers ahead; remainders at least this long bypass the buffer.
 const READ_BUFFER: usize = 64 * 1024;
+
+/// Deferred frames are held (copied) only while they total at most this many bytes; a frame
+/// that would exceed it is sent at once, together with what is held.
+const DEFER_LIMIT: usize = 64 * 1024;
 
 /// State shared by both halves of one stream connection.
 pub(crate) struct StreamShared {
@@ -181,6 +187,11 @@ impl<R: AsyncRead + Unpin + Send + 'static> StreamReader<R> {
         }
     }
 
+    /// Whether bytes of the next frame are buffered (the socket itself is not asked).
+    pub(crate) fn has_input(&self) -> bool {
+        self.start < self.end
+    }
+
     pub(crate) async fn read_vec(&mut self, limit: usize) -> Result<Vec<u8>> {
         self.shared.stopped.check()?;
         let shared = self.shared.clone();
@@ -199,22 +210,34 @@ enum Target<'a> {
 pub(crate) struct StreamWriter<W> {
     inner: W,
     shared: Arc<StreamShared>,
+    /// Whole frames (header and body) deferred by `write_deferred`, not sent yet.
+    held: Vec<u8>,
 }
 
 impl<W: AsyncWrite + Unpin + Send + 'static> StreamWriter<W> {
     pub(crate) fn new(inner: W, shared: Arc<StreamShared>) -> Self {
-        StreamWriter { inner, shared }
+        StreamWriter {
+            inner,
+            shared,
+            held: Vec::new(),
+        }
     }
 
     pub(crate) fn shared(&self) -> &Arc<StreamShared> {
         &self.shared
     }
 
-    async fn frame(&mut self, parts: &[&[u8]]) -> Result<()> {
-        let header = encode_header(total_len(parts));
-        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(parts.len() + 1);
-        slices.push(IoSlice::new(&header));
-        slices.extend(parts.iter().filter(|p| !p.is_empty()).map(|p| IoSlice::new(p)));
+    /// Sends the held frames, then the frame made of `parts` (if any), in one vectored write.
+    async fn send(&mut self, parts: Option<&[&[u8]]>) -> Result<()> {
+        let header = parts.map(|p| encode_header(total_len(p)));
+        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(parts.map_or(0, |p| p.len()) + 2);
+        if !self.held.is_empty() {
+            slices.push(IoSlice::new(&self.held));
+        }
+        if let (Some(header), Some(parts)) = (&header, parts) {
+            slices.push(IoSlice::new(header));
+            slices.extend(parts.iter().filter(|p| !p.is_empty()).map(|p| IoSlice::new(p)));
+        }
         let mut remaining: &mut [IoSlice<'_>] = &mut slices;
         while !remaining.is_empty() {
             match self.inner.write_vectored(remaining).await {
@@ -228,15 +251,42 @@ impl<W: AsyncWrite + Unpin + Send + 'static> StreamWriter<W> {
                 Err(e) => return Err(self.shared.io_error("write", e)),
             }
         }
+        self.held.clear();
         self.inner.flush().await.map_err(|e| self.shared.io_error("flush", e))
     }
 
-    pub(crate) async fn write(&mut self, parts: &[&[u8]]) -> Result<()> {
+    /// Runs one send as a whole: cancelled midway, it poisons the connection.
+    async fn guarded(&mut self, parts: Option<&[&[u8]]>) -> Result<()> {
         self.shared.stopped.check()?;
         let shared = self.shared.clone();
         let guard = OpGuard::new(move || shared.abort("write"));
-        let result = self.frame(parts).await;
+        let result = self.send(parts).await;
         guard.finish();
         result.map_err(|e| self.shared.fail(e))
+    }
+
+    pub(crate) async fn write(&mut self, parts: &[&[u8]]) -> Result<()> {
+        self.guarded(Some(parts)).await
+    }
+
+    /// Holds the frame back while the held frames stay small; sends everything otherwise.
+    pub(crate) async fn write_deferred(&mut self, parts: &[&[u8]]) -> Result<()> {
+        self.shared.stopped.check()?;
+        let len = total_len(parts);
+        if self.held.len() as u64 + HEADER_LEN as u64 + len > DEFER_LIMIT as u64 {
+            return self.guarded(Some(parts)).await;
+        }
+        self.held.extend_from_slice(&encode_header(len));
+        for p in parts {
+            self.held.extend_from_slice(p);
+        }
+        Ok(())
+    }
+
+    pub(crate) async fn flush(&mut self) -> Result<()> {
+        if self.held.is_empty() {
+            return self.shared.stopped.check();
+        }
+        self.guarded(None).await
     }
 }

@@ -213,6 +213,10 @@ impl FrameReader for TcpReader {
         self.0.readable().await
     }
 
+    fn has_input(&mut self) -> bool {
+        self.0.has_input()
+    }
+
     fn close(&self) {
         self.0.shared().close()
     }
@@ -230,6 +234,14 @@ impl FrameReader for TcpReader {
 impl FrameWriter for TcpWriter {
     async fn write(&mut self, parts: &[&[u8]]) -> Result<()> {
         self.0.write(parts).await
+    }
+
+    async fn write_deferred(&mut self, parts: &[&[u8]]) -> Result<()> {
+        self.0.write_deferred(parts).await
+    }
+
+    async fn flush(&mut self) -> Result<()> {
+        self.0.flush().await
     }
 
     fn close(&self) {

@@ -83,7 +83,7 @@ impl StoreUrl {
 
 /// A connected store of either kind.
 pub enum Store {
-    Tcp(StoreClient),
+    Tcp(Box<StoreClient>),
     Etcd(Box<etcd::EtcdStore>),
 }
 
@@ -101,7 +101,7 @@ impl Store {
     /// authentication and TLS, configured on the etcd side).
     pub async fn connect(url: &StoreUrl, timeout: Duration, secret: Option<Secret>) -> Result<Store, StoreError> {
         Ok(match url {
-            StoreUrl::Tcp(addr) => Store::Tcp(StoreClient::connect_with(addr, timeout, secret).await?),
+            StoreUrl::Tcp(addr) => Store::Tcp(Box::new(StoreClient::connect_with(addr, timeout, secret).await?)),
             StoreUrl::Etcd { endpoint, prefix } => {
                 Store::Etcd(Box::new(etcd::EtcdStore::connect(endpoint, prefix, timeout).await?))
             }

@@ -121,6 +121,61 @@ pub async fn zero_and_one_byte_writes<B: Backend>() {
     .await
 }
 
+/// Deferred frames keep their order among plain writes, leave with the next write or flush
+/// (the writer then waits until the reader has them all, so a frame held back would hang the
+/// reader), and may be of any size, larger than a ring or a batch buffer included.
+pub async fn deferred_writes_keep_order_and_flush<B: Backend>() {
+    watchdog("deferred writes", async {
+        let (a, b) = pair::<B>().await;
+        let (_ar, mut aw) = a.split();
+        let (mut br, _bw) = b.split();
+        const SIZES: [usize; 8] = [0, 1, 64, 4096, 70_000, 3 << 20, 64, 0];
+        // Frames of round r: SIZES deferred, then (round 1) one plain 5-byte write.
+        let frames = |round: u64| SIZES.len() as u64 + u64::from(round == 1);
+        let len_of = |k: u64| SIZES.get(k as usize).copied().unwrap_or(5);
+        let (done_tx, mut done_rx) = tokio::sync::mpsc::channel::<()>(1);
+        let writer = tokio::spawn(async move {
+            let mut i = 0u64;
+            for round in 0..3u64 {
+                for &len in &SIZES {
+                    aw.write_deferred(&[&i.to_le_bytes(), &pattern(i, len)])
+                        .await
+                        .expect("deferred write");
+                    i += 1;
+                }
+                match round {
+                    1 => {
+                        aw.write(&[&i.to_le_bytes(), &pattern(i, 5)]).await.expect("write");
+                        i += 1;
+                    }
+                    _ => aw.flush().await.expect("flush"),
+                }
+                if round == 2 {
+                    aw.flush().await.expect("flush of nothing held");
+                }
+                // Idle until the reader has the whole round.
+                done_rx.recv().await.expect("reader gone");
+            }
+            aw
+        });
+        let mut buf = vec![0u8; 4 << 20];
+        let mut i = 0u64;
+        for round in 0..3u64 {
+            for k in 0..frames(round) {
+                let len = len_of(k);
+                let n = br.read(&mut buf).await.expect("read");
+                assert_eq!(n, 8 + len, "frame {i}: length");
+                assert_eq!(u64::from_le_bytes(buf[..8].try_into().unwrap()), i, "frame {i}: order");
+                assert_eq!(&buf[8..n], &pattern(i, len)[..], "frame {i}: corrupted");
+                i += 1;
+            }
+            done_tx.send(()).await.expect("writer gone");
+        }
+        drop(writer.await.expect("writer"));
+    })
+    .await
+}
+
 /// A 256 MiB frame arrives intact (it streams through rings smaller than itself).
 pub async fn writes_of_256_mib<B: Backend>() {
     watchdog("256 MiB write", async {
@@ -405,6 +460,7 @@ macro_rules! transport_conformance {
                 context_basics,
                 ordering_of_interleaved_writes,
                 zero_and_one_byte_writes,
+                deferred_writes_keep_order_and_flush,
                 writes_of_256_mib,
                 many_connections,
                 close_with_operations_pending,

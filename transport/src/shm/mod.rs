@@ -674,6 +674,11 @@ impl FrameReader for ShmReader {
         result.map_err(|e| self.shared.fail(e))
     }
 
+    fn has_input(&mut self) -> bool {
+        // A corrupt ring says yes: the next read reports it.
+        self.consumer.available(1).map_or(true, |n| n > 0)
+    }
+
     async fn readable(&mut self) -> Result<()> {
         self.shared.stopped.check()?;
         // Nothing is consumed while waiting, so dropping this future changes nothing.
@@ -706,7 +711,10 @@ pub struct ShmWriter {
 }
 
 impl ShmWriter {
-    async fn frame(&mut self, parts: &[&[u8]]) -> Result<()> {
+    /// Copies one frame into the ring; `publish` makes it (and every frame copied before it)
+    /// visible to the reader and wakes a parked reader. Unpublished frames wait for the next
+    /// publication; a full ring publishes what it holds before waiting for room.
+    async fn frame(&mut self, parts: &[&[u8]], publish: bool) -> Result<()> {
         if self.shared.peer_stopped(Side::Writer) {
             return Err(self.shared.peer_lost(Side::Writer));
         }
@@ -729,20 +737,40 @@ impl ShmWriter {
                 }
             }
         }
+        if publish {
+            self.publish();
+        }
+        Ok(())
+    }
+
+    fn publish(&mut self) {
         self.producer.publish();
         self.shared.notify_reader();
-        Ok(())
+    }
+
+    async fn guarded(&mut self, parts: &[&[u8]], publish: bool) -> Result<()> {
+        self.shared.stopped.check()?;
+        let shared = self.shared.clone();
+        let guard = OpGuard::new(move || shared.abort("write"));
+        let result = self.frame(parts, publish).await;
+        guard.finish();
+        result.map_err(|e| self.shared.fail(e))
     }
 }
 
 impl FrameWriter for ShmWriter {
     async fn write(&mut self, parts: &[&[u8]]) -> Result<()> {
+        self.guarded(parts, true).await
+    }
+
+    async fn write_deferred(&mut self, parts: &[&[u8]]) -> Result<()> {
+        self.guarded(parts, false).await
+    }
+
+    async fn flush(&mut self) -> Result<()> {
         self.shared.stopped.check()?;
-        let shared = self.shared.clone();
-        let guard = OpGuard::new(move || shared.abort("write"));
-        let result = self.frame(parts).await;
-        guard.finish();
-        result.map_err(|e| self.shared.fail(e))
+        self.publish();
+        Ok(())
     }
 
     fn close(&self) {
