@@ -33,7 +33,7 @@
 #![allow(unsafe_code)]
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use bytes::{Bytes, BytesMut};
@@ -75,6 +75,40 @@ pub(crate) struct Segments {
 
 /// Blocks of the peer's segment reserved for one message: given back if the message is never
 /// announced (a failed or cancelled write), kept once its descriptor went out.
+/// A writer's place in the queue for the write lock (see [`Pipe::write`]).
+struct Queued<'a>(Option<&'a Pipe>);
+
+impl Queued<'_> {
+    /// The lock is taken: no longer queued.
+    fn leave(mut self) {
+        if let Some(pipe) = self.0.take() {
+            pipe.inner.queued.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Drop for Queued<'_> {
+    /// A writer that gave up while queued: if it was the last in the queue and frames are
+    /// held for it, a task sends them.
+    fn drop(&mut self) {
+        let Some(pipe) = self.0.take() else { return };
+        let last = pipe.inner.queued.fetch_sub(1, Ordering::SeqCst) == 1;
+        if last && pipe.inner.held.load(Ordering::SeqCst) {
+            if let Ok(handle) = tokio::runtime::Handle::try_current() {
+                let pipe = pipe.clone();
+                handle.spawn(async move {
+                    if pipe.inner.held.load(Ordering::SeqCst) && pipe.inner.queued.load(Ordering::SeqCst) == 0 {
+                        let mut side = pipe.inner.writer.lock().await;
+                        if pipe.inner.check().is_ok() {
+                            let _ = pipe.flush_locked(&mut side).await;
+                        }
+                    }
+                });
+            }
+        }
+    }
+}
+
 struct Reserved {
     segment: Arc<Segment>,
     ranges: Vec<(u64, Bytes)>,
@@ -197,6 +231,11 @@ struct Inner {
     failed: AtomicBool,
     /// Writes may be held in the transport (see [`Pipe::set_batching`]).
     batching: AtomicBool,
+    /// Writes waiting for the write lock: a writer that sees one leaves its frames in the
+    /// transport for the next writer to send with its own (see [`Pipe::write`]).
+    queued: AtomicUsize,
+    /// Frames are held in the control connection's writer, not yet sent.
+    held: AtomicBool,
     error: OnceLock<PipeError>,
     closers: Vec<Closer>,
     /// One-sided RDMA on the control connection (when it is ibverbs).
@@ -295,6 +334,8 @@ impl Pipe {
                 max_descriptor,
                 failed: AtomicBool::new(false),
                 batching: AtomicBool::new(false),
+                queued: AtomicUsize::new(0),
+                held: AtomicBool::new(false),
                 error: OnceLock::new(),
                 closers,
                 rdma,
@@ -379,14 +420,41 @@ impl Pipe {
     /// Sends `message`. Completes, in issue order, once every buffer of the message may be
     /// reused. While the pipe [batches](Self::set_batching), the message may wait in the
     /// transport for a later write or flush.
+    ///
+    /// Writes queued behind one another coalesce: a writer that finds others waiting for the
+    /// write lock leaves its frames in the transport, and the last of the queue sends them all
+    /// with its own in one transport write. A queued writer that gives up (its future dropped)
+    /// and leaves frames held with nobody behind them sends them from a task of its own.
     pub async fn write(&self, message: &Message) -> Result<()> {
-        let mut side = self.inner.writer.lock().await;
-        self.inner.check()?;
+        let inner = &self.inner;
+        inner.queued.fetch_add(1, Ordering::SeqCst);
+        let queued = Queued(Some(self));
+        let mut side = inner.writer.lock().await;
+        queued.leave();
+        inner.check()?;
         // Read under the write lock, so a write cannot miss the flush that ends a batch.
-        let defer = self.inner.batching.load(Ordering::Acquire);
-        match self.write_locked(&mut side, message, defer).await {
+        let defer = inner.batching.load(Ordering::Acquire) || inner.queued.load(Ordering::SeqCst) > 0;
+        let result = self.write_locked(&mut side, message, defer).await;
+        if result.is_ok() && defer {
+            // Whoever is queued sends these frames; should the queue have emptied meanwhile
+            // (a waiter gave up), send them now. (Either this or the waiter's check sees
+            // the other's write; both sending is harmless.)
+            inner.held.store(true, Ordering::SeqCst);
+            if inner.queued.load(Ordering::SeqCst) == 0 && !inner.batching.load(Ordering::Acquire) {
+                return self.flush_locked(&mut side).await;
+            }
+        } else if result.is_ok() {
+            inner.held.store(false, Ordering::SeqCst);
+        }
+        result.map_err(|e| inner.fail(e))
+    }
+
+    /// Sends what the control connection holds.
+    async fn flush_locked(&self, side: &mut WriteSide) -> Result<()> {
+        self.inner.held.store(false, Ordering::SeqCst);
+        match side.control.flush().await {
             Ok(()) => Ok(()),
-            Err(e) => Err(self.inner.fail(e)),
+            Err(e) => Err(self.inner.fail(e.into())),
         }
     }
 
@@ -406,10 +474,7 @@ impl Pipe {
         }
         let mut side = self.inner.writer.lock().await;
         self.inner.check()?;
-        match side.control.flush().await {
-            Ok(()) => Ok(()),
-            Err(e) => Err(self.inner.fail(e.into())),
-        }
+        self.flush_locked(&mut side).await
     }
 
     /// Whether a batch is open (see [`set_batching`](Self::set_batching)).

@@ -40,13 +40,22 @@ fn cores() -> usize {
     *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()).min(16))
 }
 
+/// This process's id, asked of the kernel once (it is a system call, and waiters ask often).
+/// A child forked from this process that goes on waiting would mark slots with its parent's
+/// pid: they are still given back when its waits end, and only the reclaiming of a crashed
+/// child's slots waits for the parent too.
+fn pid() -> u32 {
+    static PID: OnceLock<u32> = OnceLock::new();
+    *PID.get_or_init(std::process::id)
+}
+
 /// A slot to spin in, if one of this host's is free.
 pub(crate) fn try_spin() -> Option<SpinSlot> {
     let Some(slots) = sys::host_spin_slots() else {
         return Some(SpinSlot(None));
     };
     let slots = &slots[..cores()];
-    let me = std::process::id();
+    let me = pid();
     if let Some(s) = take(slots, me) {
         return Some(s);
     }
