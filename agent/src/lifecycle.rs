@@ -59,132 +59,151 @@ pub(crate) fn init(options: AgentOptions, mut registry: Registry) -> Result<Agen
             .map_err(|e| HandlerError::new("StoreTakeover", e.to_string()))
     });
 
-    let (store_server, store, context, mut listener, announce, listing, restart) = runtime.block_on(async {
-        // A launcher that serves the store itself says so (`SLUICE_STORE_SERVED`).
-        let serves = matches!(resolved.store, StoreUrl::Tcp(_))
-            && resolved.rank == Some(options.store_rank)
-            && std::env::var_os("SLUICE_STORE_SERVED").is_none();
-        let server = match (&resolved.store, serves) {
-            (StoreUrl::Tcp(addr), true) => {
-                match StoreServer::start_with(addr, Snapshot::default(), resolved.secret.clone()).await {
-                    Ok(s) => Some(s),
-                    Err(e) => return Err(InitError::Store(e.to_string())),
+    let (store_server, store, context, mut listener, announce, listing, formation, restart) =
+        runtime.block_on(async {
+            // A launcher that serves the store itself says so (`SLUICE_STORE_SERVED`).
+            let serves = matches!(resolved.store, StoreUrl::Tcp(_))
+                && resolved.rank == Some(options.store_rank)
+                && std::env::var_os("SLUICE_STORE_SERVED").is_none();
+            let server = match (&resolved.store, serves) {
+                (StoreUrl::Tcp(addr), true) => {
+                    match StoreServer::start_with(addr, Snapshot::default(), resolved.secret.clone()).await {
+                        Ok(s) => Some(s),
+                        Err(e) => return Err(InitError::Store(e.to_string())),
+                    }
                 }
-            }
-            _ => None,
-        };
-        let store = Store::connect(&resolved.store, left(), resolved.secret.clone())
-            .await
-            .map_err(store_error)?;
-        // A name seen before means a restart: this incarnation gets a fresh id.
-        let name_key = membership::name_key(&options.name);
-        let name_seen = store
-            .list(&name_key)
-            .await
-            .map_err(store_error)?
-            .entries
-            .iter()
-            .any(|(k, _)| *k == name_key);
-        // In a fixed group a seen name is a restart only once the group has formed; before
-        // that it is a duplicate, which validation reports.
-        let restart = match resolved.rank {
-            Some(_) if name_seen => store.add("init", 0).await.map_err(store_error)? >= resolved.world_size as i64,
-            _ => name_seen,
-        };
-        let id = match resolved.rank {
-            Some(rank) if !restart => rank,
-            _ => {
-                let n = store.add("ids/next", 1).await.map_err(store_error)?;
-                let id = membership::ELASTIC_BASE as i64 + n - 1;
-                if id > membership::MAX_ID as i64 {
-                    return Err(InitError::Config(format!(
-                        "the group has handed out every worker id ({} joins)",
-                        n
-                    )));
-                }
-                id as u32
-            }
-        };
-        let mut pipe_options = options.pipe.clone();
-        pipe_options.name = options.name.clone();
-        pipe_options.secret = resolved.secret.clone();
-        let context = Context::new(pipe_options)?;
-        let listener = context.listen(&options.listen).await?;
-        let announce = Announce {
-            version: wire::AGENT_VERSION,
-            name: options.name.clone(),
-            id,
-            address: listener.address().to_owned(),
-            devices: WorkerDevices {
-                name: options.name.clone(),
-                devices: options.devices.clone().unwrap_or_else(gpu::local_devices),
-                maps: options.device_maps.clone(),
-            },
-        };
-        // A live member with our name is either a duplicate or our own crashed incarnation
-        // whose membership has not expired yet: wait for it to go.
-        let mut listing = store.list("m/").await.map_err(store_error)?;
-        while restart || resolved.rank.is_none() {
-            let (live, _) = membership::parse_listing(&listing.entries);
-            let Some(other) = live.values().find(|a| a.name == options.name) else {
-                break;
+                _ => None,
             };
-            if left().is_zero() {
-                return Err(InitError::DuplicateName {
-                    name: options.name.clone(),
-                    first: other.id,
-                    second: id,
-                });
-            }
-            if let Some(l) = store.watch("m/", listing.revision, left()).await.map_err(store_error)? {
-                listing = l;
-            }
-        }
-        let bytes = postcard::to_allocvec(&announce).map_err(|e| InitError::Config(e.to_string()))?;
-        store
-            .set_ephemeral(&membership::live_key(id), bytes)
-            .await
-            .map_err(store_error)?;
-        store
-            .set(&name_key, id.to_string().into_bytes())
-            .await
-            .map_err(store_error)?;
-        // A fixed group's first start waits for every rank.
-        let mut listing = store.list("m/").await.map_err(store_error)?;
-        if resolved.rank.is_some() && !restart {
-            loop {
-                let (live, _) = membership::parse_listing(&listing.entries);
-                if (0..resolved.world_size).all(|r| live.contains_key(&r)) {
-                    break;
+            let store = Store::connect(&resolved.store, left(), resolved.secret.clone())
+                .await
+                .map_err(store_error)?;
+            // A name seen before means a restart: this incarnation gets a fresh id.
+            let name_key = membership::name_key(&options.name);
+            let name_seen = store
+                .list(&name_key)
+                .await
+                .map_err(store_error)?
+                .entries
+                .iter()
+                .any(|(k, _)| *k == name_key);
+            // In a fixed group a seen name is a restart only once the group has formed; before
+            // that it is a duplicate, which validation reports.
+            let restart = match resolved.rank {
+                Some(_) if name_seen => store.add("init", 0).await.map_err(store_error)? >= resolved.world_size as i64,
+                _ => name_seen,
+            };
+            let id = match resolved.rank {
+                Some(rank) if !restart => rank,
+                _ => {
+                    let n = store.add("ids/next", 1).await.map_err(store_error)?;
+                    let id = membership::ELASTIC_BASE as i64 + n - 1;
+                    if id > membership::MAX_ID as i64 {
+                        return Err(InitError::Config(format!(
+                            "the group has handed out every worker id ({} joins)",
+                            n
+                        )));
+                    }
+                    id as u32
                 }
-                let missing: Vec<u32> = (0..resolved.world_size).filter(|r| !live.contains_key(r)).collect();
-                match store.watch("m/", listing.revision, left()).await.map_err(store_error)? {
-                    Some(l) => listing = l,
-                    None => {
-                        return Err(InitError::Timeout {
-                            timeout: options.init_timeout,
-                            waiting_for: format!("ranks {missing:?} to join (is every worker started?)"),
-                        })
+            };
+            let mut pipe_options = options.pipe.clone();
+            pipe_options.name = options.name.clone();
+            pipe_options.secret = resolved.secret.clone();
+            let context = Context::new(pipe_options)?;
+            let listener = context.listen(&options.listen).await?;
+            let announce = Announce {
+                version: wire::AGENT_VERSION,
+                name: options.name.clone(),
+                id,
+                address: listener.address().to_owned(),
+                devices: WorkerDevices {
+                    name: options.name.clone(),
+                    devices: options.devices.clone().unwrap_or_else(gpu::local_devices),
+                    maps: options.device_maps.clone(),
+                },
+            };
+            // A live member with our name is either a duplicate or our own crashed incarnation
+            // whose membership has not expired yet: wait for it to go.
+            let mut listing = store.list("m/").await.map_err(store_error)?;
+            while restart || resolved.rank.is_none() {
+                let (live, _) = membership::parse_listing(&listing.entries);
+                let Some(other) = live.values().find(|a| a.name == options.name) else {
+                    break;
+                };
+                if left().is_zero() {
+                    return Err(InitError::DuplicateName {
+                        name: options.name.clone(),
+                        first: other.id,
+                        second: id,
+                    });
+                }
+                if let Some(l) = store.watch("m/", listing.revision, left()).await.map_err(store_error)? {
+                    listing = l;
+                }
+            }
+            let bytes = postcard::to_allocvec(&announce).map_err(|e| InitError::Config(e.to_string()))?;
+            store
+                .set_ephemeral(&membership::live_key(id), bytes.clone())
+                .await
+                .map_err(store_error)?;
+            store
+                .set(&name_key, id.to_string().into_bytes())
+                .await
+                .map_err(store_error)?;
+            // A fixed group's first start waits for every rank's announcement. They are kept
+            // apart from the (ephemeral) membership keys, so a rank that read the whole group and
+            // left at once (failing validation) still counts: every rank validates the same group
+            // and fails with the same error.
+            let mut formation = None;
+            if resolved.rank.is_some() && !restart {
+                store
+                    .set(&membership::formed_key(id), bytes)
+                    .await
+                    .map_err(store_error)?;
+                let mut formed = store.list(membership::FORMED).await.map_err(store_error)?;
+                loop {
+                    let announced = membership::parse_formation(&formed.entries);
+                    if (0..resolved.world_size).all(|r| announced.contains_key(&r)) {
+                        formation = Some(announced);
+                        break;
+                    }
+                    let missing: Vec<u32> = (0..resolved.world_size)
+                        .filter(|r| !announced.contains_key(r))
+                        .collect();
+                    match store
+                        .watch(membership::FORMED, formed.revision, left())
+                        .await
+                        .map_err(store_error)?
+                    {
+                        Some(l) => formed = l,
+                        None => {
+                            return Err(InitError::Timeout {
+                                timeout: options.init_timeout,
+                                waiting_for: format!("ranks {missing:?} to join (is every worker started?)"),
+                            })
+                        }
                     }
                 }
             }
-        }
-        if resolved.rank.is_some() && !restart {
-            // The store's host stays until everyone has read the complete group, even when
-            // validation is about to fail (all workers then report the same error).
-            store.add("init/read", 1).await.map_err(store_error)?;
-            if server.is_some() {
-                store
-                    .wait_count("init/read", resolved.world_size as i64, left())
-                    .await
-                    .map_err(store_error)?;
+            let listing = store.list("m/").await.map_err(store_error)?;
+            if resolved.rank.is_some() && !restart {
+                // The store's host stays until everyone has read the complete group, even when
+                // validation is about to fail (all workers then report the same error).
+                store.add("init/read", 1).await.map_err(store_error)?;
+                if server.is_some() {
+                    store
+                        .wait_count("init/read", resolved.world_size as i64, left())
+                        .await
+                        .map_err(store_error)?;
+                }
             }
-        }
-        Ok::<_, InitError>((server, store, context, listener, announce, listing, restart))
-    })?;
+            Ok::<_, InitError>((server, store, context, listener, announce, listing, formation, restart))
+        })?;
 
     let (live, _) = membership::parse_listing(&listing.entries);
-    for a in live.values() {
+    // A fixed group validates the group as formed; later joiners what is live.
+    let group = formation.as_ref().unwrap_or(&live);
+    for a in group.values() {
         if a.version != wire::AGENT_VERSION {
             return Err(InitError::Config(format!(
                 "worker {} ({}) speaks agent protocol version {}, this worker speaks {}",
@@ -197,7 +216,7 @@ pub(crate) fn init(options: AgentOptions, mut registry: Registry) -> Result<Agen
         validate_name(&a.name)?;
     }
     let mut names = HashMap::new();
-    for a in live.values() {
+    for a in group.values() {
         if let Some(first) = names.insert(a.name.clone(), a.id) {
             return Err(InitError::DuplicateName {
                 name: a.name.clone(),
@@ -206,7 +225,7 @@ pub(crate) fn init(options: AgentOptions, mut registry: Registry) -> Result<Agen
             });
         }
     }
-    let devices: Vec<WorkerDevices> = live.values().map(|a| a.devices.clone()).collect();
+    let devices: Vec<WorkerDevices> = group.values().map(|a| a.devices.clone()).collect();
     if resolved.rank.is_some() && !restart {
         device_map::validate(&devices)?;
     } else {

@@ -35,6 +35,35 @@ pub(crate) fn left_key(id: u32) -> String {
     format!("{LEFT}{id:05}")
 }
 
+/// A fixed group's first start: each rank's announcement, kept (not ephemeral), so a rank
+/// that read the whole group, failed validation and left is still seen by the slower ones,
+/// which then fail with the same error instead of waiting for it.
+pub(crate) const FORMED: &str = "init/m/";
+
+pub(crate) fn formed_key(id: u32) -> String {
+    format!("{FORMED}{id:05}")
+}
+
+/// The announcements of a fixed group's formation (keys under [`FORMED`]).
+pub(crate) fn parse_formation(entries: &[(String, Vec<u8>)]) -> BTreeMap<u32, Announce> {
+    parse_announcements(entries, FORMED)
+}
+
+fn parse_announcements(entries: &[(String, Vec<u8>)], prefix: &str) -> BTreeMap<u32, Announce> {
+    let mut out = BTreeMap::new();
+    for (k, v) in entries {
+        if let Some(id) = k.strip_prefix(prefix) {
+            match (id.parse::<u32>(), postcard::from_bytes::<Announce>(v)) {
+                (Ok(id), Ok(a)) if a.id == id => {
+                    out.insert(id, a);
+                }
+                _ => tracing::warn!(key = %k, "membership: unreadable entry skipped"),
+            }
+        }
+    }
+    out
+}
+
 pub(crate) fn name_key(name: &str) -> String {
     format!("names/{name}")
 }
@@ -75,22 +104,11 @@ pub(crate) struct Changes {
 /// do not parse are skipped (and logged): the store is shared, and a bad entry must not stop
 /// the group.
 pub(crate) fn parse_listing(entries: &[(String, Vec<u8>)]) -> (BTreeMap<u32, Announce>, Vec<u32>) {
-    let mut live = BTreeMap::new();
-    let mut left = Vec::new();
-    for (k, v) in entries {
-        if let Some(id) = k.strip_prefix(LIVE) {
-            match (id.parse::<u32>(), postcard::from_bytes::<Announce>(v)) {
-                (Ok(id), Ok(a)) if a.id == id => {
-                    live.insert(id, a);
-                }
-                _ => tracing::warn!(key = %k, "membership: unreadable entry skipped"),
-            }
-        } else if let Some(id) = k.strip_prefix(LEFT) {
-            if let Ok(id) = id.parse::<u32>() {
-                left.push(id);
-            }
-        }
-    }
+    let live = parse_announcements(entries, LIVE);
+    let left = entries
+        .iter()
+        .filter_map(|(k, _)| k.strip_prefix(LEFT)?.parse::<u32>().ok())
+        .collect();
     (live, left)
 }
 

@@ -64,6 +64,12 @@ pub fn free_port() -> u16 {
 
 /// Runs `body` on `n` worker processes. In a worker process (re-executed by the parent) this
 /// runs the body for its rank and returns; in the test process it spawns the workers and waits.
+/// Whether this process is one of `test`'s workers (not the test that starts them): a test
+/// that forms several groups in turn forms one in each worker.
+pub fn in_worker(test: &str) -> bool {
+    std::env::var(CHILD_VAR).as_deref() == Ok(test)
+}
+
 pub fn run_workers(test: &str, n: u32, body: impl FnOnce(WorkerEnv)) {
     run_workers_with(test, n, |_| Ending::Success, body)
 }

@@ -559,26 +559,24 @@ fn peer_death_fails_pending_and_new_calls_and_survivors_go_on() {
     );
 }
 
-// Known bug, found 2026-11-23 (about one run in four when this test runs alone, rarely in
-// the whole binary): the second worker sees both members, fails with `DuplicateName` and
-// exits, and its ephemeral membership key goes with it. If the first worker's long-poll watch
-// answers only after that, it never sees the second member and waits for it until the init
-// timeout ("rendezvous timed out ... waiting for ranks [1]"). The fixed-group wait needs to
-// learn of members that joined and left (or names need a persistent claim). Run it with
-// `--ignored` when working on rendezvous.
-worker_test!(
-    #[ignore = "known bug: a duplicate that fails first can leave the other worker waiting for it"]
-    init_rejects_duplicate_names,
-    2,
-    |env| {
-        let e = Agent::init(AgentOptions::new("same"), registry()).unwrap_err();
-        assert!(
-            matches!(&e, InitError::DuplicateName { name, first: 0, second: 1 } if name == "same"),
-            "{e}"
-        );
-        let _ = env;
+/// Both workers of a group with a duplicate name fail init with `DuplicateName`, promptly and
+/// every time. The race this guards against (found 2026-11-23, about one formation in three):
+/// the worker that read the whole group first failed, left, and took its ephemeral membership
+/// key along before the slower one had read it; the slower one then waited for it until its
+/// init timeout. Formation now waits on announcements that stay. Repeated, so a race shows.
+#[test]
+fn init_rejects_duplicate_names() {
+    const TEST: &str = "init_rejects_duplicate_names";
+    for _ in 0..if sluice_tests::workers::in_worker(TEST) { 1 } else { 50 } {
+        sluice_tests::workers::run_workers(TEST, 2, |_env| {
+            let e = Agent::init(AgentOptions::new("same"), registry()).unwrap_err();
+            assert!(
+                matches!(&e, InitError::DuplicateName { name, first: 0, second: 1 } if name == "same"),
+                "{e}"
+            );
+        });
     }
-);
+}
 
 worker_test!(init_rejects_bad_device_maps_everywhere, 2, |env| {
     // Rank 0 maps its CPU to a device rank 1 does not have: both workers refuse, naming it.
