@@ -290,6 +290,20 @@ impl AgentInner {
                 return Ok(id);
             }
         }
+        // A name that belonged to the group and is gone stays known: calls to it fail as
+        // lost (or left), naming it and how it went (see `peer`), never as unknown.
+        if let Dest::Name(n) = dest {
+            let m = self.members.read().unwrap();
+            if let Some(id) = m
+                .gone
+                .iter()
+                .filter(|(_, (info, _))| &info.name == n)
+                .map(|(id, _)| *id)
+                .max()
+            {
+                return Ok(id);
+            }
+        }
         Err(RpcError::UnknownWorker {
             dest: dest.to_string(),
             world_size: self.member_count(),

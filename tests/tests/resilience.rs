@@ -156,6 +156,19 @@ fn killed_driver() {
     );
     let lost_event = expect_event(&events, "victim lost", lost("victim"));
     eprintln!("detected: {lost_event:?}");
+    // Its name stays known after its membership expired: by name, call after call fails as
+    // lost, naming it and how it went (never as a worker that does not exist).
+    eventually("the victim's membership expired", || {
+        matches!(agent.worker("victim"), Err(RpcError::PeerLost { .. }))
+            && agent.workers().iter().all(|w| w.name != "victim")
+    });
+    for _ in 0..3 {
+        let e = agent.call::<_, i64>("victim", "add", &(1i64, 1i64)).unwrap_err();
+        assert!(
+            matches!(&e, RpcError::PeerLost { worker, detail } if worker == "victim" && detail.contains("expired")),
+            "a call by name to a lost worker: {e}"
+        );
+    }
     let e = owned_there.to_here().unwrap_err();
     assert!(e.to_string().contains("victim"), "an RRef of the lost owner: {e}");
     let e = ctx.backward(&[loss], false).unwrap_err();
@@ -187,6 +200,16 @@ fn killed_driver() {
     stop(&agent, &mut victim2);
     expect_event(&events, "victim left", left("victim"));
     assert_eq!(agent.workers().len(), 1);
+    let e = agent.call::<_, i64>("victim", "add", &(1i64, 1i64)).unwrap_err();
+    assert!(
+        matches!(&e, RpcError::PeerLost { worker, detail } if worker == "victim" && detail.contains("left")),
+        "a call by name to a worker that left: {e}"
+    );
+    let e = agent.call::<_, i64>("nobody", "add", &(1i64, 1i64)).unwrap_err();
+    assert!(
+        matches!(&e, RpcError::UnknownWorker { .. }),
+        "a name that never joined: {e}"
+    );
     agent.leave(Duration::from_secs(10)).unwrap();
 }
 
