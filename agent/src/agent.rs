@@ -78,6 +78,9 @@ pub(crate) struct AgentInner {
     /// The fixed group's size (zero for an elastic join).
     pub(crate) static_world: u32,
     pub(crate) options: AgentOptions,
+    /// The default timeout of calls started from now, in nanoseconds (starts as the options'
+    /// `default_timeout`; see [`Agent::set_default_timeout`]).
+    pub(crate) default_timeout_ns: AtomicU64,
     pub(crate) runtime: Mutex<Option<tokio::runtime::Runtime>>,
     pub(crate) handle: tokio::runtime::Handle,
     pub(crate) context: Context,
@@ -175,7 +178,7 @@ impl Agent {
     /// Calls `handler` on `dest` and returns the reply's future at once. The deadline is the
     /// default timeout from now.
     pub fn rpc_async(&self, dest: impl Into<Dest>, handler: &str, payload: Payload) -> RpcFuture {
-        self.rpc_async_timeout(dest, handler, payload, self.inner.options.default_timeout)
+        self.rpc_async_timeout(dest, handler, payload, self.inner.default_timeout())
     }
 
     /// [`rpc_async`](Self::rpc_async) with its own timeout (zero: none).
@@ -232,7 +235,7 @@ impl Agent {
     /// Runs `handler` on `dest`, which keeps the result and becomes its owner; returns a
     /// reference at once. A failed creation surfaces on the reference's next use.
     pub fn remote<T>(&self, dest: impl Into<Dest>, handler: &str, payload: Payload) -> Result<RRef<T>, RpcError> {
-        self.remote_timeout(dest, handler, payload, self.inner.options.default_timeout)
+        self.remote_timeout(dest, handler, payload, self.inner.default_timeout())
     }
 
     pub fn remote_timeout<T>(
@@ -245,21 +248,12 @@ impl Agent {
         let inner = &self.inner;
         let owner = inner.resolve(&dest.into())?;
         inner.check_running()?;
-        let id = inner.global_id();
-        let host = inner.host();
-        let (state, fork) = if owner == inner.me.id {
-            (inner.rrefs.owner_handle(&host, id), None)
-        } else {
-            let fork = inner.global_id();
-            (inner.rrefs.remote_user_handle(&host, owner, id, fork), Some(fork))
-        };
-        let body = Body::Remote {
-            handler: handler.to_owned(),
-            rref: id,
+        let handler = handler.to_owned();
+        let state = crate::rref::create_remote(&inner.host(), owner, payload, timeout, |rref, fork| Body::Remote {
+            handler,
+            rref,
             fork,
-        };
-        let created = inner.start_call(owner, body, payload, timeout);
-        state.set_creation(created);
+        });
         Ok(RRef::from_state(state))
     }
 
@@ -272,9 +266,22 @@ impl Agent {
         RRef::from_state(state)
     }
 
+    /// Changes the timeout of calls started from now on that give none (`rpc_sync`,
+    /// `rpc_async`, `remote`, `to_here`, the proxies); zero means none. Calls already sent
+    /// keep the deadline they were sent with.
+    pub fn set_default_timeout(&self, timeout: Duration) {
+        let ns = u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX);
+        self.inner.default_timeout_ns.store(ns, Ordering::Relaxed);
+    }
+
+    /// The timeout calls get when none is given.
+    pub fn default_timeout(&self) -> Duration {
+        self.inner.default_timeout()
+    }
+
     /// Waits until every worker of the group has called `barrier` with the same `key` (each key
-    /// once). The group is the fixed world for a fixed group, else the members at each check.
-    /// Call it from a plain thread.
+    /// once). The group is the members at each check: a fixed group's ranks that are still
+    /// here, and every worker that joined later. Call it from a plain thread.
     pub fn barrier(&self, key: &str) -> Result<(), RpcError> {
         let inner = &self.inner;
         inner.check_running()?;
@@ -357,6 +364,11 @@ impl AgentInner {
     }
 
     /// This agent as the RRef layer sees it.
+    /// The timeout calls get when none is given (zero: none).
+    pub(crate) fn default_timeout(&self) -> Duration {
+        Duration::from_nanos(self.default_timeout_ns.load(Ordering::Relaxed))
+    }
+
     pub(crate) fn host(self: &Arc<Self>) -> Arc<dyn RRefHost> {
         self.clone()
     }

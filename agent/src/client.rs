@@ -383,7 +383,7 @@ impl RRefHost for AgentInner {
     }
 
     fn default_timeout(&self) -> Duration {
-        self.options.default_timeout
+        AgentInner::default_timeout(self)
     }
 
     fn call(self: Arc<Self>, to: u32, body: Body, payload: Payload, timeout: Duration) -> RpcFuture {

@@ -237,6 +237,13 @@ impl<T: Clone> Future for Completion<T> {
     }
 }
 
+/// Waits for every future in turn and returns their payloads in order, or the first error met
+/// (as PyTorch's `wait_all`: it returns at once, without waiting for the futures after it,
+/// which run on).
+pub fn wait_all(futures: impl IntoIterator<Item = RpcFuture>) -> Result<Vec<Payload>, RpcError> {
+    futures.into_iter().map(|f| f.wait()).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -57,7 +57,7 @@ pub mod store;
 pub mod wire;
 
 pub use agent::{Agent, Registry, RpcFuture};
-pub use completion::Completion;
+pub use completion::{wait_all, Completion};
 pub use device_map::DeviceMap;
 pub use error::{HandlerError, InitError, RpcError, ShutdownError};
 pub use membership::MembershipEvent;

@@ -268,6 +268,7 @@ pub(crate) fn init(options: AgentOptions, mut registry: Registry) -> Result<Agen
         drop_control: AtomicUsize::new(options.faults.drop_control),
         recv_pool: Mutex::new(Vec::new()),
         streams: StreamPool::default(),
+        default_timeout_ns: AtomicU64::new(u64::try_from(options.default_timeout.as_nanos()).unwrap_or(u64::MAX)),
         options,
     });
     {
@@ -326,16 +327,13 @@ pub(crate) fn init(options: AgentOptions, mut registry: Registry) -> Result<Agen
 }
 
 impl AgentInner {
-    /// A barrier over the group: the fixed world, or (elastic) the members at each check.
+    /// A barrier over the group: the members that exist at each check (a fixed group's ranks
+    /// that are still here, and every worker that joined it later).
     pub(crate) async fn group_barrier(&self, key: &str, timeout: Duration) -> Result<(), StoreError> {
         let start = Instant::now();
         self.store.add(key, 1).await?;
         loop {
-            let world = if self.static_world > 0 {
-                self.static_world.min(self.member_count())
-            } else {
-                self.member_count()
-            };
+            let world = self.member_count();
             let step = Duration::from_millis(250).min(timeout.saturating_sub(start.elapsed()));
             match self.store.wait_count(key, world as i64, step).await {
                 Ok(_) => return Ok(()),
@@ -482,10 +480,9 @@ impl AgentInner {
             None => Duration::from_secs(365 * 24 * 3600),
             Some(t) => t.saturating_sub(start.elapsed()),
         };
-        let world_at_start = match self.static_world {
-            0 => self.member_count(),
-            fixed => fixed.min(self.member_count()),
-        };
+        // Every member there is, joiners of a fixed group included: the store's host must
+        // not leave before the last of them has read the quiet round.
+        let world_at_start = self.member_count();
         let result = self.handle.block_on(async {
             let mut round = 0u64;
             let mut last = 0;

@@ -16,7 +16,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use crate::completion::{Completion, RpcFuture, Slot};
 use crate::error::RpcError;
 use crate::name::WorkerInfo;
-use crate::payload::{decode_rref, encode_rref, Payload, Value};
+use crate::payload::{decode_rref, encode_rref, Carried, Payload, Value};
 use crate::rref_ledger::{Effects, Ledger, Parent};
 use crate::wire::{Body, GlobalId, WireRRef};
 
@@ -39,12 +39,15 @@ pub(crate) trait RRefHost: Send + Sync + 'static {
 /// The RRef bookkeeping of one worker: the protocol's state under one lock.
 pub(crate) struct RRefTable {
     ledger: Mutex<Ledger<ValueSlot>>,
+    /// Woken whenever an owner's answer to a fork arrives (see [`RRefTable::confirmed`]).
+    confirmations: tokio::sync::Notify,
 }
 
 impl RRefTable {
     pub(crate) fn new(me: u32) -> RRefTable {
         RRefTable {
             ledger: Mutex::new(Ledger::new(me)),
+            confirmations: tokio::sync::Notify::new(),
         }
     }
 
@@ -155,6 +158,31 @@ impl RRefTable {
         self.ledger.lock().unwrap().is_confirmed(fork)
     }
 
+    /// The user references among `carried` (a received payload's RRefs) that their owners have
+    /// not confirmed yet.
+    pub(crate) fn unconfirmed(&self, carried: &[Carried]) -> Vec<GlobalId> {
+        let ledger = self.ledger.lock().unwrap();
+        carried
+            .iter()
+            .filter_map(|c| c.downcast_ref::<RRefState>()?.fork)
+            .filter(|&f| !ledger.is_confirmed(f))
+            .collect()
+    }
+
+    /// Waits until the owners have answered every fork in `forks` (accepted, or failed
+    /// because the owner is gone: either way the reference is settled).
+    pub(crate) async fn confirmed(&self, forks: &[GlobalId]) {
+        loop {
+            let answered = self.confirmations.notified();
+            tokio::pin!(answered);
+            answered.as_mut().enable();
+            if forks.iter().all(|&f| self.is_confirmed(f)) {
+                return;
+            }
+            answered.await;
+        }
+    }
+
     pub(crate) fn clear(&self) {
         let released = self.ledger.lock().unwrap().clear().released;
         drop(released);
@@ -178,6 +206,7 @@ fn run(host: &Arc<dyn RRefHost>, effects: Effects<ValueSlot>) {
                     if let Some(host) = weak.upgrade() {
                         let accepted = outcome.is_ok();
                         host.rrefs().input(&host, |l| l.fork_confirmed(fork, accepted));
+                        host.rrefs().confirmations.notify_waiters();
                     }
                 })
             }
@@ -289,6 +318,16 @@ impl<T> RRef<T> {
         Ok(inner)
     }
 
+    /// Completes once the value exists on its owner: with an empty payload, or with the
+    /// error that kept it from being created (a reference from `remote`, or a proxy's
+    /// `remote`). References that were never created remotely are ready at once.
+    pub fn created(&self) -> RpcFuture {
+        match self.state.creation.get() {
+            Some(f) => f.clone(),
+            None => Completion::ready(Ok(Payload::empty())),
+        }
+    }
+
     /// The creating call's result, if this reference came from `remote` and it failed.
     fn creation_error(&self) -> Option<RpcError> {
         match self.state.creation.get()?.try_get()? {
@@ -359,8 +398,19 @@ impl<T: DeserializeOwned + Send + Sync + 'static> RRef<T> {
     }
 
     /// Proxy: runs the method handler `method` on the value, on its owner, and returns the
-    /// result's future.
+    /// result's future. The deadline is the agent's default timeout from now.
     pub fn rpc_async<A: Serialize + ?Sized>(&self, method: &str, arg: &A) -> RpcFuture {
+        match self.agent() {
+            Ok(inner) => {
+                let timeout = inner.default_timeout();
+                self.rpc_async_timeout(method, arg, timeout)
+            }
+            Err(e) => Completion::ready(Err(e)),
+        }
+    }
+
+    /// [`rpc_async`](Self::rpc_async) with its own timeout (zero: none).
+    pub fn rpc_async_timeout<A: Serialize + ?Sized>(&self, method: &str, arg: &A, timeout: Duration) -> RpcFuture {
         let inner = match self.agent() {
             Ok(i) => i,
             Err(e) => return Completion::ready(Err(e)),
@@ -373,7 +423,6 @@ impl<T: DeserializeOwned + Send + Sync + 'static> RRef<T> {
             rref: self.state.id,
             handler: method.to_owned(),
         };
-        let timeout = inner.default_timeout();
         inner.call(self.state.owner, body, payload, timeout)
     }
 
@@ -381,6 +430,68 @@ impl<T: DeserializeOwned + Send + Sync + 'static> RRef<T> {
     pub fn rpc_sync<A: Serialize + ?Sized, R: DeserializeOwned>(&self, method: &str, arg: &A) -> Result<R, RpcError> {
         self.rpc_async(method, arg).wait()?.decode()
     }
+
+    /// [`rpc_sync`](Self::rpc_sync) with its own timeout (zero: none).
+    pub fn rpc_sync_timeout<A: Serialize + ?Sized, R: DeserializeOwned>(
+        &self,
+        method: &str,
+        arg: &A,
+        timeout: Duration,
+    ) -> Result<R, RpcError> {
+        self.rpc_async_timeout(method, arg, timeout).wait()?.decode()
+    }
+
+    /// Proxy, `remote` form: runs `method` on the value on its owner, which keeps the result
+    /// as a new reference's value and owns it; returns that reference at once (a failure
+    /// surfaces on its next use, as with [`Agent::remote`](crate::Agent::remote)).
+    pub fn remote<R, A: Serialize + ?Sized>(&self, method: &str, arg: &A) -> Result<RRef<R>, RpcError> {
+        let timeout = self.agent()?.default_timeout();
+        self.remote_timeout(method, arg, timeout)
+    }
+
+    /// [`remote`](Self::remote) with its own timeout for the creating call (zero: none).
+    pub fn remote_timeout<R, A: Serialize + ?Sized>(
+        &self,
+        method: &str,
+        arg: &A,
+        timeout: Duration,
+    ) -> Result<RRef<R>, RpcError> {
+        let host = self.agent()?;
+        let payload = Payload::encode(arg)?;
+        let (target, handler) = (self.state.id, method.to_owned());
+        let state = create_remote(&host, self.state.owner, payload, timeout, |rref, fork| {
+            Body::RemoteMethod {
+                target,
+                handler,
+                rref,
+                fork,
+            }
+        });
+        Ok(RRef::from_state(state))
+    }
+}
+
+/// Starts the call that creates a value on `owner` (kept there as a new reference's value)
+/// and returns the caller's handle to it: the owner's own handle when the caller is the
+/// owner, else a user reference whose fork the call carries. `body` gets the new reference's
+/// id and that fork.
+pub(crate) fn create_remote(
+    host: &Arc<dyn RRefHost>,
+    owner: u32,
+    payload: Payload,
+    timeout: Duration,
+    body: impl FnOnce(GlobalId, Option<GlobalId>) -> Body,
+) -> Arc<RRefState> {
+    let id = host.new_id();
+    let (state, fork) = if owner == host.me().id {
+        (host.rrefs().owner_handle(host, id), None)
+    } else {
+        let fork = host.new_id();
+        (host.rrefs().remote_user_handle(host, owner, id, fork), Some(fork))
+    };
+    let created = host.clone().call(owner, body(id, fork), payload, timeout);
+    state.set_creation(created);
+    state
 }
 
 impl<T> Serialize for RRef<T> {

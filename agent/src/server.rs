@@ -217,30 +217,17 @@ impl AgentInner {
                     inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
                 }))
             }
-            Body::Method { rref, handler } => {
-                let Some(method) = self.registry.methods.get(&handler).cloned() else {
-                    return Some(self.reply_later(pipe, caller, id, Err(WireError::UnknownHandler(handler))));
-                };
-                let value = self.rrefs.value(rref);
-                let inner = self.clone();
-                self.handlers_running.fetch_add(1, Ordering::AcqRel);
-                Some(Box::pin(async move {
-                    match value.await {
-                        Ok(v) => {
-                            let pool_inner = inner.clone();
-                            inner.pool.submit(move || {
-                                let result = method(&ctx, &v, payload);
-                                let result = pool_inner.encode_result(result);
-                                pool_inner.reply_from_pool(pipe, caller, id, result);
-                            });
-                        }
-                        Err(e) => {
-                            let err = Err(WireError::Failed(format!("RRef creation failed: {e}")));
-                            inner.reply(&pipe, caller, id, err).await;
-                            inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
-                        }
-                    }
-                }))
+            Body::Method { rref, handler } => self.run_method(ctx, pipe, id, rref, handler, payload, None),
+            Body::RemoteMethod {
+                target,
+                handler,
+                rref,
+                fork,
+            } => {
+                if let Some(fork) = fork {
+                    self.rrefs.add_fork_held(rref, fork, caller);
+                }
+                self.run_method(ctx, pipe, id, target, handler, payload, Some(rref))
             }
             Body::Ping => Some(self.reply_later(pipe, caller, id, Ok(Payload::empty()))),
             Body::ForkRequest { rref, fork } => {
@@ -276,6 +263,97 @@ impl AgentInner {
         }
     }
 
+    /// Runs method handler `handler` on RRef `target`'s value, on the pool once the value
+    /// exists; with `rref`, keeps the result as that RRef's value (see [`settle`](Self::settle)).
+    #[allow(clippy::too_many_arguments)]
+    fn run_method(
+        self: &Arc<Self>,
+        ctx: CallContext,
+        pipe: Pipe,
+        id: u64,
+        target: GlobalId,
+        handler: String,
+        payload: Payload,
+        rref: Option<GlobalId>,
+    ) -> Option<BoxFuture<()>> {
+        let caller = ctx.caller.id;
+        let Some(method) = self.registry.methods.get(&handler).cloned() else {
+            if let Some(r) = rref {
+                self.rrefs.set_value(
+                    r,
+                    Err(RpcError::UnknownHandler {
+                        worker: self.me.name.clone(),
+                        handler: handler.clone(),
+                    }),
+                );
+            }
+            return Some(self.reply_later(pipe, caller, id, Err(WireError::UnknownHandler(handler))));
+        };
+        let value = self.rrefs.value(target);
+        let inner = self.clone();
+        self.handlers_running.fetch_add(1, Ordering::AcqRel);
+        Some(Box::pin(async move {
+            match value.await {
+                Ok(v) => {
+                    let pool_inner = inner.clone();
+                    inner.pool.submit(move || {
+                        let result = method(&ctx, &v, payload);
+                        let reply = pool_inner.settle(rref, result);
+                        pool_inner.reply_from_pool(pipe, caller, id, reply);
+                    });
+                }
+                Err(e) => {
+                    let failed = format!("RRef creation failed: {e}");
+                    if let Some(r) = rref {
+                        inner.rrefs.set_value(
+                            r,
+                            Err(RpcError::Remote {
+                                worker: inner.me.name.clone(),
+                                kind: "RRefFailed".into(),
+                                message: failed.clone(),
+                            }),
+                        );
+                    }
+                    inner.reply(&pipe, caller, id, Err(WireError::Failed(failed))).await;
+                    inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
+                }
+            }
+        }))
+    }
+
+    /// A handler's result as its reply: the value itself, or with `rref`, kept as that RRef's
+    /// value (its failure too) and answered empty.
+    pub(crate) fn settle(
+        &self,
+        rref: Option<GlobalId>,
+        result: Result<Value, HandlerError>,
+    ) -> Result<Payload, WireError> {
+        let Some(r) = rref else {
+            return self.encode_result(result);
+        };
+        let reply = match &result {
+            Ok(_) => Ok(Payload::empty()),
+            Err(e) => Err(WireError::Handler(e.clone())),
+        };
+        // A value on a GPU keeps events marking the work that made it, for fetches.
+        let result = result.and_then(|v| match v {
+            Value::Payload(mut p) => match gpu::record_events(&mut p) {
+                Ok(()) => Ok(Value::Payload(p)),
+                Err(e) => Err(HandlerError::new("CudaError", e.to_string())),
+            },
+            other => Ok(other),
+        });
+        self.rrefs.set_value(
+            r,
+            result.map_err(|e| RpcError::Remote {
+                worker: self.me.name.clone(),
+                kind: e.kind,
+                message: e.message,
+            }),
+        );
+        reply
+    }
+
     /// Runs a registered handler; with `rref`, keeps the value as that RRef's and replies
     /// empty.
     pub(crate) fn run_handler(
@@ -302,33 +380,7 @@ impl AgentInner {
         };
         self.handlers_running.fetch_add(1, Ordering::AcqRel);
         let inner = self.clone();
-        let finish = move |inner: &Arc<AgentInner>, result: Result<Value, HandlerError>| match rref {
-            None => inner.encode_result(result),
-            Some(r) => {
-                let reply = match &result {
-                    Ok(_) => Ok(Payload::empty()),
-                    Err(e) => Err(WireError::Handler(e.clone())),
-                };
-                let me = inner.me.name.clone();
-                // A value on a GPU keeps events marking the work that made it, for fetches.
-                let result = result.and_then(|v| match v {
-                    Value::Payload(mut p) => match gpu::record_events(&mut p) {
-                        Ok(()) => Ok(Value::Payload(p)),
-                        Err(e) => Err(HandlerError::new("CudaError", e.to_string())),
-                    },
-                    other => Ok(other),
-                });
-                inner.rrefs.set_value(
-                    r,
-                    result.map_err(|e| RpcError::Remote {
-                        worker: me,
-                        kind: e.kind,
-                        message: e.message,
-                    }),
-                );
-                reply
-            }
-        };
+        let finish = move |inner: &Arc<AgentInner>, result: Result<Value, HandlerError>| inner.settle(rref, result);
         match handler {
             // Quick last time and never blocked: run right here, on the thread that read the
             // request (the serve loop hands its read role on if the handler blocks after all).
@@ -589,6 +641,20 @@ pub(crate) async fn serve_loop(served: Arc<Served>) {
                 if pipe.is_batching() || pipe.has_input() {
                     let _ = pipe.set_batching(true).await;
                     batched += 1;
+                }
+                // A call that carries user references runs only once their owners confirmed
+                // them (as PyTorch does), so a handler never sees a half-registered reference;
+                // meanwhile this pipe goes on serving.
+                let waiting = inner.rrefs.unconfirmed(&payload.rrefs);
+                if !waiting.is_empty() {
+                    let (inner, pipe) = (inner.clone(), pipe.clone());
+                    tokio::spawn(async move {
+                        inner.rrefs.confirmed(&waiting).await;
+                        if let Some(work) = inner.dispatch(caller, pipe, request, payload) {
+                            work.await;
+                        }
+                    });
+                    continue;
                 }
                 // Held until the reply goes out (`reply` releases it).
                 inner

@@ -93,6 +93,14 @@ pub enum Body {
     Delete { rref: GlobalId, fork: GlobalId },
     /// A heartbeat on an idle pipe; answered at once, never counted as activity.
     Ping,
+    /// Run a method handler on the RRef `target`'s value and keep the result as the RRef
+    /// `rref`, owned here too (the proxies' `remote` form); `fork` as for `Remote`.
+    RemoteMethod {
+        target: GlobalId,
+        handler: String,
+        rref: GlobalId,
+        fork: Option<GlobalId>,
+    },
 }
 
 impl Body {

@@ -65,6 +65,11 @@ fn registry() -> Registry {
         .handler("read_rref", |_, r: RRef<Counter>| {
             Ok(r.to_here()?.value.load(Ordering::SeqCst))
         })
+        // What a handler sees of a user reference it was passed: confirmed by its owner?
+        .handler("rref_confirmed", |_, r: RRef<Counter>| Ok(r.confirmed_by_owner()))
+        .async_handler("rref_confirmed_async", |_, r: RRef<Counter>| async move {
+            Ok(r.confirmed_by_owner())
+        })
         .handler(
             "forward_rref",
             |ctx: &CallContext, (mut chain, r): (Vec<String>, RRef<Counter>)| {
@@ -97,6 +102,10 @@ fn registry() -> Registry {
         })
         .method("counter_add", |_, c: &Counter, d: i64| {
             Ok(c.value.fetch_add(d, Ordering::SeqCst) + d)
+        })
+        .method("counter_read_after", |_, c: &Counter, ms: u64| {
+            std::thread::sleep(Duration::from_millis(ms));
+            Ok(c.value.load(Ordering::SeqCst))
         });
     r
 }
@@ -387,8 +396,62 @@ worker_test!(rrefs_remote_to_here_local_value_and_proxies, 3, |env| {
         // Proxy: a method runs on the owner's value.
         assert_eq!(r.rpc_sync::<_, i64>("counter_add", &10i64).unwrap(), 15);
         assert_eq!(r.to_here().unwrap().value.load(Ordering::SeqCst), 15);
+        // Proxy, remote form: the result stays on the value's owner, as a new reference.
+        let added: RRef<i64> = r.remote("counter_add", &1i64).unwrap();
+        assert_eq!(added.owner().name, "worker1");
+        assert_eq!(added.to_here().unwrap(), 16);
+        assert_eq!(r.rpc_sync::<_, i64>("counter_add", &-1i64).unwrap(), 15);
+        // Per-call timeouts on every proxy form.
+        let e = r
+            .rpc_sync_timeout::<_, i64>("counter_read_after", &400u64, Duration::from_millis(20))
+            .unwrap_err();
+        assert!(matches!(&e, RpcError::Timeout { .. }), "{e}");
+        let late: RRef<i64> = r
+            .remote_timeout("counter_read_after", &400u64, Duration::from_millis(20))
+            .unwrap();
+        let e = late.created().wait().unwrap_err();
+        assert!(
+            matches!(&e, RpcError::Timeout { .. }),
+            "a remote whose creation timed out: {e}"
+        );
+        let e = late.to_here().unwrap_err();
+        assert!(
+            e.to_string().contains("timed out"),
+            "to_here after the creation timed out: {e}"
+        );
+        let in_time = r.rpc_async_timeout("counter_read_after", &1u64, Duration::from_secs(30));
+        assert_eq!(in_time.wait().unwrap().decode::<i64>().unwrap(), 15);
+        // A reference's creation as a future: done once the owner has the value, or failed.
+        r.created().wait().expect("created");
+        let never: RRef<i64> = agent.remote(1u32, "no_such_handler", Payload::empty()).unwrap();
+        assert!(never.created().wait().is_err());
+        // wait_all: every payload in order, or the first error.
+        let sums = sluice_agent::wait_all((0..4i64).map(|i| agent.call_async(1u32, "add", &(i, 1i64)))).unwrap();
+        let sums: Vec<i64> = sums.iter().map(|p| p.decode().unwrap()).collect();
+        assert_eq!(sums, vec![1, 2, 3, 4]);
+        let e = sluice_agent::wait_all(vec![
+            agent.call_async(1u32, "add", &(1i64, 1i64)),
+            agent.call_async(1u32, "fail", &"first".to_owned()),
+            agent.call_async(1u32, "fail", &"second".to_owned()),
+        ])
+        .unwrap_err();
+        assert!(e.to_string().contains("first"), "{e}");
+        // The default timeout changes for calls started afterwards.
+        let before = agent.call_async(1u32, "sleep_ms", &300u64);
+        agent.set_default_timeout(Duration::from_millis(20));
+        assert_eq!(agent.default_timeout(), Duration::from_millis(20));
+        let e = agent.call::<_, u32>(1u32, "sleep_ms", &300u64).unwrap_err();
+        assert!(matches!(&e, RpcError::Timeout { .. }), "{e}");
+        agent.set_default_timeout(Duration::from_secs(60));
+        before.wait().expect("a call sent before the change keeps its deadline");
         // Passed as an argument to a third worker, which fetches it from the owner.
         assert_eq!(agent.call::<_, i64>(2u32, "read_rref", &r).unwrap(), 15);
+        // A handler given a user reference runs only once the owner confirmed it (sync and
+        // async handlers, repeated: the owner's answer races the call).
+        for _ in 0..20 {
+            assert!(agent.call::<_, bool>(2u32, "rref_confirmed", &r).unwrap());
+            assert!(agent.call::<_, bool>(2u32, "rref_confirmed_async", &r).unwrap());
+        }
         // Passed to its owner.
         assert_eq!(agent.call::<_, i64>(1u32, "read_rref", &r).unwrap(), 15);
         // Returned from a call: worker2 owns a counter and hands back a reference.

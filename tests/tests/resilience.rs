@@ -335,3 +335,43 @@ fn etcd_driver(url: &str) {
     stop(&agent, &mut peer);
     agent.leave(Duration::from_secs(10)).unwrap();
 }
+
+const MIXED: &str = "mixed_group_shuts_down_gracefully";
+
+/// A fixed group of two joined later by a third worker: all three shut down gracefully (the
+/// shutdown rounds and the store host's wait count the members that exist, not the fixed
+/// world, so the host does not leave while the joiner still needs the store). Repeated, since
+/// the failure was a race between the host's exit and the joiner's last store operations.
+#[test]
+fn mixed_group_shuts_down_gracefully() {
+    if let Some((role, arg)) = child_role(MIXED) {
+        let options = match role.as_str() {
+            "driver" => return mixed_driver(),
+            "fixed1" => AgentOptions::new("fixed1").rank(1, 2).store(arg),
+            _ => AgentOptions::new(role.as_str()).join(arg),
+        };
+        let agent = Agent::init(fast(options), registry()).unwrap();
+        eventually("the whole group is here", || agent.workers().len() == 3);
+        assert_eq!(agent.call::<_, i64>("fixed0", "add", &(1i64, 2i64)).unwrap(), 3);
+        agent
+            .shutdown()
+            .unwrap_or_else(|e| panic!("{role}: graceful shutdown failed: {e}"));
+        return;
+    }
+    for _ in 0..3 {
+        spawn_role(MIXED, "driver", "", &[], &[]).expect_success();
+    }
+}
+
+fn mixed_driver() {
+    let port = sluice_tests::workers::free_port();
+    let store = format!("127.0.0.1:{port}");
+    let mut fixed1 = spawn_role(MIXED, "fixed1", &store, &[], &[]);
+    let agent = Agent::init(fast(AgentOptions::new("fixed0").rank(0, 2).store(store)), registry()).unwrap();
+    let mut joiner = spawn_role(MIXED, "joiner", &agent.store_address(), &[], &[]);
+    eventually("the joiner is here", || agent.workers().len() == 3);
+    assert_eq!(agent.call::<_, i64>("joiner", "add", &(2i64, 2i64)).unwrap(), 4);
+    agent.shutdown().expect("the store host's graceful shutdown");
+    fixed1.expect_success();
+    joiner.expect_success();
+}
