@@ -161,6 +161,10 @@ impl RRefTable {
     /// The user references among `carried` (a received payload's RRefs) that their owners have
     /// not confirmed yet.
     pub(crate) fn unconfirmed(&self, carried: &[Carried]) -> Vec<GlobalId> {
+        if carried.is_empty() {
+            // The common call carries none: no lock on the hot path.
+            return Vec::new();
+        }
         let ledger = self.ledger.lock().unwrap();
         carried
             .iter()
