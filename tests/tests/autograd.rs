@@ -5,7 +5,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use sluice_agent::{Agent, CallContext, HandlerError, RRef, Registry};
-use sluice_autograd::dist::{self, Context, DistOptions};
+use sluice_autograd::dist::{self, Context, DistOptions, PointKind};
 use sluice_autograd::{
     linear, DType, DistributedOptimizer, Error, Optimizer, OptimizerKind, Parameter, Tensor, UpdateMode,
 };
@@ -203,6 +203,21 @@ worker_test!(
             layer_with(&xl, &seeded(1)).unwrap().sum().unwrap().backward().unwrap();
             assert_close("dx", &once, &xl.grad().unwrap());
             assert_eq!(ctx.unused_sends().len(), 1, "the call to worker2 never got a gradient");
+            // The context's RPCs on this worker, in order: a send and the reply's recv per call,
+            // each send's message id also the unused one for the call to worker2.
+            let points = ctx.rpc_points();
+            let kinds: Vec<(PointKind, u32)> = points.iter().map(|p| (p.kind, p.peer)).collect();
+            assert_eq!(
+                kinds,
+                vec![
+                    (PointKind::Send, 1),
+                    (PointKind::Recv, 1),
+                    (PointKind::Send, 2),
+                    (PointKind::Recv, 2)
+                ]
+            );
+            assert_eq!(points[2].message, ctx.unused_sends()[0]);
+            assert_eq!(dist::rpc_points(ctx.id()).unwrap(), points);
             // retain_graph: a second backward accumulates, a third after a non-retaining one fails.
             ctx.backward(std::slice::from_ref(&loss), false).unwrap();
             assert_close(

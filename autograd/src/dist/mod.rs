@@ -97,9 +97,30 @@ pub struct RecvInfo {
     pub(crate) from: u32,
 }
 
+/// One recorded RPC of a context on this worker, for debugging (see [`Context::rpc_points`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RpcPoint {
+    pub kind: PointKind,
+    /// The message id that ties the send node on one worker to the recv node on the other.
+    pub message: u64,
+    /// The worker on the other end (the destination of a send, the source of a recv).
+    pub peer: u32,
+}
+
+/// Which end of a recorded RPC a point is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PointKind {
+    /// A send node: gradients for it arrive from `peer`.
+    Send,
+    /// A recv node: gradients from it go back to `peer`.
+    Recv,
+}
+
 pub(crate) struct ContextState {
     id: u64,
     sends: Mutex<HashMap<u64, Arc<Node>>>,
+    /// Every send and recv node recorded here, in order.
+    points: Mutex<Vec<RpcPoint>>,
     grads: Mutex<HashMap<LeafId, Tensor>>,
     known: Mutex<BTreeSet<u32>>,
     last_used: Mutex<Instant>,
@@ -113,6 +134,7 @@ impl ContextState {
         ContextState {
             id,
             sends: Mutex::default(),
+            points: Mutex::default(),
             grads: Mutex::default(),
             known: Mutex::default(),
             last_used: Mutex::new(Instant::now()),
@@ -333,6 +355,13 @@ impl Context {
         unused_sends(&self.state)
     }
 
+    /// The RPCs recorded in this context on this worker, in order: each send node (with the
+    /// worker its gradients come from) and recv node (with the worker its gradients go to),
+    /// tied across workers by message id. For debugging a graph that spans workers.
+    pub fn rpc_points(&self) -> Vec<RpcPoint> {
+        self.state.points.lock().unwrap().clone()
+    }
+
     /// Releases the context everywhere now, reporting workers that could not be told.
     pub fn release(mut self) -> Result<()> {
         self.released = true;
@@ -366,6 +395,11 @@ fn unused_sends(state: &ContextState) -> Vec<u64> {
         .collect();
     v.sort();
     v
+}
+
+/// [`Context::rpc_points`] of context `id` on this worker (from a handler, say).
+pub fn rpc_points(id: u64) -> Result<Vec<RpcPoint>> {
+    Ok(container().get(id)?.points.lock().unwrap().clone())
 }
 
 /// The gradients accumulated in context `id` on this worker.
@@ -545,6 +579,7 @@ fn send_side<T: Serialize + ?Sized>(
     value: &T,
     ctx: Option<&Arc<ContextState>>,
     me: u32,
+    to: u32,
 ) -> Result<(Payload, Vec<WireTensor>, Bytes, Option<u64>)> {
     let (bytes, tensors) = wire::encode(value)?;
     let mut metas = Vec::with_capacity(tensors.len());
@@ -568,6 +603,11 @@ fn send_side<T: Serialize + ?Sized>(
                 outputs,
             );
             ctx.sends.lock().unwrap().insert(message, node);
+            ctx.points.lock().unwrap().push(RpcPoint {
+                kind: PointKind::Send,
+                message,
+                peer: to,
+            });
             Some(message)
         }
         _ => None,
@@ -610,6 +650,11 @@ fn recv_side(
                 Vec::new(),
                 out.len(),
             );
+            ctx.points.lock().unwrap().push(RpcPoint {
+                kind: PointKind::Recv,
+                message,
+                peer: from,
+            });
             for (slot, (t, w)) in out.iter_mut().zip(metas).enumerate() {
                 if w.requires_grad {
                     *t = t.with_edge(Edge {
@@ -658,8 +703,8 @@ where
         let arg: A =
             wire::decode(&header.value, inputs).map_err(|e| HandlerError::new("DecodeError", e.to_string()))?;
         let result = with_current(header.context, || f(cx, arg))?;
-        let (mut payload, metas, value, message) =
-            send_side(&result, ctx.as_ref(), me).map_err(|e| HandlerError::new("EncodeError", e.to_string()))?;
+        let (mut payload, metas, value, message) = send_side(&result, ctx.as_ref(), me, cx.caller.id)
+            .map_err(|e| HandlerError::new("EncodeError", e.to_string()))?;
         let tensors = payload.take_tensors();
         let reply = ReplyHeader {
             message,
@@ -709,7 +754,7 @@ pub fn rpc_async<A: Serialize + ?Sized, R: DeserializeOwned>(
         }
         None => None,
     };
-    let (payload, metas, value, message) = send_side(arg, ctx.as_ref(), me)?;
+    let (payload, metas, value, message) = send_side(arg, ctx.as_ref(), me, to)?;
     let header = CallHeader {
         context: ctx.as_ref().map(|c| c.id),
         message: message.unwrap_or_else(|| Container::next_id(&c.next_message, me)),
