@@ -183,4 +183,22 @@ impl<C: Send + 'static> Handlers<C> {
         self.methods.insert(name.to_owned(), m);
         self
     }
+
+    /// A method on RRef values of type `T` that takes and returns whole payloads (tensors
+    /// included), as [`raw_handler`](Self::raw_handler) does for calls; proxies reach it with
+    /// [`RRef::rpc_async_raw`](crate::RRef::rpc_async_raw).
+    pub fn raw_method<T, F>(&mut self, name: &str, f: F) -> &mut Self
+    where
+        T: DeserializeOwned + Send + Sync + 'static,
+        F: Fn(&C, &T, Payload) -> Result<Payload, HandlerError> + Send + Sync + 'static,
+    {
+        let m: Arc<MethodFn<C>> = Arc::new(move |ctx, value, payload| {
+            let target = value
+                .get::<T>()
+                .map_err(|e| HandlerError::new("TypeError", e.to_string()))?;
+            f(ctx, &target, payload).map(Value::Payload)
+        });
+        self.methods.insert(name.to_owned(), m);
+        self
+    }
 }

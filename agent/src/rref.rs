@@ -415,12 +415,17 @@ impl<T: DeserializeOwned + Send + Sync + 'static> RRef<T> {
 
     /// [`rpc_async`](Self::rpc_async) with its own timeout (zero: none).
     pub fn rpc_async_timeout<A: Serialize + ?Sized>(&self, method: &str, arg: &A, timeout: Duration) -> RpcFuture {
+        match Payload::encode(arg) {
+            Ok(p) => self.rpc_async_raw(method, p, timeout),
+            Err(e) => Completion::ready(Err(e)),
+        }
+    }
+
+    /// Proxy with a whole payload (tensors included) as the argument, for methods registered
+    /// with [`raw_method`](crate::handler::Handlers::raw_method); `timeout` zero: none.
+    pub fn rpc_async_raw(&self, method: &str, payload: Payload, timeout: Duration) -> RpcFuture {
         let inner = match self.agent() {
             Ok(i) => i,
-            Err(e) => return Completion::ready(Err(e)),
-        };
-        let payload = match Payload::encode(arg) {
-            Ok(p) => p,
             Err(e) => return Completion::ready(Err(e)),
         };
         let body = Body::Method {
@@ -428,6 +433,11 @@ impl<T: DeserializeOwned + Send + Sync + 'static> RRef<T> {
             handler: method.to_owned(),
         };
         inner.call(self.state.owner, body, payload, timeout)
+    }
+
+    /// The agent's default timeout (what the proxies without `_timeout` use).
+    pub fn default_timeout(&self) -> Result<Duration, RpcError> {
+        Ok(self.agent()?.default_timeout())
     }
 
     /// Proxy: runs `method` on the value on its owner and waits for the result.
@@ -460,8 +470,13 @@ impl<T: DeserializeOwned + Send + Sync + 'static> RRef<T> {
         arg: &A,
         timeout: Duration,
     ) -> Result<RRef<R>, RpcError> {
+        self.remote_raw(method, Payload::encode(arg)?, timeout)
+    }
+
+    /// [`remote_timeout`](Self::remote_timeout) with a whole payload (tensors included) as the
+    /// argument, for methods registered with [`raw_method`](crate::handler::Handlers::raw_method).
+    pub fn remote_raw<R>(&self, method: &str, payload: Payload, timeout: Duration) -> Result<RRef<R>, RpcError> {
         let host = self.agent()?;
-        let payload = Payload::encode(arg)?;
         let (target, handler) = (self.state.id, method.to_owned());
         let state = create_remote(&host, self.state.owner, payload, timeout, |rref, fork| {
             Body::RemoteMethod {

@@ -38,9 +38,17 @@ fn he(e: impl std::fmt::Display) -> HandlerError {
     HandlerError::new("Error", e.to_string())
 }
 
+/// A model kept on its owner and reached through an RRef (its parameters are the owner's).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Layer;
+
 fn registry() -> Registry {
     let mut r = Registry::new();
     dist::install(&mut r);
+    dist::method(&mut r, "forward", |cx: &CallContext, _m: &Layer, x: Tensor| {
+        layer_with(&x, params(&cx.agent)).map_err(he)
+    });
+    r.handler("layer_rref", |cx: &CallContext, (): ()| Ok(cx.agent.rref(Layer)));
     dist::function(&mut r, "layer", |cx: &CallContext, x: Tensor| {
         layer_with(&x, params(&cx.agent)).map_err(he)
     });
@@ -239,6 +247,57 @@ worker_test!(
         agent.shutdown().unwrap();
     }
 );
+
+// `remote` followed by `to_here`, and a forward through an RRef proxy, are recorded in the
+// caller's context like `rpc_sync`: the backward reaches the owner's parameters and comes back
+// with the same input gradient as the local computation (PyTorch trains a parameter server's
+// model behind an RRef this way).
+worker_test!(remote_to_here_and_proxies_are_recorded, 2, |env: WorkerEnv| {
+    let agent = env.agent(registry());
+    if env.rank == 0 {
+        let xl = input().requires_grad_();
+        layer_with(&xl, &seeded(1)).unwrap().sum().unwrap().backward().unwrap();
+        let local_dx = xl.grad().unwrap();
+        let model: RRef<Layer> = agent.call(1u32, "layer_rref", &()).unwrap();
+        for form in [
+            "remote + to_here",
+            "proxy rpc_sync",
+            "proxy rpc_async",
+            "proxy remote + to_here",
+        ] {
+            let x = input().requires_grad_();
+            let ctx = Context::new(&agent).unwrap();
+            let y: Tensor = match form {
+                "remote + to_here" => {
+                    let r = dist::remote::<_, Tensor>(&agent, 1u32, "layer", &x).unwrap();
+                    assert_eq!(r.owner().id, 1);
+                    r.to_here().unwrap()
+                }
+                "proxy rpc_sync" => dist::rref_rpc_sync(&agent, &model, "forward", &x).unwrap(),
+                "proxy remote + to_here" => {
+                    let r = dist::rref_remote::<_, _, Tensor>(&agent, &model, "forward", &x).unwrap();
+                    r.to_here().unwrap()
+                }
+                _ => dist::rref_rpc_async(&agent, &model, "forward", &x)
+                    .unwrap()
+                    .wait()
+                    .unwrap(),
+            };
+            ctx.backward(&[y.sum().unwrap()], false).unwrap();
+            let dx = ctx
+                .gradient(&x)
+                .unwrap_or_else(|| panic!("{form}: no gradient came back to the input"));
+            assert_close(form, &dx, &local_dx);
+            assert!(ctx.unused_sends().is_empty(), "{form}");
+            let grads: Vec<Option<Tensor>> = dist::rpc_sync(&agent, 1u32, "grads", &ctx.id()).unwrap();
+            assert!(
+                grads[0].is_some() && grads[1].is_some(),
+                "{form}: the owner's parameters got no gradient"
+            );
+        }
+    }
+    agent.shutdown().unwrap();
+});
 
 worker_test!(
     error_deep_in_backward_names_the_worker_and_agent_goes_on,

@@ -32,7 +32,9 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use sluice_agent::{Agent, CallContext, Dest, HandlerError, MembershipEvent, Payload, Registry, RpcError, RpcFuture};
+use sluice_agent::{
+    Agent, CallContext, Dest, HandlerError, MembershipEvent, Payload, RRef, Registry, RpcError, RpcFuture,
+};
 
 use crate::engine::{self, add_grads, Sink};
 use crate::error::{Error, Result};
@@ -677,42 +679,64 @@ where
     R: Serialize,
     F: Fn(&CallContext, A) -> std::result::Result<R, HandlerError> + Send + Sync + 'static,
 {
-    registry.raw_handler(name, move |cx, mut payload| {
-        let c = container();
-        let me = c.bind(&cx.agent);
-        let header: CallHeader = payload
-            .decode()
-            .map_err(|e| HandlerError::new("DecodeError", e.to_string()))?;
-        let buffers = payload.take_tensors();
-        let ctx = match header.context {
-            Some(id) => {
-                let ctx = c.get_or_create(id).map_err(|e| to_handler_error(me, e))?;
-                ctx.known.lock().unwrap().insert(cx.caller.id);
-                Some(ctx)
-            }
-            None => None,
-        };
-        let inputs = recv_side(
-            &header.tensors,
-            buffers,
-            ctx.as_ref(),
-            Some(header.message),
-            cx.caller.id,
-        )
-        .map_err(|e| HandlerError::new("DecodeError", e.to_string()))?;
-        let arg: A =
-            wire::decode(&header.value, inputs).map_err(|e| HandlerError::new("DecodeError", e.to_string()))?;
-        let result = with_current(header.context, || f(cx, arg))?;
-        let (mut payload, metas, value, message) = send_side(&result, ctx.as_ref(), me, cx.caller.id)
-            .map_err(|e| HandlerError::new("EncodeError", e.to_string()))?;
-        let tensors = payload.take_tensors();
-        let reply = ReplyHeader {
-            message,
-            tensors: metas,
-            value,
-        };
-        Ok(Payload::encode(&reply)?.with_tensors(tensors))
+    registry.raw_handler(name, move |cx, payload| serve_call(cx, payload, |arg| f(cx, arg)));
+}
+
+/// Registers `f` as a method on RRef values of type `T`, callable through the proxy forms
+/// [`rref_rpc_sync`] / [`rref_rpc_async`]: like [`function`], inside a context the caller's
+/// graph continues through `f` (and the value's own parameters) and back.
+pub fn method<T, A, R, F>(registry: &mut Registry, name: &str, f: F)
+where
+    T: DeserializeOwned + Send + Sync + 'static,
+    A: DeserializeOwned,
+    R: Serialize,
+    F: Fn(&CallContext, &T, A) -> std::result::Result<R, HandlerError> + Send + Sync + 'static,
+{
+    registry.raw_method(name, move |cx, value: &T, payload| {
+        serve_call(cx, payload, |arg| f(cx, value, arg))
     });
+}
+
+/// The callee's half of a recorded call: a recv node for the arguments' tensors (inside the
+/// caller's context), `run` with the context current, and a send node for the result's.
+fn serve_call<A: DeserializeOwned, R: Serialize>(
+    cx: &CallContext,
+    mut payload: Payload,
+    run: impl FnOnce(A) -> std::result::Result<R, HandlerError>,
+) -> std::result::Result<Payload, HandlerError> {
+    let c = container();
+    let me = c.bind(&cx.agent);
+    let header: CallHeader = payload
+        .decode()
+        .map_err(|e| HandlerError::new("DecodeError", e.to_string()))?;
+    let buffers = payload.take_tensors();
+    let ctx = match header.context {
+        Some(id) => {
+            let ctx = c.get_or_create(id).map_err(|e| to_handler_error(me, e))?;
+            ctx.known.lock().unwrap().insert(cx.caller.id);
+            Some(ctx)
+        }
+        None => None,
+    };
+    let inputs = recv_side(
+        &header.tensors,
+        buffers,
+        ctx.as_ref(),
+        Some(header.message),
+        cx.caller.id,
+    )
+    .map_err(|e| HandlerError::new("DecodeError", e.to_string()))?;
+    let arg: A = wire::decode(&header.value, inputs).map_err(|e| HandlerError::new("DecodeError", e.to_string()))?;
+    let result = with_current(header.context, || run(arg))?;
+    let (mut payload, metas, value, message) = send_side(&result, ctx.as_ref(), me, cx.caller.id)
+        .map_err(|e| HandlerError::new("EncodeError", e.to_string()))?;
+    let tensors = payload.take_tensors();
+    let reply = ReplyHeader {
+        message,
+        tensors: metas,
+        value,
+    };
+    Ok(Payload::encode(&reply)?.with_tensors(tensors))
 }
 
 /// A call in flight (see [`rpc_async`]).
@@ -726,12 +750,52 @@ pub struct DistFuture<R> {
 impl<R: DeserializeOwned> DistFuture<R> {
     /// Waits for the result; inside a context its tensors are part of the caller's graph.
     pub fn wait(self) -> Result<R> {
-        let mut payload = self.fut.wait()?;
-        let reply: ReplyHeader = payload.decode()?;
-        let buffers = payload.take_tensors();
-        let tensors = recv_side(&reply.tensors, buffers, self.ctx.as_ref(), reply.message, self.to)?;
-        wire::decode(&reply.value, tensors)
+        receive_reply(self.fut.wait()?, self.ctx.as_ref(), self.to)
     }
+}
+
+/// The caller's half of a recorded reply: a recv node for the result's tensors, tied to the
+/// callee's send node.
+fn receive_reply<R: DeserializeOwned>(mut payload: Payload, ctx: Option<&Arc<ContextState>>, from: u32) -> Result<R> {
+    let reply: ReplyHeader = payload.decode()?;
+    let buffers = payload.take_tensors();
+    let tensors = recv_side(&reply.tensors, buffers, ctx, reply.message, from)?;
+    wire::decode(&reply.value, tensors)
+}
+
+/// This thread's context (known to involve `to` from now on), if it is in one.
+fn current_for(agent: &Agent, to: u32) -> Result<Option<Arc<ContextState>>> {
+    let c = container();
+    c.bind(agent);
+    match current_context() {
+        Some(id) => {
+            let ctx = c.get(id)?;
+            ctx.known.lock().unwrap().insert(to);
+            ctx.touch();
+            Ok(Some(ctx))
+        }
+        None => Ok(None),
+    }
+}
+
+/// The caller's half of a recorded call to `to`: the argument's payload, with a send node for
+/// its tensors inside `ctx`.
+fn outgoing<A: Serialize + ?Sized>(
+    agent: &Agent,
+    ctx: Option<&Arc<ContextState>>,
+    to: u32,
+    arg: &A,
+) -> Result<Payload> {
+    let c = container();
+    let me = c.bind(agent);
+    let (payload, metas, value, message) = send_side(arg, ctx, me, to)?;
+    let header = CallHeader {
+        context: ctx.map(|c| c.id),
+        message: message.unwrap_or_else(|| Container::next_id(&c.next_message, me)),
+        tensors: metas,
+        value,
+    };
+    Ok(Payload::encode(&header)?.with_tensors(payload.tensors))
 }
 
 /// Calls function `name` (registered with [`function`]) on `to`. Inside a context (of this
@@ -742,33 +806,113 @@ pub fn rpc_async<A: Serialize + ?Sized, R: DeserializeOwned>(
     name: &str,
     arg: &A,
 ) -> Result<DistFuture<R>> {
-    let c = container();
-    let me = c.bind(agent);
     let to = agent.worker(to)?.id;
-    let ctx = match current_context() {
-        Some(id) => {
-            let ctx = c.get(id)?;
-            ctx.known.lock().unwrap().insert(to);
-            ctx.touch();
-            Some(ctx)
-        }
-        None => None,
-    };
-    let (payload, metas, value, message) = send_side(arg, ctx.as_ref(), me, to)?;
-    let header = CallHeader {
-        context: ctx.as_ref().map(|c| c.id),
-        message: message.unwrap_or_else(|| Container::next_id(&c.next_message, me)),
-        tensors: metas,
-        value,
-    };
-    let tensors = payload.tensors;
-    let fut = agent.rpc_async(to, name, Payload::encode(&header)?.with_tensors(tensors));
+    let ctx = current_for(agent, to)?;
+    let payload = outgoing(agent, ctx.as_ref(), to, arg)?;
+    let fut = agent.rpc_async(to, name, payload);
     Ok(DistFuture {
         fut,
         ctx,
         to,
         _r: std::marker::PhantomData,
     })
+}
+
+/// Proxy form: calls method `name` (registered with [`method`]) on `rref`'s value, on its
+/// owner. Inside a context the call is recorded like [`rpc_async`] (PyTorch's
+/// `rref.rpc_async().name(arg)` inside a dist-autograd context).
+pub fn rref_rpc_async<T: DeserializeOwned + Send + Sync + 'static, A: Serialize + ?Sized, R: DeserializeOwned>(
+    agent: &Agent,
+    rref: &RRef<T>,
+    name: &str,
+    arg: &A,
+) -> Result<DistFuture<R>> {
+    let to = rref.owner().id;
+    let ctx = current_for(agent, to)?;
+    let payload = outgoing(agent, ctx.as_ref(), to, arg)?;
+    let fut = rref.rpc_async_raw(name, payload, rref.default_timeout()?);
+    Ok(DistFuture {
+        fut,
+        ctx,
+        to,
+        _r: std::marker::PhantomData,
+    })
+}
+
+/// [`rref_rpc_async`] and wait.
+pub fn rref_rpc_sync<T: DeserializeOwned + Send + Sync + 'static, A: Serialize + ?Sized, R: DeserializeOwned>(
+    agent: &Agent,
+    rref: &RRef<T>,
+    name: &str,
+    arg: &A,
+) -> Result<R> {
+    rref_rpc_async(agent, rref, name, arg)?.wait()
+}
+
+/// Runs function `name` (registered with [`function`]) on `to`, which keeps the result as a
+/// reference's value. Inside a context the call is recorded, and so is every
+/// [`DistRRef::to_here`] of the result in that context: gradients flow from where the value is
+/// used, through the owner's graph, back to this call's arguments (PyTorch's `rpc.remote`
+/// followed by `to_here`).
+pub fn remote<A: Serialize + ?Sized, R>(
+    agent: &Agent,
+    to: impl Into<Dest>,
+    name: &str,
+    arg: &A,
+) -> Result<DistRRef<R>> {
+    let to = agent.worker(to)?.id;
+    let ctx = current_for(agent, to)?;
+    let payload = outgoing(agent, ctx.as_ref(), to, arg)?;
+    Ok(DistRRef {
+        rref: agent.remote(to, name, payload)?,
+        agent: agent.clone(),
+        _r: std::marker::PhantomData,
+    })
+}
+
+/// Proxy, `remote` form: runs method `name` (registered with [`method`]) on `rref`'s value;
+/// its owner keeps the result. Recorded like [`remote`], and so is its `to_here` (PyTorch's
+/// `rref.remote().name(arg)` inside a dist-autograd context).
+pub fn rref_remote<T: DeserializeOwned + Send + Sync + 'static, A: Serialize + ?Sized, R>(
+    agent: &Agent,
+    rref: &RRef<T>,
+    name: &str,
+    arg: &A,
+) -> Result<DistRRef<R>> {
+    let to = rref.owner().id;
+    let ctx = current_for(agent, to)?;
+    let payload = outgoing(agent, ctx.as_ref(), to, arg)?;
+    Ok(DistRRef {
+        rref: rref.remote_raw(name, payload, rref.default_timeout()?)?,
+        agent: agent.clone(),
+        _r: std::marker::PhantomData,
+    })
+}
+
+/// A value made by [`remote`] or [`rref_remote`], kept on its owner; [`to_here`](Self::to_here)
+/// fetches it.
+pub struct DistRRef<R> {
+    /// The value as kept on the owner: the function's recorded reply.
+    rref: RRef<()>,
+    agent: Agent,
+    _r: std::marker::PhantomData<fn() -> R>,
+}
+
+impl<R: DeserializeOwned> DistRRef<R> {
+    /// Where the value lives.
+    pub fn owner(&self) -> &sluice_agent::WorkerInfo {
+        self.rref.owner()
+    }
+
+    /// A copy of the value. Inside a context its tensors are part of the caller's graph: a
+    /// recv node tied to the send node the owner recorded when it made the value (so fetch it
+    /// in the context it was made in).
+    pub fn to_here(&self) -> Result<R> {
+        let from = self.rref.owner().id;
+        let ctx = current_for(&self.agent, from)?;
+        let payload = self.rref.fetch(self.rref.default_timeout()?).wait()?;
+        receive_reply(payload, ctx.as_ref(), from)
+    }
 }
 
 /// [`rpc_async`] and wait.
