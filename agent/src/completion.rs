@@ -8,8 +8,15 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+// The slot's synchronization, swapped for loom's models under `--cfg sluice_loom` (the
+// `loom` tests below explore every interleaving of completing, waiting and polling).
+#[cfg(sluice_loom)]
+use loom::sync::{atomic::AtomicBool, Condvar, Mutex};
+#[cfg(not(sluice_loom))]
+use std::sync::{atomic::AtomicBool, Condvar, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -19,8 +26,12 @@ use crate::payload::Payload;
 /// The result of a call, awaitable or waitable any number of times.
 pub type RpcFuture = Completion<Result<Payload, RpcError>>;
 
-/// How long a blocking wait spins before it sleeps.
+/// How long a blocking wait spins before it sleeps (not at all under the model checker, where
+/// every spin would be a branch to explore).
+#[cfg(not(sluice_loom))]
 const SPIN: Duration = Duration::from_micros(30);
+#[cfg(sluice_loom)]
+const SPIN: Duration = Duration::ZERO;
 
 struct State<T> {
     value: Option<T>,
@@ -268,5 +279,73 @@ mod tests {
     fn wait_timeout_gives_up() {
         let c = Completion::new(Slot::<u8>::new());
         assert_eq!(c.wait_timeout(Duration::from_millis(10)), None);
+    }
+}
+
+/// Model checks (run with `RUSTFLAGS="--cfg sluice_loom"`): every interleaving of a completer
+/// and blocked or polling waiters ends with each waiter holding the value exactly once set.
+#[cfg(all(test, sluice_loom))]
+mod loom_tests {
+    use super::*;
+    use loom::thread;
+
+    #[test]
+    fn loom_two_sleepers_and_a_completer() {
+        loom::model(|| {
+            let slot = Slot::<u32>::new();
+            let waiters: Vec<_> = (0..2)
+                .map(|_| {
+                    let slot = slot.clone();
+                    thread::spawn(move || slot.wait(None))
+                })
+                .collect();
+            assert!(slot.complete(7));
+            assert!(!slot.complete(8), "a second result must not replace the first");
+            for w in waiters {
+                assert_eq!(w.join().unwrap(), Some(7));
+            }
+        });
+    }
+
+    #[test]
+    fn loom_racing_completers_and_a_poller() {
+        loom::model(|| {
+            let slot = Slot::<u32>::new();
+            let other = {
+                let slot = slot.clone();
+                thread::spawn(move || slot.complete(2))
+            };
+            let poller = {
+                let slot = slot.clone();
+                thread::spawn(move || {
+                    let woken = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                    let waker = Waker::from(Arc::new(Flag(woken.clone())));
+                    let mut cx = Context::from_waker(&waker);
+                    match slot.poll_done(&mut cx) {
+                        // Pending now: the completion must wake this waker.
+                        Poll::Pending => Some(woken),
+                        Poll::Ready(()) => None,
+                    }
+                })
+            };
+            let mine = slot.complete(1);
+            let theirs = other.join().unwrap();
+            assert!(mine ^ theirs, "exactly one completion takes effect");
+            if let Some(woken) = poller.join().unwrap() {
+                assert!(
+                    woken.load(std::sync::atomic::Ordering::SeqCst),
+                    "a pending poller was never woken"
+                );
+            }
+            assert_eq!(slot.peek(), Some(if mine { 1 } else { 2 }));
+        });
+    }
+
+    struct Flag(Arc<std::sync::atomic::AtomicBool>);
+
+    impl std::task::Wake for Flag {
+        fn wake(self: Arc<Self>) {
+            self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
     }
 }
