@@ -798,6 +798,24 @@ fn outgoing<A: Serialize + ?Sized>(
     Ok(Payload::encode(&header)?.with_tensors(payload.tensors))
 }
 
+/// Both steps of a recorded call's start: this thread's context (if any) and the payload.
+fn prepare<A: Serialize + ?Sized>(agent: &Agent, to: u32, arg: &A) -> Result<(Option<Arc<ContextState>>, Payload)> {
+    let ctx = current_for(agent, to)?;
+    let payload = outgoing(agent, ctx.as_ref(), to, arg)?;
+    Ok((ctx, payload))
+}
+
+impl<R> DistFuture<R> {
+    fn new(fut: RpcFuture, ctx: Option<Arc<ContextState>>, to: u32) -> Self {
+        DistFuture {
+            fut,
+            ctx,
+            to,
+            _r: std::marker::PhantomData,
+        }
+    }
+}
+
 /// Calls function `name` (registered with [`function`]) on `to`. Inside a context (of this
 /// thread) the call is recorded for the distributed backward.
 pub fn rpc_async<A: Serialize + ?Sized, R: DeserializeOwned>(
@@ -807,15 +825,8 @@ pub fn rpc_async<A: Serialize + ?Sized, R: DeserializeOwned>(
     arg: &A,
 ) -> Result<DistFuture<R>> {
     let to = agent.worker(to)?.id;
-    let ctx = current_for(agent, to)?;
-    let payload = outgoing(agent, ctx.as_ref(), to, arg)?;
-    let fut = agent.rpc_async(to, name, payload);
-    Ok(DistFuture {
-        fut,
-        ctx,
-        to,
-        _r: std::marker::PhantomData,
-    })
+    let (ctx, payload) = prepare(agent, to, arg)?;
+    Ok(DistFuture::new(agent.rpc_async(to, name, payload), ctx, to))
 }
 
 /// Proxy form: calls method `name` (registered with [`method`]) on `rref`'s value, on its
@@ -828,15 +839,9 @@ pub fn rref_rpc_async<T: DeserializeOwned + Send + Sync + 'static, A: Serialize 
     arg: &A,
 ) -> Result<DistFuture<R>> {
     let to = rref.owner().id;
-    let ctx = current_for(agent, to)?;
-    let payload = outgoing(agent, ctx.as_ref(), to, arg)?;
+    let (ctx, payload) = prepare(agent, to, arg)?;
     let fut = rref.rpc_async_raw(name, payload, rref.default_timeout()?);
-    Ok(DistFuture {
-        fut,
-        ctx,
-        to,
-        _r: std::marker::PhantomData,
-    })
+    Ok(DistFuture::new(fut, ctx, to))
 }
 
 /// [`rref_rpc_async`] and wait.
@@ -861,8 +866,7 @@ pub fn remote<A: Serialize + ?Sized, R>(
     arg: &A,
 ) -> Result<DistRRef<R>> {
     let to = agent.worker(to)?.id;
-    let ctx = current_for(agent, to)?;
-    let payload = outgoing(agent, ctx.as_ref(), to, arg)?;
+    let (_, payload) = prepare(agent, to, arg)?;
     Ok(DistRRef {
         rref: agent.remote(to, name, payload)?,
         agent: agent.clone(),
@@ -880,8 +884,7 @@ pub fn rref_remote<T: DeserializeOwned + Send + Sync + 'static, A: Serialize + ?
     arg: &A,
 ) -> Result<DistRRef<R>> {
     let to = rref.owner().id;
-    let ctx = current_for(agent, to)?;
-    let payload = outgoing(agent, ctx.as_ref(), to, arg)?;
+    let (_, payload) = prepare(agent, to, arg)?;
     Ok(DistRRef {
         rref: rref.remote_raw(name, payload, rref.default_timeout()?)?,
         agent: agent.clone(),
