@@ -278,16 +278,7 @@ impl AgentInner {
     ) -> Option<BoxFuture<()>> {
         let caller = ctx.caller.id;
         let Some(method) = self.registry.methods.get(&handler).cloned() else {
-            if let Some(r) = rref {
-                self.rrefs.set_value(
-                    r,
-                    Err(RpcError::UnknownHandler {
-                        worker: self.me.name.clone(),
-                        handler: handler.clone(),
-                    }),
-                );
-            }
-            return Some(self.reply_later(pipe, caller, id, Err(WireError::UnknownHandler(handler))));
+            return Some(self.unknown_handler(pipe, caller, id, &handler, rref));
         };
         let value = self.rrefs.value(target);
         let inner = self.clone();
@@ -319,6 +310,28 @@ impl AgentInner {
                 }
             }
         }))
+    }
+
+    /// The reply to a call of a handler or method this worker does not have; a reference the
+    /// call was to create holds the same error.
+    fn unknown_handler(
+        self: &Arc<Self>,
+        pipe: Pipe,
+        caller: u32,
+        id: u64,
+        name: &str,
+        rref: Option<GlobalId>,
+    ) -> BoxFuture<()> {
+        if let Some(r) = rref {
+            self.rrefs.set_value(
+                r,
+                Err(RpcError::UnknownHandler {
+                    worker: self.me.name.clone(),
+                    handler: name.to_owned(),
+                }),
+            );
+        }
+        self.reply_later(pipe, caller, id, Err(WireError::UnknownHandler(name.to_owned())))
     }
 
     /// A handler's result as its reply: the value itself, or with `rref`, kept as that RRef's
@@ -367,16 +380,7 @@ impl AgentInner {
     ) -> Option<BoxFuture<()>> {
         let caller = ctx.caller.id;
         let Some(handler) = self.registry.handlers.get(name).cloned() else {
-            if let Some(r) = rref {
-                self.rrefs.set_value(
-                    r,
-                    Err(RpcError::UnknownHandler {
-                        worker: self.me.name.clone(),
-                        handler: name.to_owned(),
-                    }),
-                );
-            }
-            return Some(self.reply_later(pipe, caller, id, Err(WireError::UnknownHandler(name.to_owned()))));
+            return Some(self.unknown_handler(pipe, caller, id, name, rref));
         };
         self.handlers_running.fetch_add(1, Ordering::AcqRel);
         let inner = self.clone();

@@ -73,8 +73,6 @@ pub(crate) struct Segments {
     pub(crate) outbox: Option<Arc<Segment>>,
 }
 
-/// Blocks of the peer's segment reserved for one message: given back if the message is never
-/// announced (a failed or cancelled write), kept once its descriptor went out.
 /// A writer's place in the queue for the write lock (see [`Pipe::write`]).
 struct Queued<'a>(Option<&'a Pipe>);
 
@@ -109,6 +107,8 @@ impl Drop for Queued<'_> {
     }
 }
 
+/// Blocks of the peer's segment reserved for one message: given back if the message is never
+/// announced (a failed or cancelled write), kept once its descriptor went out.
 struct Reserved {
     segment: Arc<Segment>,
     ranges: Vec<(u64, Bytes)>,
