@@ -40,7 +40,7 @@ build() {
     cargo build --release -p sluice-tests --bin sluice-test-peer
     # Test executables, by target name, from cargo's own report.
     cargo build --release --example parameter_server
-    cargo test --release --no-run --message-format=json -p sluice-channel -p sluice-autograd -p sluice-tests \
+    cargo test --release --no-run --message-format=json -p sluice-cuda -p sluice-channel -p sluice-autograd -p sluice-tests \
         --lib --test cuda --test pipe --test cuda_autograd --test cuda_rpc 2>/dev/null |
         python3 -c '
 import json, sys
@@ -66,6 +66,8 @@ run() {
     export RUST_BACKTRACE=1
     echo "== GPUs"
     nvidia-smi -L || echo "(nvidia-smi not found)"
+    echo "== CUDA runtime unit tests (probe, memory, IPC export, NVRTC)"
+    "$bin/test-sluice_cuda" --test-threads=1
     echo "== channel unit tests"
     "$bin/test-sluice_channel" --test-threads=1
     echo "== CUDA channel conformance (tests/tests/cuda.rs)"

@@ -17,8 +17,8 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use sluice_channel::cuda::{self, Event};
 use sluice_channel::{CudaError, Device, SendBuffer, Stream};
+use sluice_cuda::{self as cuda, Event};
 
 use crate::error::InitError;
 use crate::payload::Payload;

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use sluice_channel::cuda::Event;
 use sluice_channel::{CudaError, SendBuffer, Stream, Tensor};
+use sluice_cuda::Event;
 
 use crate::error::RpcError;
 
@@ -134,7 +134,7 @@ impl Payload {
         if self.events.is_empty() {
             // Not a received payload: order after the tensors' own streams instead.
             for s in self.streams() {
-                sluice_channel::cuda::Event::record(&s)?.wait_on(stream)?;
+                sluice_cuda::Event::record(&s)?.wait_on(stream)?;
             }
         }
         for e in &self.events {

@@ -11,9 +11,9 @@
 
 use std::sync::{Arc, Mutex, OnceLock};
 
-use sluice_channel::cuda::compute::{self, Arg, GemmType, MatrixRef, Program};
-use sluice_channel::cuda::Event;
-use sluice_channel::{CudaBuffer, Stream};
+use sluice_cuda::compute::{self, Arg, GemmType, MatrixRef, Program};
+use sluice_cuda::Event;
+use sluice_cuda::{CudaBuffer, Stream};
 
 use super::{cuda_err, dims, source::SOURCE};
 use crate::dtype::DType;

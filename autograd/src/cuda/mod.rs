@@ -20,8 +20,9 @@ pub mod source;
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
-use sluice_channel::cuda::{compute, Event};
-use sluice_channel::{CudaBuffer, Device, Stream};
+use sluice_channel::Device;
+use sluice_cuda::{compute, Event};
+use sluice_cuda::{CudaBuffer, Stream};
 
 use crate::dtype::DType;
 use crate::error::{shape_err, Error, Result};

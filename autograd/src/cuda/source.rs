@@ -238,7 +238,7 @@ mod tests {
     /// found (CI installs NVRTC from PyPI for this); no GPU needed.
     #[test]
     fn kernels_compile_and_take_the_arguments_launch_passes() {
-        let ptx = match sluice_channel::cuda::compute::ptx_for(SOURCE, "check.cu", (9, 0)) {
+        let ptx = match sluice_cuda::compute::ptx_for(SOURCE, "check.cu", (9, 0)) {
             Ok(p) => p.into_string().expect("PTX is text"),
             Err(e) if e.to_string().contains("was not found") => {
                 if std::env::var("SLUICE_REQUIRE_NVRTC").as_deref() == Ok("1") {
@@ -249,7 +249,7 @@ mod tests {
             }
             Err(e) => panic!("{e}"),
         };
-        sluice_channel::cuda::compute::ptx_for(SOURCE, "check.cu", (8, 0)).expect("compute_80");
+        sluice_cuda::compute::ptx_for(SOURCE, "check.cu", (8, 0)).expect("compute_80");
         // Argument kinds as `launch` passes them: p pointer, u u64, i int, d double, D Dims.
         let expect = [
             ("unary", "ippuiDDud"),

@@ -23,7 +23,7 @@ struct Pool {
 }
 
 /// An event of a device's pool, returned to it on drop.
-pub(crate) struct EventSlot {
+pub struct EventSlot {
     pool: Arc<Pool>,
     item: Option<Pooled>,
 }
@@ -53,7 +53,7 @@ fn pool(device: u32) -> Arc<Pool> {
 
 impl EventSlot {
     /// An event of `device`'s pool.
-    pub(crate) fn take(device: u32) -> Result<EventSlot, CudaError> {
+    pub fn take(device: u32) -> Result<EventSlot, CudaError> {
         let pool = pool(device);
         let reused = pool.free.lock().expect("event pool").pop();
         let item = match reused {
@@ -73,16 +73,16 @@ impl EventSlot {
         self.item.as_ref().expect("present until drop")
     }
 
-    pub(crate) fn raw(&self) -> RawEvent {
+    pub fn raw(&self) -> RawEvent {
         self.item().event
     }
 
-    pub(crate) fn ipc_handle(&self) -> [u8; IPC_HANDLE_BYTES] {
+    pub fn ipc_handle(&self) -> [u8; IPC_HANDLE_BYTES] {
         self.item().handle
     }
 
     /// Records the work queued so far on `stream` (which must be of this pool's device).
-    pub(crate) fn record(&self, stream: &Stream) -> Result<(), CudaError> {
+    pub fn record(&self, stream: &Stream) -> Result<(), CudaError> {
         debug_assert_eq!(stream.device(), self.pool.device);
         runtime()?.bind(self.pool.device)?;
         // SAFETY: both handles are alive (the pool never destroys events; the stream is held).
@@ -91,14 +91,14 @@ impl EventSlot {
     }
 
     /// Waits, without blocking the async runtime, for the work this event last recorded.
-    pub(crate) async fn wait(&self) -> Result<(), CudaError> {
+    pub async fn wait(&self) -> Result<(), CudaError> {
         wait_raw(self.pool.device, self.raw()).await
     }
 }
 
 /// Makes work queued later on `stream` wait for `event`'s last record (an event of this
 /// process, or one opened from a peer's handle).
-pub(crate) fn stream_wait(stream: &Stream, event: RawEvent) -> Result<(), CudaError> {
+pub fn stream_wait(stream: &Stream, event: RawEvent) -> Result<(), CudaError> {
     runtime()?.bind(stream.device())?;
     // SAFETY: the stream is held; events are never destroyed while a pipe can name them
     // (pooled events live forever, opened ones stay in the cache while in use).
@@ -107,7 +107,7 @@ pub(crate) fn stream_wait(stream: &Stream, event: RawEvent) -> Result<(), CudaEr
 }
 
 /// Waits for `event` (of `device`): a query first, then a blocking wait on a blocking thread.
-pub(crate) async fn wait_raw(device: u32, event: RawEvent) -> Result<(), CudaError> {
+pub async fn wait_raw(device: u32, event: RawEvent) -> Result<(), CudaError> {
     let cuda = runtime()?;
     cuda.bind(device)?;
     // SAFETY: the event is alive (see `stream_wait`).

@@ -101,7 +101,7 @@ impl Stream {
         self.inner.raw.0
     }
 
-    pub(crate) fn handle(&self) -> RawStream {
+    pub fn handle(&self) -> RawStream {
         self.inner.raw
     }
 
@@ -239,12 +239,7 @@ impl PinnedMemory {
     /// Queues a copy of `len` bytes from `src` (at `src_offset`) into the start of this memory,
     /// on `src`'s stream. The caller must not touch these bytes until the stream has passed
     /// the copy (record an event after it and wait for that).
-    pub(crate) fn fill_from_device(
-        &mut self,
-        src: &CudaBuffer,
-        src_offset: usize,
-        len: usize,
-    ) -> Result<(), CudaError> {
+    pub fn fill_from_device(&mut self, src: &CudaBuffer, src_offset: usize, len: usize) -> Result<(), CudaError> {
         check_range(src, src_offset, len)?;
         if len > self.len {
             return Err(CudaError::Invalid(format!("{len} bytes into a {}-byte slot", self.len)));
@@ -260,7 +255,7 @@ impl PinnedMemory {
     /// Queues a copy of the first `len` bytes of this memory into `dst` (at `dst_offset`), on
     /// `dst`'s stream. The caller must not overwrite these bytes until the stream has passed
     /// the copy.
-    pub(crate) fn drain_to_device(&self, dst: &CudaBuffer, dst_offset: usize, len: usize) -> Result<(), CudaError> {
+    pub fn drain_to_device(&self, dst: &CudaBuffer, dst_offset: usize, len: usize) -> Result<(), CudaError> {
         check_range(dst, dst_offset, len)?;
         if len > self.len {
             return Err(CudaError::Invalid(format!("{len} bytes from a {}-byte slot", self.len)));
@@ -438,7 +433,7 @@ impl CudaBuffer {
     /// The IPC handle of the allocation this buffer lies in, and the buffer's offset from its
     /// start (handles name allocations, not addresses). Fails for memory legacy IPC cannot
     /// export (stream-ordered pools, VMM).
-    pub(crate) fn ipc_export(&self) -> Result<([u8; driver::IPC_HANDLE_BYTES], u64), CudaError> {
+    pub fn ipc_export(&self) -> Result<([u8; driver::IPC_HANDLE_BYTES], u64), CudaError> {
         runtime()?.bind(self.device)?;
         let info = driver::pointer_info(self.ptr)?;
         // SAFETY: `info.base` is the start of the live allocation this buffer lies in (the
@@ -495,7 +490,7 @@ impl CudaBuffer {
     ///
     /// # Safety
     /// `src..src+len` is valid device memory until the stream has passed the copy.
-    pub(crate) unsafe fn copy_from_address(&self, src_device: u32, src: DevicePtr) -> Result<(), CudaError> {
+    pub unsafe fn copy_from_address(&self, src_device: u32, src: DevicePtr) -> Result<(), CudaError> {
         let cuda = runtime()?;
         let dst_gpu = cuda.bind(self.device)?;
         if src_device == self.device {
