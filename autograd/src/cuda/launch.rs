@@ -236,26 +236,24 @@ pub(super) fn gemm(
     let ob = buf(out)?;
     let size = dtype.size() as u64;
     let matrix = |t: &Tensor, tb: &CudaBuffer| {
-        let (s0, s1) = (t.strides()[0], t.strides()[1]);
-        let transposed = !(s1 == 1 || t.shape()[1] <= 1);
-        MatrixRef {
+        let (transposed, ld) = super::gemm_layout([t.shape()[0], t.shape()[1]], [t.strides()[0], t.strides()[1]])
+            .ok_or_else(|| shape_err("matmul", "an operand is not in a layout cuBLAS can read in place"))?;
+        Ok::<_, crate::error::Error>(MatrixRef {
             ptr: tb.ptr() + t.inner.offset as u64 * size,
             transposed,
-            ld: if transposed {
-                s1.max(t.shape()[0])
-            } else {
-                s0.max(t.shape()[1])
-            },
-        }
+            ld,
+        })
     };
     let ty = if dtype == DType::F32 {
         GemmType::F32
     } else {
         GemmType::F64
     };
-    // SAFETY: `gemm_ready` gave both operands unit stride along one dimension, so cuBLAS reads
-    // exactly their elements (inside their buffers); `out` is fresh, m×n, not overlapping.
-    unsafe { compute::gemm(ty, stream, m, n, k, matrix(a, ab), matrix(b, bb), ob.ptr()) }.map_err(cuda_err)?;
+    let (ma, mb) = (matrix(a, ab)?, matrix(b, bb)?);
+    // SAFETY: `gemm_layout` accepted both operands: unit stride along one dimension and a
+    // leading dimension at least the other's length, so cuBLAS reads exactly their elements
+    // (inside their buffers); `out` is fresh, m×n, not overlapping.
+    unsafe { compute::gemm(ty, stream, m, n, k, ma, mb, ob.ptr()) }.map_err(cuda_err)?;
     release(&[ab, bb], stream)
 }
 

@@ -296,17 +296,30 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     Ok(out)
 }
 
-/// A matrix cuBLAS can read as it is: unit stride along one dimension.
+/// A matrix cuBLAS can read as it is (see [`gemm_layout`]), else a contiguous copy.
 fn gemm_ready(t: &Tensor) -> Result<Tensor> {
-    let s = t.strides();
-    let n = t.shape();
-    let row_major = s[1] == 1 || n[1] <= 1;
-    let col_major = s[0] == 1 || n[0] <= 1;
-    if row_major || col_major {
-        Ok(t.detach())
-    } else {
-        contiguous(t)
+    match gemm_layout([t.shape()[0], t.shape()[1]], [t.strides()[0], t.strides()[1]]) {
+        Some(_) => Ok(t.detach()),
+        None => contiguous(t),
     }
+}
+
+/// How cuBLAS can read a 2-D operand in place: whether it is transposed (its columns
+/// contiguous) and its leading dimension. `None` when it cannot: no unit stride, or rows (or
+/// columns) that repeat or overlap. A broadcast view's zero stride would otherwise become a
+/// leading dimension smaller than the matrix, and cuBLAS would read past the data (an illegal
+/// address poisons the whole context).
+pub(crate) fn gemm_layout(shape: [usize; 2], strides: [usize; 2]) -> Option<(bool, usize)> {
+    let ([n0, n1], [s0, s1]) = (shape, strides);
+    // Rows of unit-stride elements, each at least a row's length after the last.
+    if (s1 == 1 || n1 <= 1) && (n0 <= 1 || s0 >= n1.max(1)) {
+        return Some((false, if n0 <= 1 { n1.max(1) } else { s0 }));
+    }
+    // The same with the roles swapped: a transposed (column-major) operand.
+    if (s0 == 1 || n0 <= 1) && (n1 <= 1 || s1 >= n0.max(1)) {
+        return Some((true, if n1 <= 1 { n0.max(1) } else { s1 }));
+    }
+    None
 }
 
 /// Softmax (or log-softmax) over the last dimension.
@@ -485,5 +498,30 @@ pub(crate) mod optim {
             g
         };
         contiguous(&g)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gemm_layout;
+
+    #[test]
+    fn gemm_reads_in_place_only_what_it_can_address() {
+        // Row-major and transposed matrices, also with padded rows: read in place.
+        assert_eq!(gemm_layout([3, 4], [4, 1]), Some((false, 4)));
+        assert_eq!(gemm_layout([3, 4], [8, 1]), Some((false, 8)));
+        assert_eq!(gemm_layout([3, 4], [1, 3]), Some((true, 3)));
+        // One row or one column: its other stride does not matter.
+        assert_eq!(gemm_layout([1, 4], [0, 1]), Some((false, 4)));
+        assert_eq!(gemm_layout([3, 1], [1, 0]), Some((false, 1)));
+        // A broadcast view (rows or columns repeating, stride 0) and overlapping rows: copied
+        // first, never handed to cuBLAS with a leading dimension smaller than the matrix.
+        assert_eq!(gemm_layout([3, 4], [0, 1]), None);
+        assert_eq!(gemm_layout([3, 4], [1, 0]), None);
+        assert_eq!(gemm_layout([3, 4], [2, 1]), None);
+        assert_eq!(gemm_layout([3, 4], [1, 2]), None);
+        assert_eq!(gemm_layout([3, 4], [0, 0]), None);
+        // Empty matrices get a leading dimension of at least one.
+        assert_eq!(gemm_layout([0, 0], [0, 0]), Some((false, 1)));
     }
 }
