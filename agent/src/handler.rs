@@ -173,15 +173,10 @@ impl<C: Send + 'static> Handlers<C> {
         R: Serialize + Send + Sync + 'static,
         F: Fn(&C, &T, A) -> Result<R, HandlerError> + Send + Sync + 'static,
     {
-        let m: Arc<MethodFn<C>> = Arc::new(move |ctx, value, payload| {
-            let target = value
-                .get::<T>()
-                .map_err(|e| HandlerError::new("TypeError", e.to_string()))?;
+        self.typed_method(name, move |ctx, target: &T, payload| {
             let arg = decode_arg::<A>(&payload)?;
-            f(ctx, &target, arg).map(Value::object)
-        });
-        self.methods.insert(name.to_owned(), m);
-        self
+            f(ctx, target, arg).map(Value::object)
+        })
     }
 
     /// A method on RRef values of type `T` that takes and returns whole payloads (tensors
@@ -192,11 +187,22 @@ impl<C: Send + 'static> Handlers<C> {
         T: DeserializeOwned + Send + Sync + 'static,
         F: Fn(&C, &T, Payload) -> Result<Payload, HandlerError> + Send + Sync + 'static,
     {
+        self.typed_method(name, move |ctx, target: &T, payload| {
+            f(ctx, target, payload).map(Value::Payload)
+        })
+    }
+
+    /// Registers a method whose value must be a `T` (else a `TypeError` for the caller).
+    fn typed_method<T, F>(&mut self, name: &str, f: F) -> &mut Self
+    where
+        T: DeserializeOwned + Send + Sync + 'static,
+        F: Fn(&C, &T, Payload) -> Result<Value, HandlerError> + Send + Sync + 'static,
+    {
         let m: Arc<MethodFn<C>> = Arc::new(move |ctx, value, payload| {
             let target = value
                 .get::<T>()
                 .map_err(|e| HandlerError::new("TypeError", e.to_string()))?;
-            f(ctx, &target, payload).map(Value::Payload)
+            f(ctx, &target, payload)
         });
         self.methods.insert(name.to_owned(), m);
         self

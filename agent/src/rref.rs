@@ -404,11 +404,8 @@ impl<T: DeserializeOwned + Send + Sync + 'static> RRef<T> {
     /// Proxy: runs the method handler `method` on the value, on its owner, and returns the
     /// result's future. The deadline is the agent's default timeout from now.
     pub fn rpc_async<A: Serialize + ?Sized>(&self, method: &str, arg: &A) -> RpcFuture {
-        match self.agent() {
-            Ok(inner) => {
-                let timeout = inner.default_timeout();
-                self.rpc_async_timeout(method, arg, timeout)
-            }
+        match self.default_timeout() {
+            Ok(timeout) => self.rpc_async_timeout(method, arg, timeout),
             Err(e) => Completion::ready(Err(e)),
         }
     }
@@ -459,8 +456,7 @@ impl<T: DeserializeOwned + Send + Sync + 'static> RRef<T> {
     /// as a new reference's value and owns it; returns that reference at once (a failure
     /// surfaces on its next use, as with [`Agent::remote`](crate::Agent::remote)).
     pub fn remote<R, A: Serialize + ?Sized>(&self, method: &str, arg: &A) -> Result<RRef<R>, RpcError> {
-        let timeout = self.agent()?.default_timeout();
-        self.remote_timeout(method, arg, timeout)
+        self.remote_timeout(method, arg, self.default_timeout()?)
     }
 
     /// [`remote`](Self::remote) with its own timeout for the creating call (zero: none).
