@@ -10,9 +10,11 @@
 #
 # What `run` runs, with SLUICE_REQUIRE_GPU=1 so that a GPU test that would skip fails instead:
 #   1. the channel crate's unit tests (descriptors, caches, the CUDA probe);
-#   2. tests/tests/cuda.rs: the CUDA channel conformance exercise for cuda_ipc (within a process
-#      and with a real peer process), cuda_p2p (loopback on one GPU), cuda_staged (GPU<->GPU over
-#      TCP and shared memory, GPU->CPU, CPU->GPU, and with a real peer), stream ordering, offsets
+#   2. tests/tests/channel_conformance.rs: the channel conformance suite for every channel,
+#      the CUDA ones included: cuda_ipc (within a process and with a real peer process),
+#      cuda_p2p (loopback on one GPU; two GPUs where there are two), cuda_staged (GPU<->GPU over
+#      TCP, GPU<->CPU over shared memory, with a real peer), each checking stream order;
+#      cuda_gdr skips with its reason without an RDMA NIC. Then tests/tests/cuda.rs: offsets
 #      inside allocations, default negotiation;
 #   3. tests/tests/pipe.rs: the CPU pipe suite, now on a machine where the CUDA channels are
 #      offered too;
@@ -41,7 +43,7 @@ build() {
     # Test executables, by target name, from cargo's own report.
     cargo build --release --example parameter_server
     cargo test --release --no-run --message-format=json -p sluice-cuda -p sluice-channel -p sluice-autograd -p sluice-tests \
-        --lib --test cuda --test pipe --test cuda_autograd --test cuda_rpc 2>/dev/null |
+        --lib --test cuda --test channel_conformance --test pipe --test cuda_autograd --test cuda_rpc 2>/dev/null |
         python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -70,7 +72,9 @@ run() {
     "$bin/test-sluice_cuda" --test-threads=1
     echo "== channel unit tests"
     "$bin/test-sluice_channel" --test-threads=1
-    echo "== CUDA channel conformance (tests/tests/cuda.rs)"
+    echo "== channel conformance, CUDA channels included (tests/tests/channel_conformance.rs)"
+    "$bin/test-channel_conformance" --test-threads=1 --nocapture
+    echo "== CUDA particulars through the pipe (tests/tests/cuda.rs)"
     "$bin/test-cuda" --test-threads=1 --nocapture
     echo "== pipe suite with CUDA present (tests/tests/pipe.rs)"
     "$bin/test-pipe" --test-threads=1

@@ -19,7 +19,7 @@ use crate::error::PipeError;
 
 pub const MAGIC: [u8; 4] = *b"SLCE";
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 4;
+pub const VERSION: u16 = 5;
 const ENVELOPE: usize = 6;
 
 /// Largest setup frame accepted (hello or answer).
@@ -118,50 +118,72 @@ pub struct WireTensor {
     pub source: Device,
     pub target: Option<Device>,
     pub metadata: Bytes,
-    /// For a CPU tensor between two processes of one host (the cma channel): where its bytes
-    /// are.
-    pub cpu: Option<CpuSource>,
-    /// For cuda_ipc and cuda_p2p: where the receiver copies from, and what it waits for.
-    pub cuda: Option<CudaSource>,
-    /// For rdma (tensors of at least `rdma::INLINE_MAX` bytes): the sender's registered memory.
-    pub rdma: Option<RdmaSource>,
+    /// How the tensor's bytes travel, which the receiver checks against the channel it
+    /// negotiated for this device pair (see [`Source`]).
+    pub data: Source,
 }
 
 impl WireTensor {
     /// Whether the tensor is in the receiver's segment (handed over in place).
     pub fn in_segment(&self) -> bool {
-        matches!(self.cpu, Some(CpuSource::Segment { .. }))
+        matches!(self.data, Source::Segment { .. })
     }
 }
 
-/// Where a CPU tensor of the cma channel is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum CpuSource {
-    /// In a frame on the control connection, after the payloads (small tensors).
+/// Where a tensor's bytes are and how the receiver gets them: one variant per data path, so
+/// a descriptor cannot name two at once. Which variants a channel may use is the channel's
+/// own rule (`channel::path::accepts`); anything else is a protocol error.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Source {
+    /// A zero-length tensor: nothing to move, whatever the channel.
+    Empty,
+    /// One frame on the control connection, after the payloads (basic; small cma and rdma
+    /// tensors).
     Inline,
-    /// In the receiver's segment, at this offset of its data area.
+    /// Cut into pieces across the pipe's lanes (multilane).
+    Lanes,
+    /// In chunks through pinned host memory on the control connection (cuda_staged).
+    Staged,
+    /// Already in the receiver's shared segment, at this offset of its data area (cma).
     Segment { offset: u64 },
     /// In the sender's address space: the receiver reads it with `process_vm_readv` and
-    /// acknowledges.
+    /// acknowledges (cma).
     Cma { address: u64 },
+    /// Registered memory of the sender (host or GPU): the receiver RDMA-reads it and
+    /// acknowledges (rdma, cuda_gdr).
+    Rdma { addr: u64, rkey: u32 },
+    /// GPU memory of another process: the IPC handle of the allocation (64 bytes), the
+    /// tensor's offset in it, and the IPC handle of the event recorded on the sender's stream
+    /// once the data was ready (cuda_ipc, cuda_p2p).
+    CudaIpc { memory: Bytes, offset: u64, event: Bytes },
+    /// GPU memory of this very process (only accepted from a peer with this process's token):
+    /// its address and ready event (cuda_ipc, cuda_p2p).
+    CudaLocal { address: u64, event: u64 },
 }
 
-/// Where the receiver RDMA-reads an rdma tensor from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RdmaSource {
-    pub addr: u64,
-    pub rkey: u32,
-}
+impl Source {
+    /// Whether the receiver acknowledges this tensor (the sender keeps the buffer until then).
+    pub fn needs_ack(&self) -> bool {
+        matches!(
+            self,
+            Source::Cma { .. } | Source::Rdma { .. } | Source::CudaIpc { .. } | Source::CudaLocal { .. }
+        )
+    }
 
-/// Where a cuda_ipc or cuda_p2p tensor sits, and the event recorded on the sender's stream
-/// once its data was ready.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum CudaSource {
-    /// Another process: the IPC handle of the allocation (64 bytes), the tensor's offset in
-    /// it, and the IPC handle of the event (64 bytes).
-    Ipc { memory: Bytes, offset: u64, event: Bytes },
-    /// This process (only accepted from a peer with this process's token).
-    Local { address: u64, event: u64 },
+    /// The variant's name, for errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Source::Empty => "empty",
+            Source::Inline => "inline",
+            Source::Lanes => "lanes",
+            Source::Staged => "staged",
+            Source::Segment { .. } => "segment",
+            Source::Cma { .. } => "cma",
+            Source::Rdma { .. } => "rdma",
+            Source::CudaIpc { .. } => "cuda-ipc",
+            Source::CudaLocal { .. } => "cuda-local",
+        }
+    }
 }
 
 /// The receiver's event for one cuda_ipc or cuda_p2p tensor, recorded after its copy: the
@@ -269,13 +291,11 @@ mod tests {
                 source: Device::Cpu,
                 target: None,
                 metadata: Bytes::new(),
-                cpu: Some(CpuSource::Cma { address: 77 }),
-                cuda: Some(CudaSource::Ipc {
+                data: Source::CudaIpc {
                     memory: Bytes::from_static(&[1; 64]),
                     offset: 5,
                     event: Bytes::from_static(&[2; 64]),
-                }),
-                rdma: Some(RdmaSource { addr: 1 << 40, rkey: 7 }),
+                },
             }],
         });
         for cut in 0..sample.len() {

@@ -6,8 +6,8 @@ use std::path::Path;
 use sluice_agent::wire::{Body, Envelope, GlobalId, Request, Response, WireRRef, WireValue};
 
 use sluice_channel::wire::{
-    encode, encode_setup, Ack, Answer, Brochure, ChannelChoice, ChannelOffer, CpuSource, CudaDone, CudaSource, Hello,
-    Reply, TransportOffer, WireDescriptor, WireTensor,
+    encode, encode_setup, Ack, Answer, Brochure, ChannelChoice, ChannelOffer, CudaDone, Hello, Reply, Source,
+    TransportOffer, WireDescriptor, WireTensor,
 };
 use sluice_channel::Device;
 
@@ -100,39 +100,41 @@ fn main() {
         source: Device::Cpu,
         target: Some(Device::Cpu),
         metadata: vec![1, 2].into(),
-        cpu: Some(CpuSource::Cma { address: 0x1000 }),
-        cuda: None,
-        rdma: None,
+        data: Source::Cma { address: 0x1000 },
     };
     let gpu = WireTensor {
         length: 1 << 20,
         source: Device::Cuda(0),
         target: Some(Device::Cuda(1)),
         metadata: vec![3].into(),
-        cpu: None,
-        cuda: Some(CudaSource::Ipc {
+        data: Source::CudaIpc {
             memory: vec![7; 64].into(),
             offset: 4096,
             event: vec![9; 64].into(),
-        }),
-        rdma: None,
+        },
     };
     let rdma = WireTensor {
         length: 1 << 24,
-        cpu: None,
-        rdma: Some(sluice_channel::wire::RdmaSource {
+        data: Source::Rdma {
             addr: 0x7f00_0000_0000,
             rkey: 0x1234,
-        }),
+        },
         ..t.clone()
     };
     let local = WireTensor {
-        cuda: Some(CudaSource::Local {
+        data: Source::CudaLocal {
             address: 0x7000_0000,
             event: 0x55,
-        }),
+        },
         ..gpu.clone()
     };
+    let others = [Source::Empty, Source::Lanes, Source::Staged]
+        .into_iter()
+        .map(|data| WireTensor {
+            length: 0,
+            data,
+            ..t.clone()
+        });
     write(
         "descriptor",
         vec![
@@ -148,15 +150,21 @@ fn main() {
                 payloads: vec![],
                 tensors: vec![
                     WireTensor {
-                        cpu: Some(CpuSource::Segment { offset: 65536 }),
+                        data: Source::Segment { offset: 65536 },
                         ..t.clone()
                     },
                     WireTensor {
                         length: 12,
-                        cpu: Some(CpuSource::Inline),
-                        ..t
+                        data: Source::Inline,
+                        ..t.clone()
                     },
                 ],
+            }),
+            encode(&WireDescriptor {
+                seq: 5,
+                metadata: Vec::new().into(),
+                payloads: vec![1],
+                tensors: others.collect(),
             }),
             encode(&Ack { seq: 3, cuda: vec![] }),
             encode(&Ack {

@@ -85,7 +85,15 @@ pub async fn receive_and_check(pipe: &Pipe, routes: &[Route], streams: &(dyn Fn(
     }
     let alloc = Allocation::try_for_descriptor(&d, |i| Ok(streams(i))).expect("allocation");
     let got = pipe.read(alloc).await.expect("read");
+    check_received(seq, routes, &got);
+    seq
+}
+
+/// Checks what [`message`]`(seq, routes, ..)` should have delivered, reading GPU memory back
+/// after synchronizing through the receiver's stream only.
+pub fn check_received(seq: u64, routes: &[Route], got: &Allocation) {
     assert_eq!(&got.payloads[0][..], &pattern(seq, 17)[..]);
+    assert_eq!(got.tensors.len(), routes.len(), "message {seq}: tensor count");
     for (i, (t, r)) in got.tensors.iter().zip(routes).enumerate() {
         let bytes = match t {
             RecvBuffer::Cuda(b) => {
@@ -93,9 +101,10 @@ pub async fn receive_and_check(pipe: &Pipe, routes: &[Route], streams: &(dyn Fn(
                 b.read_to_host().expect("read back")
             }
             RecvBuffer::Cpu(b) => b.to_vec(),
+            RecvBuffer::Shared(b) => b.to_vec(),
             other => panic!("unexpected buffer {other:?}"),
         };
-        assert_eq!(bytes.len(), r.len);
+        assert_eq!(bytes.len(), r.len, "message {seq} tensor {i}: length");
         let want = fill_byte(seq, i);
         if let Some(pos) = bytes.iter().position(|&b| b != want) {
             panic!(
@@ -104,7 +113,6 @@ pub async fn receive_and_check(pipe: &Pipe, routes: &[Route], streams: &(dyn Fn(
             );
         }
     }
-    seq
 }
 
 /// Both directions at once, `count` messages each way, in order and intact: the conformance

@@ -4,30 +4,19 @@
 //! untouched, a tensor for a device the peer cannot be reached on is refused without breaking
 //! the pipe, and allocating GPU memory fails with the reason.
 //!
-//! With a GPU (`scripts/gpu-check.sh`): the CUDA channel conformance exercise for every channel
-//! and device pair one GPU allows (cuda_ipc within a process and across processes, cuda_p2p in
-//! loopback, cuda_staged GPU↔GPU, GPU↔CPU over TCP and shared memory), each checking stream
-//! order: every GPU source is filled by an asynchronous memset the sender never waits for.
+//! With a GPU (`scripts/gpu-check.sh`): default negotiation picks cuda_ipc for one GPU, and a
+//! slice of an allocation travels from its offset. The CUDA channels' conformance (every
+//! channel and device pair one GPU allows, in both directions and with real peer processes,
+//! each checking stream order) is the channel conformance suite (`channel_conformance.rs`).
 
 use bytes::Bytes;
 use sluice_channel::cuda;
-use sluice_channel::{
-    Allocation, ChannelKind, Context, ContextOptions, Device, Message, Pipe, PipeError, Tensor, TransportKind,
-};
-use sluice_tests::gpu::{exercise, gpu_or_skip, receive_and_check, Route};
+use sluice_channel::{Allocation, ChannelKind, Context, ContextOptions, Device, Message, Pipe, PipeError, Tensor};
+use sluice_tests::gpu::gpu_or_skip;
 use sluice_tests::{watchdog, PeerProcess};
 
 fn peer() -> String {
     sluice_tests::peer_exe(env!("CARGO_BIN_EXE_sluice-test-peer"))
-}
-
-fn options(transports: &[TransportKind], channels: &[ChannelKind], loopback: bool) -> ContextOptions {
-    ContextOptions {
-        transports: transports.to_vec(),
-        channels: channels.to_vec(),
-        cuda_p2p_loopback: loopback,
-        ..ContextOptions::default()
-    }
 }
 
 async fn pair_with(opts: ContextOptions) -> (Pipe, Pipe) {
@@ -122,100 +111,12 @@ fn gpu_memory_without_cuda_is_an_error_with_the_reason() {
     assert!(e.to_string().contains("CUDA is not available"), "{e}");
 }
 
-// ---- With a GPU: the CUDA channel conformance exercise ----
-
-const COUNT: u64 = 12;
-
-fn sizes() -> Vec<usize> {
-    use sluice_channel::cuda::staged::CHUNK;
-    vec![1, 4099, CHUNK + 3, 3 * CHUNK + 1]
-}
-
-fn routes(from: Device, to: Device) -> Vec<Route> {
-    let mut r: Vec<Route> = sizes().into_iter().map(|len| Route { from, to, len }).collect();
-    // A CPU tensor rides along in every message, on the CPU channel.
-    r.push(Route {
-        from: Device::Cpu,
-        to: Device::Cpu,
-        len: 3000,
-    });
-    r
-}
-
-async fn in_process(channel: ChannelKind, transport: TransportKind, from: Device, to: Device, loopback: bool) {
-    let opts = options(&[transport], &[ChannelKind::Basic, channel], loopback);
-    let (a, b) = pair_with(opts).await;
-    assert_eq!(a.info().channel(from, to), Some(channel), "{:?}", a.info().channels);
-    exercise(a, b, routes(from, to), COUNT).await;
-}
-
-macro_rules! gpu_test {
-    ($name:ident, $channel:expr, $transport:expr, $from:expr, $to:expr, $loopback:expr) => {
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn $name() {
-            if !gpu_or_skip(stringify!($name)) {
-                return;
-            }
-            watchdog(
-                stringify!($name),
-                in_process($channel, $transport, $from, $to, $loopback),
-            )
-            .await
-        }
-    };
-}
+// ---- With a GPU ----
+// Every CUDA channel's conformance (both directions, stream order, real peer processes) is in
+// `channel_conformance.rs`; what is particular to CUDA stays here.
 
 const GPU: Device = Device::Cuda(0);
 const CPU: Device = Device::Cpu;
-
-gpu_test!(
-    cuda_ipc_within_a_process,
-    ChannelKind::CudaIpc,
-    TransportKind::Shm,
-    GPU,
-    GPU,
-    false
-);
-gpu_test!(
-    cuda_p2p_loopback_within_a_process,
-    ChannelKind::CudaP2p,
-    TransportKind::Shm,
-    GPU,
-    GPU,
-    true
-);
-gpu_test!(
-    cuda_staged_gpu_to_gpu_over_tcp,
-    ChannelKind::CudaStaged,
-    TransportKind::Tcp,
-    GPU,
-    GPU,
-    false
-);
-gpu_test!(
-    cuda_staged_gpu_to_gpu_over_shm,
-    ChannelKind::CudaStaged,
-    TransportKind::Shm,
-    GPU,
-    GPU,
-    false
-);
-gpu_test!(
-    cuda_staged_gpu_to_cpu,
-    ChannelKind::CudaStaged,
-    TransportKind::Tcp,
-    GPU,
-    CPU,
-    false
-);
-gpu_test!(
-    cuda_staged_cpu_to_gpu,
-    ChannelKind::CudaStaged,
-    TransportKind::Shm,
-    CPU,
-    GPU,
-    false
-);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn default_negotiation_picks_cuda_ipc_for_the_same_gpu() {
@@ -236,67 +137,6 @@ async fn default_negotiation_picks_cuda_ipc_for_the_same_gpu() {
         assert_eq!(info.channel(CPU, CPU), Some(ChannelKind::Cma));
     })
     .await
-}
-
-/// A real second process: GPU tensors go there and come back (IPC handles both ways), then the
-/// peer is killed while we wait and the wait fails promptly with a peer-lost error.
-async fn echo_with_gpu_peer(channel: ChannelKind) {
-    let ctx = Context::new(options(
-        &[TransportKind::Shm, TransportKind::Tcp],
-        &[ChannelKind::Cma, ChannelKind::Basic, channel],
-        false,
-    ))
-    .unwrap();
-    let mut listener = ctx.listen("").await.unwrap();
-    let list = format!("cma,basic,{}", channel.name());
-    let mut peer = PeerProcess::spawn(&peer(), &["pipe-echo-cuda", listener.address(), &list]);
-    let pipe = listener.accept().await.expect("peer pipe");
-    assert_eq!(
-        pipe.info().channel(GPU, GPU),
-        Some(channel),
-        "{:?}",
-        pipe.info().channels
-    );
-    let routes = routes(GPU, GPU);
-    let writer = tokio::spawn({
-        let pipe = pipe.clone();
-        let routes = routes.clone();
-        async move {
-            for seq in 0..COUNT {
-                let m = sluice_tests::gpu::message(seq, &routes, &|d| cuda::Stream::new(d).unwrap());
-                pipe.write(&m).await.unwrap();
-            }
-        }
-    });
-    for seq in 0..COUNT {
-        let got = receive_and_check(&pipe, &routes, &|d| cuda::Stream::new(d).unwrap()).await;
-        assert_eq!(got, seq);
-    }
-    writer.await.unwrap();
-    let pending = tokio::spawn({
-        let pipe = pipe.clone();
-        async move { pipe.read_descriptor().await }
-    });
-    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    peer.kill();
-    let err = pending.await.unwrap().expect_err("peer killed");
-    assert!(err.is_peer_lost(), "{err:?}");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cuda_ipc_with_a_real_peer_process() {
-    if !gpu_or_skip("cuda_ipc_with_a_real_peer_process") {
-        return;
-    }
-    watchdog("cuda ipc peer", echo_with_gpu_peer(ChannelKind::CudaIpc)).await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cuda_staged_with_a_real_peer_process() {
-    if !gpu_or_skip("cuda_staged_with_a_real_peer_process") {
-        return;
-    }
-    watchdog("cuda staged peer", echo_with_gpu_peer(ChannelKind::CudaStaged)).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,5 +1,14 @@
-//! Cross-memory attach: the receiver reads the tensor straight out of the sender's address
-//! space with `process_vm_readv`.
+//! The cma channel, for CPU tensors between two processes of one host, and cross-memory
+//! attach, its fallback.
+//!
+//! Data path, by size (the sender chooses; the descriptor says which, see [`prepare`]):
+//! - below [`INLINE_MAX`]: inline, one frame on the control connection (a frame copy on each
+//!   side costs less than a segment block or a system call and an acknowledgement);
+//! - when it fits: copied into the receiver's shared segment (see [`super::segment`]) before
+//!   the descriptor leaves, and handed to the receiver where it lies: one copy, no
+//!   acknowledgement, any number in flight;
+//! - otherwise by cross-memory attach: the receiver reads the tensor straight out of the
+//!   sender's address space with `process_vm_readv` and acknowledges.
 //!
 //! Requirements, checked when the context is created: the kernel call exists and is not blocked
 //! (a self-test read of our own memory; some container seccomp profiles forbid it), and Yama's
@@ -10,12 +19,30 @@
 //! peer's memory before CMA is chosen.
 
 use std::io;
+use std::sync::Arc;
 
+use bytes::{Bytes, BytesMut};
 use nix::sys::uio::{process_vm_readv, RemoteIoVec};
 use nix::unistd::Pid;
 
+use super::path::{Link, Received, Rx, Staging, Tx};
+use super::segment::Segment;
 use super::{ChannelContext, ChannelKind};
-use crate::device::Device;
+use crate::device::{Device, RecvBuffer};
+use crate::wire::Source;
+
+type PipeResult<T> = crate::error::Result<T>;
+
+/// Tensors below this go inline through the control connection. Kept small: every byte
+/// through a pipe's ring eventually touches all of the ring's pages.
+pub const INLINE_MAX: usize = 4 << 10;
+
+/// Tensors at least this long are copied by CMA on a blocking thread rather than inline.
+const CMA_OFFLOAD: usize = 1 << 20;
+
+/// Copies into the peer's segment at least this large let the runtime move this worker's other
+/// tasks elsewhere while they run.
+const COPY_OFFLOAD: usize = 8 << 20;
 
 /// Bytes the peer reads from us to prove it may.
 static PROBE: [u8; 16] = *b"sluice-cma-probe";
@@ -125,4 +152,128 @@ impl ChannelContext for CmaContext {
             Err(_) => Vec::new(),
         }
     }
+}
+
+/// Blocks of the peer's segment reserved for one message: given back if the message is never
+/// announced (a failed or cancelled write), kept once its descriptor went out.
+pub(crate) struct Reserved {
+    segment: Arc<Segment>,
+    ranges: Vec<(u64, Bytes)>,
+    pub(crate) announced: bool,
+}
+
+impl Reserved {
+    /// Copies every reserved tensor into the segment.
+    fn copy(&self) {
+        for (offset, bytes) in &self.ranges {
+            self.segment.write(*offset, bytes);
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        self.ranges.iter().map(|(_, b)| b.len()).sum()
+    }
+}
+
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        if !self.announced {
+            for (offset, bytes) in &self.ranges {
+                self.segment.unreserve(*offset, bytes.len());
+            }
+        }
+    }
+}
+
+/// Sender: where a tensor goes: inline when small, into the peer's segment when it fits
+/// (reserving its blocks for the message), else by cross-memory attach.
+pub(crate) fn prepare(tx: &Tx, b: &Bytes, staging: &mut Staging) -> Source {
+    if b.len() < INLINE_MAX {
+        return Source::Inline;
+    }
+    if let Some(seg) = &tx.outbox {
+        if let Some(offset) = seg.allocate(b.len()) {
+            staging
+                .reserved
+                .get_or_insert_with(|| Reserved {
+                    segment: seg.clone(),
+                    ranges: Vec::new(),
+                    announced: false,
+                })
+                .ranges
+                .push((offset, b.clone()));
+            return Source::Segment { offset };
+        }
+    }
+    Source::Cma {
+        address: b.as_ptr() as u64,
+    }
+}
+
+/// Sender: copies a message's tensors into the peer's segment before it hears of them. In
+/// place (a thread hand-off costs more than copying a few MiB), and for large copies on a
+/// multi-thread runtime with the worker's other tasks moved elsewhere meanwhile. On a
+/// current-thread runtime a large copy runs on a blocking thread, which keeps the reservation
+/// until it is done (even if the write is cancelled meanwhile).
+pub(crate) async fn copy_reserved(r: Reserved, link: &Link<'_>) -> PipeResult<Reserved> {
+    if r.bytes() < COPY_OFFLOAD {
+        r.copy();
+        return Ok(r);
+    }
+    let flavor = tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor());
+    if matches!(flavor, Ok(tokio::runtime::RuntimeFlavor::MultiThread)) {
+        tokio::task::block_in_place(|| r.copy());
+        return Ok(r);
+    }
+    tokio::task::spawn_blocking(move || {
+        r.copy();
+        r
+    })
+    .await
+    .map_err(|e| link.channel_error(ChannelKind::Cma, format!("segment copy thread failed: {e}")))
+}
+
+/// Receiver: the sources the cma channel produces (a segment only where this pipe has one).
+pub(crate) fn accepts(has_inbox: bool, source: &Source) -> bool {
+    match source {
+        Source::Inline | Source::Cma { .. } => true,
+        Source::Segment { .. } => has_inbox,
+        _ => false,
+    }
+}
+
+/// Receiver: a tensor in this side's segment, handed over where the sender put it (nothing to
+/// copy); it replaces the buffer supplied.
+pub(crate) fn take(rx: &Rx, link: &Link<'_>, offset: u64, len: u64, buffer: &mut RecvBuffer) -> PipeResult<Received> {
+    let inbox = rx
+        .inbox
+        .as_ref()
+        .ok_or_else(|| link.protocol("tensor announced in a segment this pipe does not have"))?;
+    let bytes = inbox.take(offset, len).map_err(|e| link.protocol(e))?;
+    *buffer = RecvBuffer::Shared(bytes);
+    Ok(Received::Done)
+}
+
+/// Receiver: reads a tensor out of the sender's memory (acknowledged by the pipe).
+pub(crate) async fn recv(link: &Link<'_>, address: u64, dst: &mut BytesMut) -> PipeResult<()> {
+    cma_read(link.pid as i32, address, dst)
+        .await
+        .map_err(|detail| link.channel_error(ChannelKind::Cma, detail))
+}
+
+async fn cma_read(pid: i32, address: u64, dst: &mut BytesMut) -> Result<(), String> {
+    if dst.len() < CMA_OFFLOAD {
+        return read_remote(pid, address, dst).map_err(|e| e.to_string());
+    }
+    // A large copy would stall this runtime thread for milliseconds: run it on a blocking
+    // thread, lending it the buffer.
+    let mut buf = std::mem::take(dst);
+    let (buf, result) = tokio::task::spawn_blocking(move || {
+        let r = read_remote(pid, address, &mut buf);
+        (buf, r)
+    })
+    .await
+    .map_err(|e| format!("copy thread failed: {e}"))?;
+    *dst = buf;
+    result.map_err(|e| e.to_string())
 }

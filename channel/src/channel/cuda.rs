@@ -1,4 +1,5 @@
-//! The CUDA channels' negotiation hooks. Their data paths live in [`crate::cuda`] and the pipe.
+//! The CUDA channels' negotiation hooks. Their data paths sit with their protocol in
+//! [`crate::cuda`]: `direct` (cuda_ipc, cuda_p2p) and [`crate::cuda::staged`].
 //!
 //! Each is viable only when CUDA is (see [`crate::cuda::runtime`]) and what it needs actually
 //! works here: cuda_ipc exports a probe allocation and an interprocess event at start-up (some

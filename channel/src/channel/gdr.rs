@@ -25,10 +25,14 @@ use std::path::{Path, PathBuf};
 use sluice_transport::ibv::{Access, IbvTransport, MrInfo, VerbsDevice, VerbsError, VerbsMr};
 use sluice_transport::Transport;
 
-use super::rdma::RegCache;
+use super::path::{Link, Rx, Tx};
+use super::rdma::{pull, Lease, RegCache};
 use super::{ChannelContext, ChannelKind};
 use crate::cuda::{self, driver, CudaBuffer};
 use crate::device::Device;
+use crate::wire::Source;
+
+type PipeResult<T> = crate::error::Result<T>;
 
 /// The cuda_gdr channel's context: the GPUs it serves, with the fabric descriptor.
 pub struct GdrContext {
@@ -161,6 +165,43 @@ pub fn cached(cache: &mut RegCache, buf: &CudaBuffer, access: Access) -> Result<
     cache.get_or_register(info.base, info.size, Box::new(buf.clone()), || {
         register(device.as_ref(), buf, access).map(|(mr, _)| mr)
     })
+}
+
+/// Sender: makes a GPU tensor readable by the peer's NIC: its stream's pending work done, its
+/// allocation registered (cached).
+pub(crate) fn prepare(tx: &mut Tx, link: &Link<'_>, b: &CudaBuffer) -> PipeResult<Source> {
+    let fail = |detail: String| link.channel_error(ChannelKind::CudaGdr, detail);
+    let cache = tx
+        .gpu_registrations
+        .as_mut()
+        .ok_or_else(|| link.protocol("cuda_gdr negotiated without an ibverbs connection"))?;
+    // The NIC does not follow streams: the data must be complete before the peer reads.
+    b.stream()
+        .synchronize()
+        .map_err(|e| fail(format!("synchronizing the source stream: {e}")))?;
+    let info = cached(cache, b, Access::REMOTE_READ).map_err(|e| fail(format!("registering the source: {e}")))?;
+    Ok(Source::Rdma {
+        addr: b.ptr(),
+        rkey: info.rkey,
+    })
+}
+
+/// Receiver: reads a tensor straight into `dst`'s GPU memory (its allocation registered and
+/// cached, kept alive by the cache). If this future is dropped mid-read, a clone of `dst` is
+/// leaked so the memory outlives the NIC's writes, and the pipe fails.
+pub(crate) async fn recv(rx: &mut Rx, link: &Link<'_>, dst: &CudaBuffer, addr: u64, rkey: u32) -> PipeResult<()> {
+    let cache = rx
+        .gpu_targets
+        .as_mut()
+        .ok_or_else(|| link.protocol("cuda_gdr negotiated without an ibverbs connection"))?;
+    let info = cached(cache, dst, Access::LOCAL)
+        .map_err(|e| link.channel_error(ChannelKind::CudaGdr, format!("registering the destination: {e}")))?;
+    let mut lease = Lease::new(dst.clone(), link, ChannelKind::CudaGdr);
+    // SAFETY: `dst` lies in the registered allocation (addressed by device addresses), which
+    // the cache and the lease keep allocated until the read completes (or for ever).
+    let result = unsafe { pull(link, dst.ptr(), info.lkey, dst.len(), addr, rkey) }.await;
+    lease.release();
+    result
 }
 
 #[cfg(test)]

@@ -7,6 +7,13 @@
 //! ([`ChannelContext::can_communicate`]). The pipe compares and picks by priority; it never
 //! special-cases a channel during negotiation.
 //!
+//! Each channel's module also owns its data path: how the sender prepares a tensor and says
+//! where it is (a wire `Source`), what it sends, how the receiver checks and moves it, and its
+//! part of the acknowledgement. `path` is the one place that dispatches on the channel; the
+//! pipe itself keeps ordering, acknowledgements and sticky errors only. (The CUDA channels'
+//! paths sit with their protocol in [`crate::cuda`]: `direct` for cuda_ipc and cuda_p2p,
+//! `staged` for cuda_staged.)
+//!
 //! - **basic**: tensor bytes as frames on the pipe's control connection (whatever transport it
 //!   negotiated). Works everywhere.
 //! - **cma**: the receiver copies straight out of the sender's memory with `process_vm_readv`
@@ -27,12 +34,17 @@
 //!   GPUDirect RDMA: the NIC reads and writes GPU memory registered through dma-buf or the
 //!   peer-memory module.
 
+pub mod basic;
 pub mod cma;
 pub mod cuda;
 pub mod gdr;
 pub mod multilane;
+pub(crate) mod path;
 pub mod rdma;
 pub mod segment;
+
+pub use basic::BasicContext;
+pub use multilane::MultiLaneContext;
 
 use crate::device::Device;
 
@@ -118,46 +130,5 @@ pub trait ChannelContext: Send + Sync {
     /// remote device described by `remote`. Must be symmetric.
     fn can_communicate(&self, local: &str, remote: &str) -> bool {
         local == remote
-    }
-}
-
-/// The basic channel: always viable, reaches every CPU.
-pub struct BasicContext;
-
-impl ChannelContext for BasicContext {
-    fn kind(&self) -> ChannelKind {
-        ChannelKind::Basic
-    }
-
-    fn viability(&self) -> Result<(), String> {
-        Ok(())
-    }
-
-    fn device_descriptors(&self) -> Vec<(Device, String)> {
-        vec![(Device::Cpu, "any".to_owned())]
-    }
-}
-
-/// The multi-lane channel's context: `lanes` TCP connections per pipe.
-pub struct MultiLaneContext {
-    pub lanes: usize,
-}
-
-impl ChannelContext for MultiLaneContext {
-    fn kind(&self) -> ChannelKind {
-        ChannelKind::MultiLane
-    }
-
-    fn viability(&self) -> Result<(), String> {
-        if self.lanes == 0 {
-            Err("configured with zero lanes".into())
-        } else {
-            Ok(())
-        }
-    }
-
-    /// Lanes are TCP connections: any CPU that the bootstrap reached can be reached by lanes.
-    fn device_descriptors(&self) -> Vec<(Device, String)> {
-        vec![(Device::Cpu, "tcp".to_owned())]
     }
 }

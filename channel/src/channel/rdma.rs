@@ -18,12 +18,16 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use bytes::Bytes;
-use sluice_transport::ibv::{Access, IbvTransport, MrInfo, VerbsDevice, VerbsError, VerbsMr};
+use bytes::{Bytes, BytesMut};
+use sluice_transport::ibv::{Access, IbvTransport, MrInfo, Sge, VerbsDevice, VerbsError, VerbsMr};
 use sluice_transport::Transport;
 
+use super::path::{Link, Tx};
 use super::{ChannelContext, ChannelKind};
 use crate::device::Device;
+use crate::wire::Source;
+
+type PipeResult<T> = crate::error::Result<T>;
 
 /// Smaller CPU tensors go through the transport's ring even when rdma was negotiated.
 pub const INLINE_MAX: usize = 64 << 10;
@@ -168,6 +172,115 @@ impl RegCache {
 
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
+    }
+}
+
+/// Sender: a tensor of at least [`INLINE_MAX`] bytes is registered (cached) and read by the
+/// receiver where it lies; a smaller one goes inline.
+pub(crate) fn prepare(tx: &mut Tx, link: &Link<'_>, b: &Bytes) -> PipeResult<Source> {
+    if b.len() < INLINE_MAX {
+        return Ok(Source::Inline);
+    }
+    let cache = tx
+        .registrations
+        .as_mut()
+        .ok_or_else(|| link.protocol("rdma negotiated without an ibverbs connection"))?;
+    let mr = cache
+        .get(b)
+        .map_err(|e| link.channel_error(ChannelKind::Rdma, format!("registering a {} byte tensor: {e}", b.len())))?;
+    Ok(Source::Rdma {
+        addr: b.as_ptr() as u64,
+        rkey: mr.rkey,
+    })
+}
+
+/// Receiver: RDMA-reads a tensor into `dst` (registered for the read only). If this future is
+/// dropped mid-read, the destination and its registration are leaked (the NIC may still write
+/// there) and the pipe fails.
+pub(crate) async fn recv(link: &Link<'_>, dst: &mut BytesMut, addr: u64, rkey: u32) -> PipeResult<()> {
+    let device = link.rdma()?.device();
+    let mut buf = std::mem::take(dst);
+    // SAFETY: `buf` is owned by the lease below until the registration is dropped; if the
+    // lease is abandoned mid-read, both are leaked rather than freed.
+    let mr = match unsafe { device.register(buf.as_mut_ptr(), buf.len(), Access::LOCAL) } {
+        Ok(mr) => mr,
+        Err(e) => {
+            *dst = buf;
+            return Err(link.channel_error(ChannelKind::Rdma, format!("registering the destination: {e}")));
+        }
+    };
+    let info = mr.info();
+    let mut lease = Lease::new((buf, mr), link, ChannelKind::Rdma);
+    // SAFETY: the lease holds the registered memory until the read completes, or leaks it.
+    let result = unsafe { pull(link, info.addr, info.lkey, info.len, addr, rkey) }.await;
+    let (buf, mr) = lease.release();
+    drop(mr);
+    *dst = buf;
+    result
+}
+
+/// RDMA-reads `len` bytes at the sender's `source` (with `rkey`) into registered local memory
+/// at `addr`, in pieces of at most [`MAX_READ`].
+///
+/// # Safety
+/// `addr..addr+len` lies in a registration with `lkey` allowing local writes, and stays
+/// valid until this future completes (callers leak it if the future is dropped).
+pub(crate) async unsafe fn pull(
+    link: &Link<'_>,
+    addr: u64,
+    lkey: u32,
+    len: usize,
+    source: u64,
+    rkey: u32,
+) -> PipeResult<()> {
+    let handle = link.rdma()?;
+    let mut done = 0usize;
+    while done < len {
+        let piece = (len - done).min(MAX_READ);
+        let sge = Sge {
+            addr: addr + done as u64,
+            len: piece as u32,
+            lkey,
+        };
+        // SAFETY: forwarded from this function's contract.
+        unsafe { handle.read(sge, source + done as u64, rkey) }.await?;
+        done += piece;
+    }
+    Ok(())
+}
+
+/// What an RDMA read writes into. Dropped before the read finished (the future was
+/// cancelled), it leaks what it holds, since the NIC may still write there, and fails the pipe.
+pub(crate) struct Lease<'a, T> {
+    held: Option<T>,
+    link: &'a Link<'a>,
+    channel: ChannelKind,
+}
+
+impl<'a, T> Lease<'a, T> {
+    pub(crate) fn new(held: T, link: &'a Link<'a>, channel: ChannelKind) -> Self {
+        Lease {
+            held: Some(held),
+            link,
+            channel,
+        }
+    }
+
+    /// The read finished: what was lent comes back.
+    pub(crate) fn release(&mut self) -> T {
+        self.held.take().expect("released once")
+    }
+}
+
+impl<T> Drop for Lease<'_, T> {
+    fn drop(&mut self) {
+        if let Some(held) = self.held.take() {
+            std::mem::forget(held);
+            (self.link.poison)(self.link.channel_error(
+                self.channel,
+                "a read was cancelled while the NIC could still write its memory",
+            ));
+        }
     }
 }
 

@@ -28,6 +28,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::events::EventSlot;
 use super::{CudaBuffer, CudaError, PinnedMemory};
+use crate::channel::path::{Link, Rx, Tx};
+use crate::device::{RecvBuffer, SendBuffer};
 use crate::error::PipeError;
 
 /// Bytes per chunk (and per pinned slot).
@@ -126,7 +128,7 @@ fn channel_error(peer: &str, e: impl std::fmt::Display) -> PipeError {
 }
 
 /// Sends a GPU buffer's bytes as `chunks(len)` frames.
-pub(crate) async fn send_gpu(w: &mut AnyWriter, src: &CudaBuffer, peer: &str) -> Result<(), PipeError> {
+async fn send_gpu(w: &mut AnyWriter, src: &CudaBuffer, peer: &str) -> Result<(), PipeError> {
     let plan: Vec<Range<usize>> = chunks(src.len()).collect();
     if plan.is_empty() {
         return Ok(());
@@ -155,7 +157,7 @@ pub(crate) async fn send_gpu(w: &mut AnyWriter, src: &CudaBuffer, peer: &str) ->
 }
 
 /// Sends CPU bytes as `chunks(len)` frames, for a GPU receiver.
-pub(crate) async fn send_cpu(w: &mut AnyWriter, src: &Bytes) -> Result<(), PipeError> {
+async fn send_cpu(w: &mut AnyWriter, src: &Bytes) -> Result<(), PipeError> {
     for range in chunks(src.len()) {
         w.write(&[&src[range]]).await?;
     }
@@ -175,7 +177,7 @@ async fn read_exact(r: &mut AnyReader, dst: &mut [u8], peer: &str) -> Result<(),
 
 /// Receives `chunks(len)` frames into a GPU buffer; returns once every copy is queued on the
 /// buffer's stream.
-pub(crate) async fn recv_gpu(r: &mut AnyReader, dst: &CudaBuffer, peer: &str) -> Result<(), PipeError> {
+async fn recv_gpu(r: &mut AnyReader, dst: &CudaBuffer, peer: &str) -> Result<(), PipeError> {
     let plan: Vec<Range<usize>> = chunks(dst.len()).collect();
     if plan.is_empty() {
         return Ok(());
@@ -199,11 +201,29 @@ pub(crate) async fn recv_gpu(r: &mut AnyReader, dst: &CudaBuffer, peer: &str) ->
 }
 
 /// Receives `chunks(len)` frames straight into CPU memory.
-pub(crate) async fn recv_cpu(r: &mut AnyReader, dst: &mut BytesMut, peer: &str) -> Result<(), PipeError> {
+async fn recv_cpu(r: &mut AnyReader, dst: &mut BytesMut, peer: &str) -> Result<(), PipeError> {
     for range in chunks(dst.len()) {
         read_exact(r, &mut dst[range], peer).await?;
     }
     Ok(())
+}
+
+/// Sender: a tensor of either side's memory as `chunks(len)` frames on the control
+/// connection (a GPU source through pinned slots).
+pub(crate) async fn send(tx: &mut Tx, link: &Link<'_>, buffer: &SendBuffer) -> Result<(), PipeError> {
+    match buffer {
+        SendBuffer::Cpu(b) => send_cpu(&mut tx.control, b).await,
+        SendBuffer::Cuda(b) => send_gpu(&mut tx.control, b, link.peer).await,
+    }
+}
+
+/// Receiver: the frames into CPU memory directly, or through pinned slots into GPU memory.
+pub(crate) async fn recv(rx: &mut Rx, link: &Link<'_>, buffer: &mut RecvBuffer) -> Result<(), PipeError> {
+    match buffer {
+        RecvBuffer::Cpu(dst) => recv_cpu(&mut rx.control, dst, link.peer).await,
+        RecvBuffer::Cuda(dst) => recv_gpu(&mut rx.control, dst, link.peer).await,
+        RecvBuffer::Shared(_) => Err(link.protocol("cuda_staged cannot fill shared memory")),
+    }
 }
 
 #[cfg(test)]

@@ -3,9 +3,10 @@
 //!
 //! Usage:
 //! - `sluice-test-peer transport <tcp|shm|ibv> ADDR <stream|stall>`
-//! - `sluice-test-peer pipe-echo ADDR CHANNEL,CHANNEL,...` (or `pipe-echo-cuda`): receive every
-//!   message into memory on the devices it names (GPU memory on a stream of this process) and
-//!   send it back to the devices its tensors came from, without touching the host.
+//! - `sluice-test-peer pipe-echo ADDR CHANNEL,CHANNEL,... [TRANSPORT,... [SEGMENT_BYTES]]` (or
+//!   `pipe-echo-cuda`): receive every message into memory on the devices it names (GPU memory
+//!   on a stream of this process) and send it back to the devices its tensors came from,
+//!   without touching the host.
 
 use sluice_transport::ibv::IbvTransport;
 use sluice_transport::shm::ShmTransport;
@@ -20,7 +21,14 @@ async fn main() {
         ["transport", "tcp", addr, mode] => transport_mode(TcpTransport::default(), addr, mode).await,
         ["transport", "shm", addr, mode] => transport_mode(ShmTransport::default(), addr, mode).await,
         ["transport", "ibv", addr, mode] => transport_mode(IbvTransport::default(), addr, mode).await,
-        ["pipe-echo" | "pipe-echo-cuda", addr, channels] => pipe_echo(addr, channels).await,
+        ["pipe-echo" | "pipe-echo-cuda", addr, channels] => pipe_echo(addr, channels, None, None).await,
+        ["pipe-echo" | "pipe-echo-cuda", addr, channels, transports] => {
+            pipe_echo(addr, channels, Some(transports), None).await
+        }
+        ["pipe-echo" | "pipe-echo-cuda", addr, channels, transports, segment] => {
+            let segment = segment.parse().expect("segment bytes");
+            pipe_echo(addr, channels, Some(transports), Some(segment)).await
+        }
         _ => {
             eprintln!("usage: sluice-test-peer transport <tcp|shm|ibv> ADDR <stream|stall> | pipe-echo ADDR CHANNEL");
             std::process::exit(2);
@@ -48,16 +56,26 @@ async fn transport_mode<T: Transport>(t: T, addr: &str, mode: &str) {
 
 /// Echoes every message back to the devices its tensors came from, receiving GPU tensors into
 /// memory on streams of this process.
-async fn pipe_echo(addr: &str, channels: &str) {
+async fn pipe_echo(addr: &str, channels: &str, transports: Option<&str>, segment: Option<usize>) {
     use sluice_channel::cuda::Stream;
-    use sluice_channel::{Allocation, ChannelKind, Context, ContextOptions, Message, Tensor};
+    use sluice_channel::{Allocation, ChannelKind, Context, ContextOptions, Message, Tensor, TransportKind};
     let channels = channels
         .split(',')
         .map(|c| ChannelKind::from_name(c).expect("channel name"))
         .collect();
+    let defaults = ContextOptions::default();
+    let transports = match transports {
+        Some(list) => list
+            .split(',')
+            .map(|t| TransportKind::from_name(t).expect("transport name"))
+            .collect(),
+        None => defaults.transports.clone(),
+    };
     let ctx = Context::new(ContextOptions {
         channels,
-        ..ContextOptions::default()
+        transports,
+        segment_bytes: segment.unwrap_or(defaults.segment_bytes),
+        ..defaults
     })
     .expect("context");
     let pipe = ctx.connect(addr).await.expect("peer connect");
