@@ -367,6 +367,19 @@ impl AgentInner {
         }
         let start = Instant::now();
         let id = self.me.id;
+        // Our own work drains (replies to us, handlers we run, control messages), first while
+        // we are still a member: a peer that sees us leave fails what it still awaits from us,
+        // so a reply must be on its way before the marker is (a handler that tells us to leave
+        // gets its answer).
+        let drain = || {
+            let mut last = self.outstanding();
+            while last > 0 && start.elapsed() < timeout {
+                std::thread::sleep(Duration::from_millis(2));
+                last = self.outstanding();
+            }
+            last
+        };
+        drain();
         // The marker first: whoever sees our key go also sees that we left. The store moves
         // (if we serve it) before our key goes, so the successor hears of the leave as a leave.
         if let Err(e) = self
@@ -381,12 +394,8 @@ impl AgentInner {
             self.teardown();
             return Err(ShutdownError::Store(e.to_string()));
         }
-        // Our own work drains (replies to us, handlers we run, control messages).
-        let mut last = self.outstanding();
-        while last > 0 && start.elapsed() < timeout {
-            std::thread::sleep(Duration::from_millis(2));
-            last = self.outstanding();
-        }
+        // What arrived meanwhile drains too.
+        let last = drain();
         // Goodbye on every pipe, so peers take the closing for a leave.
         let goodbye = Message {
             metadata: wire::encode(&Envelope::Goodbye),
