@@ -21,13 +21,25 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Commands {
-    /// Round-trip latency and bandwidth of every transport and channel, with raw baselines.
+    /// Round-trip latency and bandwidth of every transport and channel, with raw baselines of
+    /// the same size and medium, and the peers (OpenMPI, PyTorch RPC) where installed.
     ///
     /// Without --listen/--connect it spawns its own peer process on localhost.
+    /// `sluice bench compare OLD.jsonl NEW.jsonl` compares two recorded runs instead.
     Bench {
-        /// Suites to run, as words (`sluice bench rpc`); the same as --suites.
+        /// Suites to run, as words (`sluice bench rpc peers`); the same as --suites. Or
+        /// `compare OLD.jsonl NEW.jsonl`.
         #[arg(value_name = "SUITE")]
         only: Vec<String>,
+        /// Write a page with figures to DIR/index.html (and the figures as SVG files beside it).
+        #[arg(long, value_name = "DIR")]
+        report: Option<std::path::PathBuf>,
+        /// Also write the JSON lines to benches/results/DATE-COMMIT.jsonl (in this checkout).
+        #[arg(long)]
+        record: bool,
+        /// With `compare`: flag rows whose figure moved by more than this many percent.
+        #[arg(long, default_value_t = 10.0)]
+        threshold: f64,
         /// Short smoke run: three sizes, short budgets.
         #[arg(long)]
         quick: bool,
@@ -42,10 +54,11 @@ enum Commands {
         connect: Option<String>,
         /// Comma-separated suites: raw, transport, pipe, idle, rpc, autograd, cuda (the cuda
         /// suite says so and measures nothing without a GPU), ibverbs (on the verbs model where
-        /// there is no RDMA device).
+        /// there is no RDMA device), peers (OpenMPI and PyTorch RPC, each skipped with the
+        /// reason where not installed).
         #[arg(
             long,
-            default_value = "raw,transport,pipe,idle,rpc,autograd,cuda,ibverbs",
+            default_value = "raw,transport,pipe,idle,rpc,autograd,cuda,ibverbs,peers",
             value_delimiter = ','
         )]
         suites: Vec<String>,
@@ -180,6 +193,9 @@ fn main() -> anyhow::Result<()> {
     }
     let Commands::Bench {
         only,
+        report: report_dir,
+        record,
+        threshold,
         quick,
         json,
         listen,
@@ -199,11 +215,35 @@ fn main() -> anyhow::Result<()> {
     if let Some(addr) = cuda_peer {
         return sluice_benches::cuda::peer(&addr, &cuda_channels);
     }
+    if only.first().map(String::as_str) == Some("compare") {
+        let [_, old, new] = only.as_slice() else {
+            anyhow::bail!("usage: sluice bench compare OLD.jsonl NEW.jsonl [--threshold PERCENT]");
+        };
+        let (old, new) = (
+            sluice_benches::compare::load(old.as_ref())?,
+            sluice_benches::compare::load(new.as_ref())?,
+        );
+        let c = sluice_benches::compare::compare(&old, &new, threshold);
+        print!("{}", sluice_benches::compare::table(&c, threshold));
+        return Ok(());
+    }
     let suites = if only.is_empty() { suites } else { only };
+    const SUITES: [&str; 9] = [
+        "raw",
+        "transport",
+        "pipe",
+        "idle",
+        "rpc",
+        "autograd",
+        "cuda",
+        "ibverbs",
+        "peers",
+    ];
     for s in &suites {
         anyhow::ensure!(
-            ["raw", "transport", "pipe", "idle", "rpc", "autograd", "cuda", "ibverbs"].contains(&s.as_str()),
-            "unknown suite `{s}`: expected raw, transport, pipe, idle, rpc, autograd, cuda or ibverbs"
+            SUITES.contains(&s.as_str()),
+            "unknown suite `{s}`: expected one of {} (or `compare OLD NEW`)",
+            SUITES.join(", ")
         );
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -224,10 +264,10 @@ fn main() -> anyhow::Result<()> {
     let remote = connect.is_some();
     let needs_peer = suites
         .iter()
-        .any(|s| !["autograd", "cuda", "ibverbs"].contains(&s.as_str()));
+        .any(|s| !["autograd", "cuda", "ibverbs", "peers"].contains(&s.as_str()));
     let peer_suites = suites
         .iter()
-        .any(|s| !["rpc", "autograd", "cuda", "ibverbs"].contains(&s.as_str()));
+        .any(|s| !["rpc", "autograd", "cuda", "ibverbs", "peers"].contains(&s.as_str()));
     let (addr, _peer) = match connect {
         Some(a) => (a, None),
         None if needs_peer => {
@@ -264,15 +304,54 @@ fn main() -> anyhow::Result<()> {
     if options.suites.iter().any(|s| s == "ibverbs") {
         records.extend(sluice_benches::ibverbs::run(&options)?);
     }
+    let mut info = sluice_benches::page::RunInfo {
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        notes: Vec::new(),
+    };
+    if options.suites.iter().any(|s| s == "peers") {
+        let peers = sluice_benches::peers::run(&options);
+        records.extend(peers.records);
+        info.notes = peers.notes;
+    }
     print!("{}", report::table(&records));
-    if let Some(path) = json {
+    // Whatever was measured is written before anything that can fail on the way out.
+    let mut files: Vec<std::path::PathBuf> = json.into_iter().collect();
+    if record {
+        files.push(recorded_path()?);
+    }
+    for path in files {
         let mut f = std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
         for r in &records {
             writeln!(f, "{}", r.json())?;
         }
         eprintln!("wrote {} results to {}", records.len(), path.display());
     }
+    if let Some(dir) = report_dir {
+        let figures = sluice_benches::page::write(&dir, &records, &info)?;
+        eprintln!(
+            "wrote {} with {} figures ({})",
+            dir.join("index.html").display(),
+            figures.len(),
+            figures.join(", ")
+        );
+    }
     Ok(())
+}
+
+/// `benches/results/DATE-COMMIT.jsonl` in the checkout this runs in.
+fn recorded_path() -> anyhow::Result<std::path::PathBuf> {
+    let top = Command::new("git")
+        .args(["rev-parse", "--show-toplevel"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .context("--record writes into the checkout's benches/results/, and this is not a git checkout")?;
+    let dir = std::path::Path::new(&top).join("benches").join("results");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let date = sluice_benches::page::now();
+    let commit = sluice_benches::page::commit();
+    Ok(dir.join(format!("{}-{commit}.jsonl", &date[..10])))
 }
 
 /// Starts rank 1 of the rpc and autograd suites.

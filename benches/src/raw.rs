@@ -1,5 +1,12 @@
 //! Raw baselines, measured in the same run as Sluice's own figures.
+//!
+//! Every baseline is of the same size and medium as what it is compared with: a shared-memory
+//! round trip of N bytes against [`shm_copy_pingpong`] of N bytes (two threads that busy-poll
+//! and copy the N bytes through shared buffers on both sides), a TCP round trip against the raw
+//! TCP ping-pong of N bytes, a bandwidth against memcpy or the raw TCP stream of N bytes.
+#![allow(unsafe_code)]
 
+use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -45,6 +52,88 @@ pub fn busy_poll_pingpong(budget: Duration, max_iters: usize) -> Vec<f64> {
             }
         }
         samples.push(t.elapsed().as_nanos() as f64 / 64.0);
+    }
+    ping.store(stop, Ordering::Release);
+    echo.join().expect("echo thread");
+    samples
+}
+
+/// A buffer the two threads of [`shm_copy_pingpong`] take turns on.
+struct Turn(UnsafeCell<Vec<u8>>);
+
+// SAFETY: the ping-pong hands each buffer from one thread to the other with a Release store
+// and an Acquire load of the round's counter; only the thread whose turn it is touches it.
+unsafe impl Sync for Turn {}
+
+impl Turn {
+    /// # Safety
+    /// Only the thread whose turn it is may call this (see the protocol in
+    /// [`shm_copy_pingpong`]).
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn get(&self) -> &mut Vec<u8> {
+        // SAFETY: forwarded from the caller: nobody else touches the buffer meanwhile.
+        unsafe { &mut *self.0.get() }
+    }
+}
+
+/// Busy-poll ping-pong that also moves `len` bytes each way the way a shared-memory transport
+/// must: the sender copies its message into a shared buffer, the receiver copies it out, and
+/// back (four copies of `len` bytes per round trip, across two cores). The floor for a
+/// shared-memory round trip of `len` bytes. Returns per-round-trip samples in ns.
+pub fn shm_copy_pingpong(len: usize, budget: Duration, max_iters: usize) -> Vec<f64> {
+    let ping = Arc::new(CachePadded::new(AtomicU64::new(0)));
+    let pong = Arc::new(CachePadded::new(AtomicU64::new(0)));
+    let there = Arc::new(Turn(UnsafeCell::new(vec![0u8; len])));
+    let back = Arc::new(Turn(UnsafeCell::new(vec![0u8; len])));
+    let stop = u64::MAX;
+    let echo = {
+        let (ping, pong, there, back) = (ping.clone(), pong.clone(), there.clone(), back.clone());
+        std::thread::spawn(move || {
+            let mut mine = vec![0u8; len];
+            let reply = vec![9u8; len];
+            let mut last = 0;
+            loop {
+                let v = ping.load(Ordering::Acquire);
+                if v == stop {
+                    return;
+                }
+                if v != last {
+                    last = v;
+                    // SAFETY: `ping == v` hands `there` to this thread and `back` is ours until
+                    // `pong` says `v`.
+                    unsafe {
+                        mine.copy_from_slice(there.get());
+                        back.get().copy_from_slice(&reply);
+                    }
+                    std::hint::black_box(&mut mine);
+                    pong.store(v, Ordering::Release);
+                }
+                std::hint::spin_loop();
+            }
+        })
+    };
+    let out = vec![7u8; len];
+    let mut got = vec![0u8; len];
+    // Small messages are timed in batches (the clock costs as much as a round trip).
+    let batch = if len < (64 << 10) { 64 } else { 1 };
+    let mut samples = Vec::new();
+    let start = Instant::now();
+    let mut i = 0u64;
+    while samples.len() < max_iters && (start.elapsed() < budget || samples.len() < 100.min(max_iters)) {
+        let t = Instant::now();
+        for _ in 0..batch {
+            i += 1;
+            // SAFETY: `there` is ours until `ping` says `i`; `back` is ours once `pong` does.
+            unsafe { there.get().copy_from_slice(&out) };
+            ping.store(i, Ordering::Release);
+            while pong.load(Ordering::Acquire) != i {
+                std::hint::spin_loop();
+            }
+            // SAFETY: as above.
+            unsafe { got.copy_from_slice(back.get()) };
+            std::hint::black_box(&mut got);
+        }
+        samples.push(t.elapsed().as_nanos() as f64 / batch as f64);
     }
     ping.store(stop, Ordering::Release);
     echo.join().expect("echo thread");

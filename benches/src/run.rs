@@ -24,7 +24,7 @@ pub struct BenchOptions {
 }
 
 impl BenchOptions {
-    fn sizes(&self) -> Vec<usize> {
+    pub(crate) fn sizes(&self) -> Vec<usize> {
         if self.quick {
             vec![64, 64 << 10, 64 << 20]
         } else {
@@ -98,10 +98,9 @@ pub async fn run(options: &BenchOptions, addr: &str) -> anyhow::Result<Vec<Recor
     let sizes = options.sizes();
     let budget = options.budget();
     let points = sizes.len()
-        * (3 * options.wants("raw") as usize
+        * (4 * options.wants("raw") as usize
             + 4 * options.wants("transport") as usize
             + 6 * options.wants("pipe") as usize)
-        + 1
         + options.wants("idle") as usize;
     let bar = ProgressBar::new(points as u64);
     bar.set_style(
@@ -113,22 +112,21 @@ pub async fn run(options: &BenchOptions, addr: &str) -> anyhow::Result<Vec<Recor
     };
     let mut out = Vec::new();
 
-    // Baselines first; every later record points at one of them.
-    step("raw busy-poll".into());
-    let busy = Record::rtt(
-        "raw",
-        "shm-busypoll",
-        8,
-        tokio::task::spawn_blocking(move || raw::busy_poll_pingpong(budget * 2, MAX_RTT_SAMPLES)).await?,
-    );
-    out.push(busy.clone());
+    // Baselines first, one per size and medium; every later record points at one of them.
+    let mut shm_rtt = Vec::new();
     let mut raw_rtt = Vec::new();
     let mut raw_bw = Vec::new();
     let mut memcpy = Vec::new();
+    let shm_used = !dir.shm.is_empty() && (options.wants("transport") || options.wants("pipe"));
     for &size in &sizes {
         step(format!("raw {}", crate::report::human_bytes(size as u64)));
         let (g, n) = tokio::task::spawn_blocking(move || raw::memcpy_gbps(size, budget)).await?;
         memcpy.push(Record::bw("raw", "memcpy", size, g, n));
+        if options.wants("raw") || shm_used {
+            let samples =
+                tokio::task::spawn_blocking(move || raw::shm_copy_pingpong(size, budget, MAX_RTT_SAMPLES)).await?;
+            shm_rtt.push(Record::rtt("raw", "shm-pingpong", size, samples));
+        }
         if options.wants("raw") || options.wants("transport") || options.wants("pipe") {
             raw_rtt.push(Record::rtt(
                 "raw",
@@ -140,6 +138,7 @@ pub async fn run(options: &BenchOptions, addr: &str) -> anyhow::Result<Vec<Recor
             raw_bw.push(Record::bw("raw", "tcp-stream", size, g, n));
         }
     }
+    out.extend(shm_rtt.iter().cloned());
     out.extend(memcpy.iter().cloned());
     out.extend(raw_rtt.iter().cloned());
     out.extend(raw_bw.iter().cloned());
@@ -169,7 +168,7 @@ pub async fn run(options: &BenchOptions, addr: &str) -> anyhow::Result<Vec<Recor
                     size,
                     transport_rtt(&shm, &dir.shm, size, budget).await?,
                 );
-                r.against(&busy);
+                r.against(&shm_rtt[i]);
                 out.push(r);
                 let (g, n) = transport_bw(&shm, &dir.shm, size, budget).await?;
                 let mut r = Record::bw("transport", "shm", size, g, n);
@@ -196,19 +195,18 @@ pub async fn run(options: &BenchOptions, addr: &str) -> anyhow::Result<Vec<Recor
             for (i, &size) in sizes.iter().enumerate() {
                 step(format!("pipe {backend} {}", crate::report::human_bytes(size as u64)));
                 let mut r = Record::rtt("pipe", backend.clone(), size, pipe_rtt(&pipe, size, budget).await?);
-                r.against(if pipe.info().transport == "shm" {
-                    &busy
-                } else {
-                    &raw_rtt[i]
-                });
+                // Like with like: a round trip whose bytes cross shared memory against the raw
+                // shared-memory ping-pong, one that crosses TCP (any pipe over TCP, and
+                // multilane's lanes from a lane piece up) against raw TCP, both of this size.
+                let over_tcp = pipe.info().transport != "shm"
+                    || (channel == ChannelKind::MultiLane && size >= sluice_channel::channel::multilane::MIN_PIECE);
+                r.against(if over_tcp { &raw_rtt[i] } else { &shm_rtt[i] });
                 out.push(r);
                 let (g, n) = pipe_bw(&pipe, size, budget).await?;
                 let mut r = Record::bw("pipe", backend.clone(), size, g, n);
-                r.against(if channel == ChannelKind::MultiLane {
-                    &raw_bw[i]
-                } else {
-                    &memcpy[i]
-                });
+                let over_tcp = pipe.info().transport != "shm"
+                    || (channel == ChannelKind::MultiLane && size >= sluice_channel::channel::multilane::MIN_PIECE);
+                r.against(if over_tcp { &raw_bw[i] } else { &memcpy[i] });
                 out.push(r);
             }
         }

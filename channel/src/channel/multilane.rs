@@ -1,6 +1,6 @@
 //! The multi-lane channel: a large tensor is cut into equal contiguous pieces sent in
 //! parallel over N TCP connections (the pipe's lanes), each driven by its own task, so by
-//! several cores. Both ends compute the same cut from the length and the lane count, so no
+//! several cores. A tensor below [`MIN_PIECE`] goes inline on the control connection instead. Both ends compute the same cut from the length and the lane count, so no
 //! per-tensor control message is needed; the receiver reads the lanes once it has the
 //! descriptor.
 
@@ -14,6 +14,7 @@ use super::path::{Link, Rx, Tx};
 use super::{ChannelContext, ChannelKind};
 use crate::device::Device;
 use crate::error::{PipeError, Result};
+use crate::wire::Source;
 
 /// The multi-lane channel's context: `lanes` TCP connections per pipe.
 pub struct MultiLaneContext {
@@ -47,6 +48,16 @@ pub const MIN_PIECE: usize = 256 * 1024;
 pub fn pieces(len: usize, lanes: usize) -> Vec<Range<usize>> {
     let used = (len / MIN_PIECE).clamp(1, lanes.max(1));
     (0..used).map(|i| (len * i / used)..(len * (i + 1) / used)).collect()
+}
+
+/// Sender: a tensor too small for a lane piece of its own goes inline on the control
+/// connection (a lane round trip costs more than the copy); larger ones across the lanes.
+pub(crate) fn prepare(len: usize) -> Source {
+    if len < MIN_PIECE {
+        Source::Inline
+    } else {
+        Source::Lanes
+    }
 }
 
 /// Sender: the descriptor first (the receiver reads the lanes only once it has it), then one

@@ -1,0 +1,254 @@
+//! `sluice bench peers`: what a user would pick instead of Sluice, measured on this machine in
+//! the same run. OpenMPI point-to-point (`benches/peers/mpi_p2p.c`, built with `mpicc` when
+//! OpenMPI is installed) and PyTorch RPC (`benches/peers/pytorch_rpc.py`, run when
+//! `import torch` works in `$SLUICE_BENCH_PYTHON`, `python3` by default). Both print records in
+//! our JSON-lines format with `suite = "peer"`.
+//!
+//! A peer that is not installed is skipped with the reason and measures nothing. One that
+//! fails, crashes or outlives its deadline is killed and reported by name, and whatever it had
+//! measured by then is kept.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+
+use crate::compare::Recorded;
+use crate::report::Record;
+use crate::run::BenchOptions;
+
+const MPI_SOURCE: &str = include_str!("../peers/mpi_p2p.c");
+const TORCH_SCRIPT: &str = include_str!("../peers/pytorch_rpc.py");
+
+/// What the peers suite measured, and a line for each peer it skipped or lost.
+#[derive(Debug, Default)]
+pub struct Peers {
+    pub records: Vec<Record>,
+    pub notes: Vec<String>,
+}
+
+/// Runs every peer available here.
+pub fn run(options: &BenchOptions) -> Peers {
+    let mut out = Peers::default();
+    let sizes = options.sizes();
+    let budget = options.budget();
+    let mut take = |name: &str, result: anyhow::Result<Outcome>| match result {
+        Ok(Outcome::Skipped(why)) => {
+            let note = format!("{name}: skipped: {why}");
+            eprintln!("peers: {note}");
+            out.notes.push(note);
+        }
+        Ok(Outcome::Ran(records, failure)) => {
+            if let Some(why) = failure {
+                let note = format!("{name}: {why} ({} results kept)", records.len());
+                eprintln!("peers: {note}");
+                out.notes.push(note);
+            }
+            out.records.extend(records);
+        }
+        Err(e) => {
+            let note = format!("{name}: {e:#}");
+            eprintln!("peers: {note}");
+            out.notes.push(note);
+        }
+    };
+    take("openmpi", openmpi(&sizes, budget));
+    take("pytorch-rpc", pytorch(&sizes, budget));
+    out
+}
+
+enum Outcome {
+    Skipped(String),
+    /// What it measured, and why it stopped early (if it did).
+    Ran(Vec<Record>, Option<String>),
+}
+
+fn on_path(program: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")?
+        .to_str()?
+        .split(':')
+        .map(|d| Path::new(d).join(program))
+        .find(|p| p.is_file())
+}
+
+/// A scratch directory for the peers' sources and binaries.
+fn scratch() -> anyhow::Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("sluice-peers-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(dir)
+}
+
+fn openmpi(sizes: &[usize], budget: Duration) -> anyhow::Result<Outcome> {
+    let (Some(mpicc), Some(mpirun)) = (on_path("mpicc"), on_path("mpirun")) else {
+        return Ok(Outcome::Skipped(
+            "OpenMPI is not installed (no mpicc or mpirun on PATH; Debian: openmpi-bin libopenmpi-dev)".into(),
+        ));
+    };
+    let dir = scratch()?;
+    let source = dir.join("mpi_p2p.c");
+    let exe = dir.join("mpi_p2p");
+    std::fs::write(&source, MPI_SOURCE)?;
+    let built = run_bounded(
+        "mpicc",
+        Command::new(&mpicc).arg("-O2").arg("-o").arg(&exe).arg(&source),
+        Duration::from_secs(120),
+    )?;
+    if let Some(why) = &built.failure {
+        bail!("building {}: {why}\n{}", source.display(), built.stderr_tail());
+    }
+    let mut cmd = Command::new(&mpirun);
+    cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])
+        .arg(&exe)
+        .arg(budget.as_millis().to_string())
+        .args(sizes.iter().map(|s| s.to_string()));
+    // Two measurements per size, each at least its budget; start-up and slow sizes on top.
+    let deadline = budget * 3 * sizes.len() as u32 + Duration::from_secs(60);
+    let ran = run_bounded("openmpi", &mut cmd, deadline)?;
+    let _ = std::fs::remove_dir_all(&dir);
+    ran.into_outcome("openmpi")
+}
+
+fn pytorch(sizes: &[usize], budget: Duration) -> anyhow::Result<Outcome> {
+    let python = std::env::var("SLUICE_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let probe = Command::new(&python)
+        .args(["-c", "import torch, torch.distributed.rpc"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+    match probe {
+        Ok(s) if s.success() => {}
+        Ok(_) => {
+            return Ok(Outcome::Skipped(format!(
+                "`{python} -c 'import torch'` fails (PyTorch is not installed there; set SLUICE_BENCH_PYTHON to a Python that has it)"
+            )))
+        }
+        Err(e) => return Ok(Outcome::Skipped(format!("cannot run `{python}`: {e}"))),
+    }
+    let dir = scratch()?;
+    let script = dir.join("pytorch_rpc.py");
+    std::fs::write(&script, TORCH_SCRIPT)?;
+    let list: Vec<String> = sizes.iter().map(|s| s.to_string()).collect();
+    let mut cmd = Command::new(&python);
+    cmd.arg(&script)
+        .arg("--budget-ms")
+        .arg(budget.as_millis().to_string())
+        .arg("--sizes")
+        .arg(list.join(","));
+    let deadline = budget * (2 * sizes.len() as u32 + 4) + Duration::from_secs(120);
+    let ran = run_bounded("pytorch-rpc", &mut cmd, deadline)?;
+    let _ = std::fs::remove_dir_all(&dir);
+    ran.into_outcome("pytorch-rpc")
+}
+
+/// What a bounded child run produced.
+struct Ran {
+    lines: Vec<String>,
+    stderr: String,
+    /// Why it did not succeed (non-zero exit, a signal, the deadline), if it did not.
+    failure: Option<String>,
+}
+
+impl Ran {
+    fn stderr_tail(&self) -> String {
+        let lines: Vec<&str> = self.stderr.lines().collect();
+        lines[lines.len().saturating_sub(15)..].join("\n")
+    }
+
+    /// The records it printed; lines that are not records (progress, warnings) are ignored,
+    /// but a run that printed none and failed is an error.
+    fn into_outcome(self, name: &str) -> anyhow::Result<Outcome> {
+        let records: Vec<Record> = self
+            .lines
+            .iter()
+            .filter_map(|l| serde_json::from_str::<Recorded>(l).ok())
+            .filter_map(|r| r.into_peer_record())
+            .collect();
+        match self.failure {
+            Some(ref why) if records.is_empty() => bail!("{name} {why}\n{}", self.stderr_tail()),
+            failure => Ok(Outcome::Ran(records, failure)),
+        }
+    }
+}
+
+/// Runs `cmd`, collecting its output lines, and kills it at `deadline`.
+fn run_bounded(name: &str, cmd: &mut Command, deadline: Duration) -> anyhow::Result<Ran> {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting {name}"))?;
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let out = child.stdout.take().expect("piped");
+    let reader = {
+        let lines = lines.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                lines.lock().unwrap().push(line);
+            }
+        })
+    };
+    let mut err = child.stderr.take().expect("piped");
+    let errors = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let start = Instant::now();
+    let failure = loop {
+        match child.try_wait()? {
+            Some(status) if status.success() => break None,
+            Some(status) => break Some(format!("failed ({status})")),
+            None if start.elapsed() > deadline => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break Some(format!("did not finish within {deadline:?} and was killed"));
+            }
+            None => std::thread::sleep(Duration::from_millis(50)),
+        }
+    };
+    // Grandchildren (mpirun's ranks) may hold the pipes open after a kill: wait for the
+    // readers a little, never for ever.
+    let waited = Instant::now();
+    while !errors.is_finished() && waited.elapsed() < Duration::from_secs(2) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let stderr = if errors.is_finished() {
+        errors.join().unwrap_or_default()
+    } else {
+        String::new()
+    };
+    while !reader.is_finished() && waited.elapsed() < Duration::from_secs(2) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let lines = lines.lock().unwrap().clone();
+    Ok(Ran { lines, stderr, failure })
+}
+
+impl Recorded {
+    /// A peer's line as a record of the `peer` suite (other suites and metrics are refused).
+    fn into_peer_record(self) -> Option<Record> {
+        if self.suite != "peer" {
+            return None;
+        }
+        let iterations = self.iterations.unwrap_or(0);
+        let mut r = match self.metric.as_str() {
+            "rtt" => {
+                let mut r = Record::rtt("peer", self.backend, self.bytes as usize, vec![0.0]);
+                r.p50_ns = Some(self.p50_ns?);
+                r.p99_ns = self.p99_ns;
+                r
+            }
+            "bw" => Record::bw("peer", self.backend, self.bytes as usize, self.gbps?, iterations),
+            "rate" => Record::rate("peer", self.backend, self.bytes as usize, self.per_second?, iterations),
+            _ => return None,
+        };
+        r.iterations = iterations;
+        Some(r)
+    }
+}
