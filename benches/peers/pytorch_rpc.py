@@ -5,6 +5,9 @@ Two processes: rank 0 calls, rank 1 answers. For a time budget each, rank 0 meas
   - rpc_sync of a no-op (round trip, p50/p99),
   - rpc_sync echoing a uint8 tensor of each size (round trip; bandwidth = 2 * size / rtt),
   - rpc_async of the no-op with 64 calls in flight (calls per second),
+  - the training step of `sluice bench autograd`: Linear(1024, 1024) held by rank 1, batch
+    32, loss mean(y * y), distributed autograd and DistributedOptimizer(SGD, lr 1e-3), and
+    the same step in one process (microseconds per step),
 and prints one JSON object per result in the record format of `sluice bench --json`
 (suite "peer").
 
@@ -18,8 +21,11 @@ import sys
 import time
 
 import torch
+import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.distributed.optim import DistributedOptimizer
 
 IN_FLIGHT = 64
 
@@ -30,6 +36,20 @@ def noop():
 
 def echo(t):
     return t
+
+
+LAYER = None
+
+
+def make_layer():
+    global LAYER
+    torch.manual_seed(1)
+    LAYER = nn.Linear(1024, 1024)
+    return [rpc.RRef(p) for p in LAYER.parameters()]
+
+
+def linear(x):
+    return LAYER(x)
 
 
 def emit(**fields):
@@ -79,8 +99,41 @@ def caller(budget_s, sizes):
     emit(backend="pytorch-rpc_async-64", metric="rate", bytes=0,
          per_second=done / (time.perf_counter() - start), iterations=done)
 
+    # The training step, locally, then with the layer on the callee.
+    torch.manual_seed(1)
+    local = nn.Linear(1024, 1024)
+    opt = torch.optim.SGD(local.parameters(), lr=1e-3)
+    x = torch.randn(32, 1024)
+
+    def local_step():
+        opt.zero_grad()
+        y = local(x)
+        (y * y).mean().backward()
+        opt.step()
+
+    for _ in range(3):
+        local_step()
+    steps = timed_calls(3 * budget_s, local_step)
+    emit(backend="pytorch-local-step-linear1024-b32", metric="rtt", bytes=0,
+         p50_ns=percentile(steps, 0.5), p99_ns=percentile(steps, 0.99), iterations=len(steps))
+    params = rpc.rpc_sync("callee", make_layer)
+    dopt = DistributedOptimizer(torch.optim.SGD, params, lr=1e-3)
+
+    def dist_step():
+        with dist_autograd.context() as ctx:
+            y = rpc.rpc_sync("callee", linear, args=(x,))
+            dist_autograd.backward(ctx, [(y * y).mean()])
+            dopt.step(ctx)
+
+    for _ in range(3):
+        dist_step()
+    steps = timed_calls(3 * budget_s, dist_step)
+    emit(backend="pytorch-dist-step-linear1024-b32", metric="rtt", bytes=0,
+         p50_ns=percentile(steps, 0.5), p99_ns=percentile(steps, 0.99), iterations=len(steps))
+
 
 def worker(rank, port, budget_s, sizes):
+    torch.set_num_threads(1)  # as `sluice bench autograd`: one thread per process
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=120)

@@ -354,10 +354,12 @@ pub fn machine() -> Vec<(&'static str, String)> {
     ]
 }
 
-/// The commit the binary runs from: `git describe` where this is a checkout, else "unknown".
+/// The commit of the checkout this binary was built from (`git describe`, "-dirty" with local
+/// changes), or "unknown" where that checkout is not at hand (a binary copied elsewhere).
 pub fn commit() -> String {
+    let checkout = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
     std::process::Command::new("git")
-        .args(["describe", "--always", "--dirty", "--abbrev=12"])
+        .args(["-C", checkout, "describe", "--always", "--dirty", "--abbrev=12"])
         .stderr(std::process::Stdio::null())
         .output()
         .ok()

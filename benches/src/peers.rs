@@ -252,3 +252,47 @@ impl Recorded {
         Some(r)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LINE: &str =
+        r#"{"suite":"peer","backend":"x","metric":"bw","bytes":64,"gbps":1.5,"iterations":9,"baseline":""}"#;
+
+    #[test]
+    fn a_peer_that_hangs_is_killed_and_what_it_measured_is_kept() {
+        let script = format!("echo '{LINE}'; echo 'not a record'; sleep 30");
+        let start = Instant::now();
+        let ran = run_bounded(
+            "hanger",
+            Command::new("sh").args(["-c", &script]),
+            Duration::from_millis(500),
+        )
+        .unwrap();
+        assert!(start.elapsed() < Duration::from_secs(10), "bounded wait");
+        assert!(ran.failure.as_deref().unwrap().contains("killed"));
+        let Outcome::Ran(records, Some(why)) = ran.into_outcome("hanger").unwrap() else {
+            panic!("partial results expected")
+        };
+        assert_eq!(records.len(), 1);
+        assert_eq!(records[0].gbps, Some(1.5));
+        assert!(why.contains("killed"));
+    }
+
+    #[test]
+    fn a_peer_that_crashes_is_an_error_naming_it() {
+        let ran = run_bounded(
+            "crasher",
+            Command::new("sh").args(["-c", "echo boom >&2; exit 3"]),
+            Duration::from_secs(10),
+        )
+        .unwrap();
+        let e = format!("{:#}", ran.into_outcome("crasher").err().expect("an error"));
+        assert!(e.contains("crasher") && e.contains("boom"), "{e}");
+        // Records of other suites or unknown metrics are not taken from a peer.
+        let foreign = r#"{"suite":"pipe","backend":"x","metric":"bw","bytes":1,"gbps":1.0}"#;
+        let r: Recorded = serde_json::from_str(foreign).unwrap();
+        assert!(r.into_peer_record().is_none());
+    }
+}

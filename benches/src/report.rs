@@ -136,10 +136,16 @@ fn human_ns(ns: f64) -> String {
     }
 }
 
-/// The results as an aligned text table.
+/// The results as an aligned text table (the backend column as wide as its longest name).
 pub fn table(records: &[Record]) -> String {
+    let w = records
+        .iter()
+        .map(|r| r.backend.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max(16);
     let mut out = format!(
-        "{:<10} {:<16} {:<7} {:>9} {:>12} {:>12} {:>10}  {:<24} {:>7}\n",
+        "{:<10} {:<w$} {:<7} {:>9} {:>12} {:>12} {:>10}  {:<24} {:>7}\n",
         "suite", "backend", "metric", "size", "p50", "p99", "GB/s", "baseline", "ratio"
     );
     for r in records {
@@ -168,7 +174,7 @@ pub fn table(records: &[Record]) -> String {
         };
         let ratio = r.ratio.map(|x| format!("{x:.2}x")).unwrap_or_default();
         out.push_str(&format!(
-            "{:<10} {:<16} {:<7} {:>9} {:>12} {:>12} {:>10}  {:<24} {:>7}\n",
+            "{:<10} {:<w$} {:<7} {:>9} {:>12} {:>12} {:>10}  {:<24} {:>7}\n",
             r.suite,
             r.backend,
             r.metric,
