@@ -175,8 +175,15 @@ fn figure_text(metric: &str, v: f64) -> String {
 
 /// The comparison as an aligned table, flagged rows marked, and a summary line.
 pub fn table(c: &Comparison, threshold_percent: f64) -> String {
+    let w = c
+        .changes
+        .iter()
+        .map(|ch| ch.backend.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max(16);
     let mut out = format!(
-        "{:<10} {:<26} {:<7} {:>9} {:>12} {:>12} {:>9}\n",
+        "{:<10} {:<w$} {:<7} {:>9} {:>12} {:>12} {:>9}\n",
         "suite", "backend", "metric", "size", "old", "new", "change"
     );
     for ch in &c.changes {
@@ -186,7 +193,7 @@ pub fn table(c: &Comparison, threshold_percent: f64) -> String {
             None => "",
         };
         out.push_str(&format!(
-            "{:<10} {:<26} {:<7} {:>9} {:>12} {:>12} {:>+8.1}%{flag}\n",
+            "{:<10} {:<w$} {:<7} {:>9} {:>12} {:>12} {:>+8.1}%{flag}\n",
             ch.suite,
             ch.backend,
             ch.metric,
@@ -203,11 +210,22 @@ pub fn table(c: &Comparison, threshold_percent: f64) -> String {
         c.better(),
         c.worse()
     ));
-    if !c.only_old.is_empty() {
-        out.push_str(&format!("only in OLD: {}\n", c.only_old.join("; ")));
-    }
-    if !c.only_new.is_empty() {
-        out.push_str(&format!("only in NEW: {}\n", c.only_new.join("; ")));
+    for (which, rows) in [("OLD", &c.only_old), ("NEW", &c.only_new)] {
+        if rows.is_empty() {
+            continue;
+        }
+        let shown: Vec<&str> = rows.iter().take(8).map(String::as_str).collect();
+        let more = rows.len().saturating_sub(shown.len());
+        let tail = if more > 0 {
+            format!("; and {more} more")
+        } else {
+            String::new()
+        };
+        out.push_str(&format!(
+            "only in {which} ({} rows): {}{tail}\n",
+            rows.len(),
+            shown.join("; ")
+        ));
     }
     out
 }
