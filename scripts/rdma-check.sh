@@ -18,6 +18,17 @@ mkdir -p "$OUT"
 
 command -v ibv_devinfo >/dev/null && ibv_devinfo | tee "$OUT/devinfo.txt" || echo "(ibv_devinfo not installed)"
 
+# Registered memory is pinned and counts against RLIMIT_MEMLOCK: each connection pins two 2 MiB
+# rings and the rdma channel caches registrations of sent tensors (a quarter of the limit at
+# most). Containers often default to 8 MiB; root is not limited.
+memlock=$(ulimit -l)
+echo "locked-memory limit (ulimit -l): $memlock KiB" | tee "$OUT/memlock.txt"
+if [ "$(id -u)" != 0 ] && [ "$memlock" != unlimited ] && [ "$memlock" -lt 65536 ]; then
+    echo "RLIMIT_MEMLOCK is below 64 MiB: raise it (ulimit -l unlimited; Docker --ulimit memlock=-1;" \
+        "systemd LimitMEMLOCK=infinity) or pipes will fail to register their rings" >&2
+    exit 1
+fi
+
 # The conformance suite (model and hardware), one test at a time so the hardware is not shared.
 cargo test --release -p sluice-tests --features rdma --test ibverbs -- --test-threads=1 --nocapture 2>&1 \
     | tee "$OUT/tests.txt"

@@ -274,9 +274,20 @@ impl Pipe {
         let (lane_readers, lane_writers): (Vec<_>, Vec<_>) = links.lanes.into_iter().unzip();
         let rdma = links.control.1.rdma();
         // Bounded: 256 registrations or 4 GiB of sent tensors kept registered (and alive).
-        let registrations = rdma.as_ref().map(|h| RegCache::new(h.device(), 256, 4 << 30));
+        // Registrations pin memory: a quarter of the locked-memory limit at most.
+        let pin_budget = |cap: usize| {
+            rdma.as_ref().map_or(cap, |h| {
+                cap.min((h.device().limits().memlock / 4).min(usize::MAX as u64) as usize)
+            })
+        };
+        let registrations = rdma
+            .as_ref()
+            .map(|h| RegCache::new(h.device(), 256, pin_budget(4 << 30)));
         // GPU registrations use BAR space: fewer of them.
-        let gpu_cache = || rdma.as_ref().map(|h| RegCache::new(h.device(), 64, 16 << 30));
+        let gpu_cache = || {
+            rdma.as_ref()
+                .map(|h| RegCache::new(h.device(), 64, pin_budget(16 << 30)))
+        };
         let (gpu_registrations, gpu_targets) = (gpu_cache(), gpu_cache());
         Pipe {
             inner: Arc::new(Inner {

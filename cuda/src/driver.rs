@@ -512,6 +512,35 @@ pub struct RawModule(pub usize);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct RawFunction(pub usize);
 
+/// Whether the device orders GPUDirect RDMA writes for its own context
+/// (`CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING` at least `OWNER`): when it does not,
+/// a NIC's writes must be flushed ([`flush_gpudirect_writes`]) before kernels read the memory.
+pub fn gpudirect_writes_ordered(dev: i32) -> Result<bool> {
+    let mut ordering: c_int = 0;
+    // SAFETY: writes one int through a valid pointer; the driver checks `dev`.
+    check("cuDeviceGetAttribute(GPU_DIRECT_RDMA_WRITES_ORDERING)", unsafe {
+        sys::cuDeviceGetAttribute(
+            &mut ordering,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING,
+            dev,
+        )
+    })?;
+    Ok(ordering >= sys::CUGPUDirectRDMAWritesOrdering_enum::CU_GPU_DIRECT_RDMA_WRITES_ORDERING_OWNER as c_int)
+}
+
+/// Makes the GPUDirect RDMA writes that have completed so far visible to work in the current
+/// context (`cuFlushGPUDirectRDMAWrites`, target the current context, scope its owner). The
+/// caller has the context of the written memory's device current.
+pub fn flush_gpudirect_writes() -> Result<()> {
+    // SAFETY: no pointers; the driver checks that a context is current.
+    check("cuFlushGPUDirectRDMAWrites", unsafe {
+        sys::cuFlushGPUDirectRDMAWrites(
+            sys::CUflushGPUDirectRDMAWritesTarget_enum::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
+            sys::CUflushGPUDirectRDMAWritesScope_enum::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER,
+        )
+    })
+}
+
 /// The device's compute capability, `(major, minor)`.
 pub fn compute_capability(dev: i32) -> Result<(i32, i32)> {
     use sys::CUdevice_attribute as A;

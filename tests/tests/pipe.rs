@@ -155,6 +155,25 @@ async fn rdma_and_basic_over_ibv_model() {
     .await
 }
 
+/// A tensor in read-only memory (a static) goes by rdma: its registration asks for remote reads
+/// only, as hardware requires (write rights on read-only pages fail with EFAULT; the model
+/// refuses them the same way).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_sends_a_tensor_from_read_only_memory() {
+    static READ_ONLY: [u8; 256 << 10] = [0x5a; 256 << 10];
+    watchdog("rdma from read-only memory", async {
+        let (a, b) = pair_with(ibv_model(&[ChannelKind::Rdma])).await;
+        let m = Message {
+            tensors: vec![Tensor::cpu(Bytes::from_static(&READ_ONLY))],
+            ..Message::default()
+        };
+        let (w, r) = tokio::join!(a.write(&m), receive(&b));
+        w.expect("a write from read-only memory");
+        assert!(r.tensors[0].as_cpu().unwrap().iter().all(|&x| x == 0x5a));
+    })
+    .await
+}
+
 /// Pipes opened back to back over ibverbs, each while the previous pair's connections may still
 /// be closing. Every pair ends with one side closing while the other is still reading: the
 /// reader gets everything (the closing side's socket hang-up can overtake its last completions,

@@ -139,15 +139,18 @@ pub fn register(
     let rt = cuda::runtime().map_err(|e| VerbsError::failed("register GPU memory", e))?;
     rt.bind(buf.device()).map_err(fail)?;
     let info = driver::pointer_info(buf.ptr()).map_err(|e| fail(e.into()))?;
-    // SAFETY: the context of the buffer's device is current (bind above) and the range is the
-    // allocation around `buf`, which the caller keeps alive (a clone) while registered.
-    let dmabuf = unsafe { driver::dmabuf_fd(info.base, info.size) };
+    // `cuMemGetHandleForAddressRange` takes page-aligned ranges only: export the pages around
+    // the allocation, addressed from the first page's start.
+    let (start, len) = page_span(info.base, info.size, host_page());
+    // SAFETY: the context of the buffer's device is current (bind above) and the range covers
+    // the allocation around `buf`, which the caller keeps alive (a clone) while registered.
+    let dmabuf = unsafe { driver::dmabuf_fd(start, len) };
     if let Ok(fd) = dmabuf {
         use std::os::fd::AsRawFd;
         // SAFETY: the dma-buf exports the allocation, kept alive by the caller while the
         // registration exists; the NIC keeps its own reference to the dma-buf, so our
         // descriptor may close after registering.
-        match unsafe { nic.register_dmabuf(fd.as_raw_fd(), 0, info.size, info.base, access) } {
+        match unsafe { nic.register_dmabuf(fd.as_raw_fd(), 0, len, start, access) } {
             Ok(mr) => return Ok((mr, "dma-buf")),
             Err(e) => tracing::debug!("dma-buf registration failed ({e}); trying peer memory"),
         }
@@ -155,6 +158,21 @@ pub fn register(
     // SAFETY: as above; with nvidia-peermem the NIC pins the GPU pages itself.
     let mr = unsafe { nic.register(info.base as *mut u8, info.size, access)? };
     Ok((mr, "peer memory"))
+}
+
+/// The host page size (`cuMemGetHandleForAddressRange` aligns to it).
+fn host_page() -> u64 {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .ok()
+        .flatten()
+        .map_or(4096, |p| p as u64)
+}
+
+/// The page-aligned span covering `base..base+size`: its start and length.
+pub fn page_span(base: u64, size: usize, page: u64) -> (u64, usize) {
+    let start = base / page * page;
+    let end = (base + size as u64).div_ceil(page) * page;
+    (start, (end - start) as usize)
 }
 
 /// The registration of the allocation holding `buf`, from `cache` or made now (the cache then
@@ -201,12 +219,31 @@ pub(crate) async fn recv(rx: &mut Rx, link: &Link<'_>, dst: &CudaBuffer, addr: u
     // the cache and the lease keep allocated until the read completes (or for ever).
     let result = unsafe { pull(link, dst.ptr(), info.lkey, dst.len(), addr, rkey) }.await;
     lease.release();
-    result
+    result?;
+    flush_writes(dst).map_err(|e| link.channel_error(ChannelKind::CudaGdr, format!("flushing the NIC's writes: {e}")))
+}
+
+/// Makes the NIC's writes into `dst` visible to work queued on its stream afterwards, where the
+/// device does not order GPUDirect writes by itself (NCCL flushes the same way by default).
+fn flush_writes(dst: &CudaBuffer) -> Result<(), cuda::CudaError> {
+    cuda::runtime()?.bind(dst.device())?;
+    if !driver::gpudirect_writes_ordered(dst.device() as i32)? {
+        driver::flush_gpudirect_writes()?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dma_buf_ranges_are_whole_pages() {
+        assert_eq!(page_span(0x20_0000, 0x20_0000, 4096), (0x20_0000, 0x20_0000));
+        assert_eq!(page_span(0x20_0000, 100, 4096), (0x20_0000, 4096));
+        assert_eq!(page_span(0x20_0010, 4096, 4096), (0x20_0000, 8192));
+        assert_eq!(page_span(0x1fff, 2, 4096), (0x1000, 8192));
+    }
 
     #[test]
     fn the_nearest_nic_shares_the_longest_pci_path() {

@@ -45,16 +45,17 @@ impl Loop {
             ]
         };
         let (lid, gid) = dev.address();
+        let limits = dev.limits();
         for (i, j) in [(0, 1), (1, 0)] {
-            qps[i].connect(
-                0,
-                &Endpoint {
-                    lid,
-                    gid,
-                    qpn: qps[j].qpn(),
-                    psn: 0,
-                },
-            )?;
+            let remote = Endpoint {
+                lid,
+                gid,
+                qpn: qps[j].qpn(),
+                psn: 0,
+                mtu: limits.active_mtu,
+                rd_responder: limits.max_rd_responder,
+            };
+            qps[i].connect(0, &remote, &Path::negotiate(&limits, &remote))?;
         }
         for qp in &qps {
             for k in 0..depth {

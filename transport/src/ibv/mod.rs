@@ -34,6 +34,7 @@
 #![allow(unsafe_code)]
 
 pub mod baseline;
+pub mod gid;
 pub mod model;
 #[cfg(feature = "rdma")]
 pub mod real;
@@ -59,7 +60,7 @@ pub use verbs::*;
 
 const NAME: &str = "ibv";
 const MAGIC: &[u8; 8] = b"SLCIBV01";
-const VERSION: u16 = 1;
+const VERSION: u16 = 2;
 /// Immediate of the close notice (an acknowledgement never carries it: rings are ≤ 1 GiB).
 const CLOSE_IMM: u32 = u32::MAX;
 const MIN_RING: usize = 4096;
@@ -363,6 +364,8 @@ impl Hello {
         out.extend_from_slice(&self.inbox_addr.to_le_bytes());
         out.extend_from_slice(&self.inbox_rkey.to_le_bytes());
         out.extend_from_slice(&self.inbox_len.to_le_bytes());
+        out.extend_from_slice(&self.endpoint.mtu.to_le_bytes());
+        out.push(self.endpoint.rd_responder);
         out
     }
 
@@ -381,13 +384,21 @@ impl Hello {
         if flen > MAX_FABRIC {
             return Err(format!("fabric descriptor of {flen} bytes"));
         }
-        let mut body = vec![0u8; flen + 2 + 16 + 4 + 4 + 8 + 4 + 8];
+        let mut body = vec![0u8; flen + 2 + 16 + 4 + 4 + 8 + 4 + 8 + 4 + 1];
         stream.read_exact(&mut body).await.map_err(|e| e.to_string())?;
         let fabric = String::from_utf8(body[..flen].to_vec()).map_err(|_| "fabric is not UTF-8".to_string())?;
         let b = &body[flen..];
         let u16_at = |o: usize| u16::from_le_bytes(b[o..o + 2].try_into().expect("sized"));
         let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().expect("sized"));
         let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("sized"));
+        let mtu = u32_at(46);
+        if !(MTU_256..=MTU_4096).contains(&mtu) {
+            return Err(format!("path MTU code {mtu} is not an ibv_mtu (1..=5)"));
+        }
+        let rd_responder = b[50];
+        if rd_responder == 0 {
+            return Err("a peer that answers no RDMA reads".into());
+        }
         Ok(Hello {
             fabric,
             endpoint: Endpoint {
@@ -395,6 +406,8 @@ impl Hello {
                 gid: b[2..18].try_into().expect("sized"),
                 qpn: u32_at(18),
                 psn: u32_at(22),
+                mtu,
+                rd_responder,
             },
             inbox_addr: u64_at(26),
             inbox_rkey: u32_at(34),
@@ -420,6 +433,7 @@ async fn establish(
         let half = Half::new(&reactor, options.ring_capacity, Access::REMOTE_WRITE).map_err(|e| fail(e.to_string()))?;
         let qp = reactor.new_qp().map_err(|e| fail(e.to_string()))?;
         let (lid, gid) = reactor.device.address();
+        let limits = reactor.device.limits();
         let mine = Hello {
             fabric: reactor.device.fabric(),
             endpoint: Endpoint {
@@ -427,6 +441,8 @@ async fn establish(
                 gid,
                 qpn: qp.qp.qpn(),
                 psn: rand::random::<u32>() & 0x00ff_ffff,
+                mtu: limits.active_mtu,
+                rd_responder: limits.max_rd_responder,
             },
             inbox_addr: half.region.addr(),
             inbox_rkey: half.mr.info().rkey,
@@ -452,8 +468,16 @@ async fn establish(
             )));
         }
         let outbox = Half::new(&reactor, cap, Access::LOCAL).map_err(|e| fail(e.to_string()))?;
+        // RoCE routes by IP: both ends must speak the same address family.
+        if mine.fabric.starts_with("roce") && !gid::same_family(&mine.endpoint.gid, &theirs.endpoint.gid) {
+            return Err(fail(
+                "the peer's RoCE GID is of another address family (IPv4 against IPv6): set SLUICE_IB_GID_INDEX on one side".into(),
+            ));
+        }
+        // The smaller MTU of the two ports, and no more reads in flight than the peer answers.
+        let path = Path::negotiate(&reactor.device.limits(), &theirs.endpoint);
         qp.qp
-            .connect(mine.endpoint.psn, &theirs.endpoint)
+            .connect(mine.endpoint.psn, &theirs.endpoint, &path)
             .map_err(|e| fail(e.to_string()))?;
         for i in 0..qp.caps.recv_depth {
             qp.qp.post_recv(TAG_RECV | i as u64).map_err(|e| fail(e.to_string()))?;
@@ -1172,6 +1196,11 @@ impl Reactor {
             ));
         }
         let limits = device.limits();
+        // One connection pins its two rings; refuse up front (with how to raise the limit)
+        // rather than fail every connection later.
+        if limits.memlock < 2 * ring as u64 {
+            return Err(memlock_hint(limits.memlock, 2 * ring as u64));
+        }
         let caps = QpCaps {
             send_depth: options.send_depth.min(limits.max_qp_wr).max(4),
             recv_depth: options.recv_depth.min(limits.max_qp_wr).max(4),
@@ -1263,6 +1292,8 @@ impl Reactor {
         // The number of the last poll that found the completion queue empty: every completion
         // queued before that poll began has been applied.
         let mut drained = 0u64;
+        // Whether the completion queue is armed and polled since (see `VerbsCq::arm`).
+        let mut armed = false;
         loop {
             batch.clear();
             let poll = self.polls.fetch_add(1, Ordering::SeqCst) + 1;
@@ -1313,12 +1344,23 @@ impl Reactor {
                 std::hint::spin_loop();
                 continue;
             }
+            // Arm for the next completion, then poll once more before sleeping: a completion
+            // that arrived between the last poll and the arming raises no event.
+            if !armed {
+                if let Err(e) = self.cq.arm() {
+                    self.device_lost(e);
+                    return;
+                }
+                armed = true;
+                continue;
+            }
             // Closing connections are re-checked at least this often (linger deadlines).
             let timeout = if closing.is_empty() { 200 } else { 5 };
             if let Err(e) = self.cq.wait(Duration::from_millis(timeout)) {
                 self.device_lost(e);
                 return;
             }
+            armed = false;
         }
     }
 

@@ -19,7 +19,10 @@
 //! - the error state flushes every outstanding request, in order;
 //! - a completion queue that overflows is a violation and moves its queue pairs to error;
 //! - deregistering memory that a queued request still uses, or destroying a queue pair whose
-//!   requests have not all completed and been polled, is a violation.
+//!   requests have not all completed and been polled, is a violation;
+//! - registering asks for exactly the rights it needs: remote write without local write fails,
+//!   and write rights on memory the process cannot write (read-only pages) fail, as
+//!   `ibv_reg_mr` does.
 //!
 //! [`ModelDevice::kill`] stands in for a crashed process: its queue pairs stop answering and
 //! its completion queues report the device gone.
@@ -71,6 +74,7 @@ struct State {
 
 struct Dev {
     alive: bool,
+    limits: Limits,
 }
 
 struct Mr {
@@ -85,6 +89,11 @@ struct Cq {
     capacity: usize,
     entries: VecDeque<Completion>,
     signal: Arc<Signal>,
+    /// Armed for one event (`arm`), which the next completion raises.
+    armed: bool,
+    /// Completions pushed since the last `arm`: any others still queued at a `wait` were
+    /// there before the arming, and raise no event.
+    pushed_since_arm: usize,
 }
 
 #[derive(Default)]
@@ -131,6 +140,43 @@ struct Qp {
     rnr_waiting: bool,
 }
 
+/// Whether every page of `addr..addr+len` is mapped writable in this process (from
+/// `/proc/self/maps`; assumed writable where that cannot be read).
+fn writable(addr: u64, len: usize) -> bool {
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        return true;
+    };
+    let end = addr.saturating_add(len as u64);
+    let mut covered = addr;
+    let mut ranges: Vec<(u64, u64, bool)> = maps
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let (lo, hi) = fields.next()?.split_once('-')?;
+            let perms = fields.next()?;
+            Some((
+                u64::from_str_radix(lo, 16).ok()?,
+                u64::from_str_radix(hi, 16).ok()?,
+                perms.as_bytes().get(1) == Some(&b'w'),
+            ))
+        })
+        .collect();
+    ranges.sort_unstable();
+    for (lo, hi, w) in ranges {
+        if hi <= covered || lo > covered {
+            continue;
+        }
+        if !w {
+            return false;
+        }
+        covered = hi;
+        if covered >= end {
+            return true;
+        }
+    }
+    covered >= end
+}
+
 fn violation(state: &mut State, what: String) {
     tracing::error!("verbs model: rule violated: {what}");
     state.violations.push(what);
@@ -165,7 +211,7 @@ impl ModelFabric {
     pub fn device(&self, name: &str, limits: Limits) -> Arc<ModelDevice> {
         let mut st = self.lock();
         let id = alloc_id(&mut st);
-        st.devices.insert(id, Dev { alive: true });
+        st.devices.insert(id, Dev { alive: true, limits });
         Arc::new(ModelDevice {
             fabric: self.clone(),
             id,
@@ -214,6 +260,9 @@ pub const DEFAULT_LIMITS: Limits = Limits {
     max_cqe: 4_194_303,
     max_mr_size: u64::MAX,
     max_rd_atomic: 16,
+    max_rd_responder: 16,
+    active_mtu: MTU_4096,
+    memlock: u64::MAX,
 };
 
 /// One model device (with its protection domain).
@@ -299,6 +348,8 @@ impl VerbsDevice for ModelDevice {
                 capacity: entries as usize,
                 entries: VecDeque::new(),
                 signal: signal.clone(),
+                armed: false,
+                pushed_since_arm: 0,
             },
         );
         Ok(Box::new(ModelCq {
@@ -313,8 +364,30 @@ impl VerbsDevice for ModelDevice {
         if len as u64 > self.limits.max_mr_size {
             return Err(VerbsError::failed("reg_mr", "larger than the device's max_mr_size"));
         }
+        // As `ibv_reg_mr`: remote write needs local write (EINVAL), and write rights on memory
+        // the process may not write fail when the pages are pinned for writing (EFAULT).
+        if access.remote_write && !access.local_write {
+            return Err(VerbsError::failed(
+                "reg_mr",
+                "REMOTE_WRITE without LOCAL_WRITE (EINVAL)",
+            ));
+        }
+        if access.local_write && !writable(addr as u64, len.max(1)) {
+            return Err(VerbsError::failed(
+                "reg_mr",
+                format!("write access asked for {len} bytes of read-only memory at {addr:p} (EFAULT)"),
+            ));
+        }
         let mut st = self.fabric.lock();
         self.alive(&st)?;
+        // Pinned memory counts against the process's locked-memory limit, as the kernel does.
+        let pinned: u64 = st.mrs.values().filter(|m| m.dev == self.id).map(|m| m.len as u64).sum();
+        if pinned.saturating_add(len as u64) > self.limits.memlock {
+            return Err(VerbsError::failed(
+                "reg_mr",
+                format!("ENOMEM: {}", memlock_hint(self.limits.memlock, len as u64)),
+            ));
+        }
         let key = alloc_id(&mut st);
         st.mrs.insert(
             key,
@@ -446,13 +519,34 @@ impl VerbsCq for ModelCq {
         Ok(n)
     }
 
+    fn arm(&self) -> VerbsResult<()> {
+        let mut st = self.fabric.lock();
+        let Some(cq) = st.cqs.get_mut(&self.id) else {
+            return Err(VerbsError::DeviceGone(self.device.clone()));
+        };
+        cq.armed = true;
+        cq.pushed_since_arm = 0;
+        Ok(())
+    }
+
+    /// Sleeps as hardware would: only the armed event (or `wake`) ends it early, so completions
+    /// queued before the arming that nobody polled are slept through; that is recorded as a
+    /// violation (a caller must poll once more after arming).
     fn wait(&self, timeout: Duration) -> VerbsResult<()> {
         {
-            let st = self.fabric.lock();
-            match st.cqs.get(&self.id) {
-                Some(cq) if !cq.entries.is_empty() => return Ok(()),
-                Some(_) => {}
+            let mut st = self.fabric.lock();
+            let stale = match st.cqs.get(&self.id) {
+                Some(cq) => cq.entries.len().saturating_sub(cq.pushed_since_arm),
                 None => return Err(VerbsError::DeviceGone(self.device.clone())),
+            };
+            if stale > 0 {
+                violation(
+                    &mut st,
+                    format!(
+                        "waited on completion queue {:#x} with {stale} completion(s) queued before it was armed (poll once more after arming)",
+                        self.id
+                    ),
+                );
             }
         }
         self.signal.wait(timeout);
@@ -502,8 +596,50 @@ impl VerbsQp for ModelQp {
         self.qpn
     }
 
-    fn connect(&self, _local_psn: u32, remote: &Endpoint) -> VerbsResult<()> {
+    /// As `modify_qp` to RTR and RTS, checking the path against both ports as hardware would:
+    /// an MTU above this port's active MTU is refused (EINVAL), one above the peer's would drop
+    /// every full-sized packet there; more outstanding reads than this device initiates or the
+    /// peer answers would stall or fail the queue pair. The model refuses each with its reason.
+    fn connect(&self, _local_psn: u32, remote: &Endpoint, path: &Path) -> VerbsResult<()> {
         self.with(|st, n| {
+            let dev = st.qps.get(&n).expect("checked").dev;
+            let mine = st.devices.get(&dev).map(|d| d.limits).expect("a queue pair's device");
+            // The peer's port as the fabric knows it, whatever its hello said.
+            let theirs = st
+                .qps
+                .get(&remote.qpn)
+                .and_then(|q| st.devices.get(&q.dev))
+                .map(|d| d.limits);
+            let refuse = |why: String| Err(VerbsError::failed("modify_qp", why));
+            if !(MTU_256..=MTU_4096).contains(&path.mtu) {
+                return refuse(format!("path MTU code {} is not an ibv_mtu", path.mtu));
+            }
+            if path.mtu > mine.active_mtu {
+                return refuse(format!(
+                    "path MTU code {} above this port's active MTU {} (EINVAL)",
+                    path.mtu, mine.active_mtu
+                ));
+            }
+            if path.rd_initiator > mine.max_rd_atomic || path.rd_responder > mine.max_rd_responder {
+                return refuse(format!(
+                    "read depths {}/{} above this device's {}/{} (EINVAL)",
+                    path.rd_initiator, path.rd_responder, mine.max_rd_atomic, mine.max_rd_responder
+                ));
+            }
+            if let Some(theirs) = theirs {
+                if path.mtu > theirs.active_mtu {
+                    return refuse(format!(
+                        "path MTU code {} above the peer port's active MTU {}: full-sized packets would be dropped there",
+                        path.mtu, theirs.active_mtu
+                    ));
+                }
+                if path.rd_initiator > theirs.max_rd_responder {
+                    return refuse(format!(
+                        "{} outstanding reads initiated, the peer answers {}: reads beyond it fail the queue pair",
+                        path.rd_initiator, theirs.max_rd_responder
+                    ));
+                }
+            }
             let qp = st.qps.get_mut(&n).expect("checked");
             if qp.state != QpState::Reset {
                 return Err(VerbsError::failed("modify_qp", "not in the reset state"));
@@ -623,7 +759,11 @@ fn push_cqe(st: &mut State, qpn: u32, wr_id: u64, status: WcStatus, kind: WcKind
                 kind,
                 imm,
             });
-            cq.signal.raise();
+            cq.pushed_since_arm += 1;
+            // As hardware: one event per arming, for a completion after it.
+            if std::mem::take(&mut cq.armed) {
+                cq.signal.raise();
+            }
             false
         }
     };

@@ -28,9 +28,11 @@ use sideway::ibverbs::queue_pair::{
 };
 use sideway::ibverbs::AccessFlags;
 
-use super::verbs::*;
+use super::gid::{self, GidEntry};
 
-const GID_TYPE_ROCE_V2: u32 = 2;
+/// `IBV_QPF_GRH_REQUIRED` (`ib_user_ioctl_verbs.h`): the port's packets must carry a GRH.
+const IBV_QPF_GRH_REQUIRED: u8 = 1;
+use super::verbs::*;
 
 /// An opened device, port and GID with its protection domain.
 pub struct RealDevice {
@@ -42,7 +44,11 @@ pub struct RealDevice {
     lid: u16,
     gid: [u8; 16],
     roce: bool,
-    mtu: u32,
+    /// The port requires a GRH on every packet (`IBV_QPF_GRH_REQUIRED`), even on InfiniBand.
+    grh_required: bool,
+    /// The GRH traffic class (`SLUICE_IB_TRAFFIC_CLASS`, 0 by default): RoCE fabrics map it
+    /// to a lossless priority.
+    traffic_class: u8,
     limits: Limits,
 }
 
@@ -101,6 +107,7 @@ fn choose_port(
         Some(p) => vec![p],
         None => (1..=attr.phys_port_cnt()).collect(),
     };
+    let mut skipped = Vec::new();
     for p in ports {
         let pa = match ctx.query_port(p) {
             Ok(pa) => pa,
@@ -114,21 +121,36 @@ fn choose_port(
             continue;
         }
         let roce = pa.link_layer() == LinkLayer::Ethernet;
+        // A port that cannot be used says why, and the next port is tried.
         let index = match (gid_index, roce) {
             (Some(i), _) => i,
             (None, false) => 0,
-            (None, true) => roce_v2_gid(ctx, p, pa.gid_tbl_len())
-                .ok_or_else(|| format!("port {p} has no RoCE v2 GID (set SLUICE_IB_GID_INDEX)"))?,
+            (None, true) => match roce_v2_gid(ctx, p, pa.gid_tbl_len()) {
+                Some(i) => i,
+                None => {
+                    skipped.push(format!(
+                        "port {p} has no routable RoCE v2 GID (set SLUICE_IB_GID_INDEX)"
+                    ));
+                    continue;
+                }
+            },
         };
-        let gid = ctx
-            .query_gid(p, index)
-            .map_err(|e| format!("port {p} GID {index}: {e}"))?;
+        let gid = match ctx.query_gid(p, index) {
+            Ok(g) => g,
+            Err(e) => {
+                skipped.push(format!("port {p} GID {index}: {e}"));
+                continue;
+            }
+        };
         let pd = ctx.alloc_pd().map_err(|e| format!("alloc_pd: {e}"))?;
         let limits = Limits {
             max_qp_wr: attr.max_qp_wr().max(0) as u32,
             max_cqe: attr.max_cqe().max(0) as u32,
             max_mr_size: attr.max_mr_size(),
             max_rd_atomic: attr.max_qp_init_rd_atom().clamp(1, 16) as u8,
+            max_rd_responder: attr.max_qp_rd_atom().clamp(1, 16) as u8,
+            active_mtu: pa.active_mtu() as u32,
+            memlock: memlock_limit(),
         };
         tracing::info!(
             device = name,
@@ -148,32 +170,60 @@ fn choose_port(
             lid: pa.lid(),
             gid: gid.raw,
             roce,
-            mtu: pa.active_mtu() as u32,
+            grh_required: pa.attr.flags & IBV_QPF_GRH_REQUIRED != 0,
+            traffic_class: std::env::var("SLUICE_IB_TRAFFIC_CLASS")
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0),
             limits,
         });
     }
-    Err("no active port".into())
-}
-
-/// The first RoCE v2 GID of `port`, preferring IPv4-mapped addresses.
-fn roce_v2_gid(ctx: &DeviceContext, port: u8, len: i32) -> Option<u32> {
-    let mut fallback = None;
-    for i in 0..len.max(0) as u32 {
-        let Ok(ty) = ctx.query_gid_type(port, i) else { continue };
-        let Ok(gid) = ctx.query_gid(port, i) else { continue };
-        if ty != GID_TYPE_ROCE_V2 || gid.is_zero() {
-            continue;
-        }
-        if gid.raw[..12] == [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff] {
-            return Some(i);
-        }
-        fallback.get_or_insert(i);
+    if skipped.is_empty() {
+        Err("no active port".into())
+    } else {
+        Err(skipped.join("; "))
     }
-    fallback
 }
 
+/// Bytes this process may pin: `RLIMIT_MEMLOCK`, unlimited for root (CAP_IPC_LOCK).
+fn memlock_limit() -> u64 {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit structure we own.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) };
+    // SAFETY: geteuid has no preconditions.
+    if rc != 0 || r.rlim_cur == libc::RLIM_INFINITY || unsafe { libc::geteuid() } == 0 {
+        u64::MAX
+    } else {
+        r.rlim_cur
+    }
+}
+
+/// The RoCE v2 GID of `port` to use (see [`gid::choose_roce_v2`]).
+fn roce_v2_gid(ctx: &DeviceContext, port: u8, len: i32) -> Option<u32> {
+    let table: Vec<GidEntry> = (0..len.max(0) as u32)
+        .filter_map(|index| {
+            let sysfs_type = ctx.query_gid_type(port, index).ok()?;
+            let gid = ctx.query_gid(port, index).ok()?;
+            Some(GidEntry {
+                index,
+                sysfs_type,
+                gid: gid.raw,
+            })
+        })
+        .collect();
+    gid::choose_roce_v2(&table)
+}
+
+/// Exactly the rights asked for: a source registered for remote reads may be read-only memory,
+/// and asking LOCAL_WRITE there fails (EFAULT).
 fn access_flags(a: Access) -> AccessFlags {
-    let mut f = AccessFlags::LocalWrite;
+    let mut f = AccessFlags::none();
+    if a.local_write {
+        f |= AccessFlags::LocalWrite;
+    }
     if a.remote_write {
         f |= AccessFlags::RemoteWrite;
     }
@@ -238,8 +288,18 @@ impl VerbsDevice for RealDevice {
 
     unsafe fn register(&self, addr: *mut u8, len: usize, access: Access) -> VerbsResult<Box<dyn VerbsMr>> {
         // SAFETY: forwarded contract: the caller keeps the memory valid while registered.
-        let mr = unsafe { self.pd.reg_mr(addr as usize, len, access_flags(access)) }
-            .map_err(|e| VerbsError::failed("reg_mr", e))?;
+        let mr = unsafe { self.pd.reg_mr(addr as usize, len, access_flags(access)) }.map_err(|e| {
+            // Pinning beyond RLIMIT_MEMLOCK fails with ENOMEM: say which limit and how to raise it.
+            let text = e.to_string();
+            if text.contains("Cannot allocate memory") || text.contains("ENOMEM") {
+                VerbsError::failed(
+                    "reg_mr",
+                    format!("{text}: {}", memlock_hint(self.limits.memlock, len as u64)),
+                )
+            } else {
+                VerbsError::failed("reg_mr", text)
+            }
+        })?;
         Ok(Box::new(RealMr(mr)))
     }
 
@@ -284,9 +344,8 @@ impl VerbsDevice for RealDevice {
             qpn,
             port: self.port,
             gid_index: self.gid_index,
-            roce: self.roce,
-            mtu: self.mtu,
-            rd_atomic: self.limits.max_rd_atomic,
+            grh: self.roce || self.grh_required,
+            traffic_class: self.traffic_class,
         }))
     }
 }
@@ -362,7 +421,7 @@ impl VerbsCq for RealCq {
         Ok(n as usize)
     }
 
-    fn wait(&self, timeout: Duration) -> VerbsResult<()> {
+    fn arm(&self) -> VerbsResult<()> {
         // SAFETY: the CQ is live; arming it for the next completion has no memory effects.
         let rc = unsafe { sys::ibv_req_notify_cq(self.cq.cq().as_ptr(), 0) };
         if rc != 0 {
@@ -371,8 +430,12 @@ impl VerbsCq for RealCq {
                 std::io::Error::from_raw_os_error(rc),
             ));
         }
-        // The caller polls again after this returns, so a completion that raced the arming is
-        // not lost; block until the channel or the wake eventfd is readable.
+        Ok(())
+    }
+
+    fn wait(&self, timeout: Duration) -> VerbsResult<()> {
+        // The caller armed the CQ and polled once more since, so a completion that raced the
+        // arming is not slept through; block until the channel or the wake eventfd is readable.
         let mut fds = [
             libc::pollfd {
                 fd: self.channel.as_raw_fd(),
@@ -431,9 +494,9 @@ struct RealQp {
     qpn: u32,
     port: u8,
     gid_index: u8,
-    roce: bool,
-    mtu: u32,
-    rd_atomic: u8,
+    /// Every packet carries a GRH (RoCE, or a port that requires one).
+    grh: bool,
+    traffic_class: u8,
 }
 
 impl RealQp {
@@ -451,7 +514,7 @@ impl VerbsQp for RealQp {
         self.qpn
     }
 
-    fn connect(&self, local_psn: u32, remote: &Endpoint) -> VerbsResult<()> {
+    fn connect(&self, local_psn: u32, remote: &Endpoint, path: &Path) -> VerbsResult<()> {
         let mut init = QueuePairAttribute::new();
         init.setup_state(QueuePairState::Init)
             .setup_pkey_index(0)
@@ -461,15 +524,16 @@ impl VerbsQp for RealQp {
 
         let mut ah = AddressHandleAttribute::new();
         ah.setup_port(self.port).setup_dest_lid(remote.lid);
-        if self.roce || remote.lid == 0 {
-            ah.setup_grh(&Gid { raw: remote.gid }, 0, self.gid_index, 64, 0);
+        if self.grh || remote.lid == 0 {
+            ah.setup_grh(&Gid { raw: remote.gid }, 0, self.gid_index, 64, self.traffic_class);
         }
         let mut rtr = QueuePairAttribute::new();
         rtr.setup_state(QueuePairState::ReadyToReceive)
-            .setup_path_mtu(self.mtu.into())
+            // Checked to be a valid code when the peer's hello was parsed.
+            .setup_path_mtu(path.mtu.into())
             .setup_dest_qp_num(remote.qpn)
             .setup_rq_psn(remote.psn)
-            .setup_max_dest_read_atomic(self.rd_atomic)
+            .setup_max_dest_read_atomic(path.rd_responder)
             .setup_min_rnr_timer(12)
             .setup_address_vector(&ah);
         self.modify(&rtr, "modify_qp to RTR")?;
@@ -482,7 +546,7 @@ impl VerbsQp for RealQp {
             // Receiver-not-ready is retried for ever: the transport's credits make it rare,
             // never fatal.
             .setup_rnr_retry(7)
-            .setup_max_read_atomic(self.rd_atomic);
+            .setup_max_read_atomic(path.rd_initiator);
         self.modify(&rts, "modify_qp to RTS")
     }
 

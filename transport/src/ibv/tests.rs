@@ -13,6 +13,20 @@ struct Pair {
     qps: (Box<dyn VerbsQp>, Box<dyn VerbsQp>),
 }
 
+/// What `d` would say in its hello for queue pair `q`.
+fn endpoint(d: &model::ModelDevice, q: &dyn VerbsQp) -> Endpoint {
+    let (lid, gid) = d.address();
+    let l = d.limits();
+    Endpoint {
+        lid,
+        gid,
+        qpn: q.qpn(),
+        psn: 0,
+        mtu: l.active_mtu,
+        rd_responder: l.max_rd_responder,
+    }
+}
+
 fn pair(limits: Limits, caps: QpCaps, cq_entries: u32) -> Pair {
     let fabric = ModelFabric::new();
     let a = fabric.device("a", limits);
@@ -21,17 +35,9 @@ fn pair(limits: Limits, caps: QpCaps, cq_entries: u32) -> Pair {
     let cb = b.create_cq(cq_entries).unwrap();
     let qa = a.create_qp(ca.as_ref(), caps).unwrap();
     let qb = b.create_qp(cb.as_ref(), caps).unwrap();
-    let ep = |d: &model::ModelDevice, q: &dyn VerbsQp| {
-        let (lid, gid) = d.address();
-        Endpoint {
-            lid,
-            gid,
-            qpn: q.qpn(),
-            psn: 0,
-        }
-    };
-    qa.connect(0, &ep(&b, qb.as_ref())).unwrap();
-    qb.connect(0, &ep(&a, qa.as_ref())).unwrap();
+    let (eb, ea) = (endpoint(&b, qb.as_ref()), endpoint(&a, qa.as_ref()));
+    qa.connect(0, &eb, &Path::negotiate(&a.limits(), &eb)).unwrap();
+    qb.connect(0, &ea, &Path::negotiate(&b.limits(), &ea)).unwrap();
     Pair {
         fabric,
         _devs: (a, b),
@@ -59,7 +65,12 @@ fn poll_n(cq: &dyn VerbsCq, n: usize) -> Vec<Completion> {
                 start.elapsed() < Duration::from_secs(10),
                 "only {out:?} of {n} completions"
             );
-            cq.wait(Duration::from_millis(10)).unwrap();
+            // Arm, poll once more, and sleep only if that found nothing.
+            cq.arm().unwrap();
+            let want = n - out.len();
+            if cq.poll(&mut out, want).unwrap() == 0 {
+                cq.wait(Duration::from_millis(10)).unwrap();
+            }
         }
     }
     out
@@ -387,6 +398,8 @@ fn hello_round_trips_and_junk_is_refused() {
                 gid: [9; 16],
                 qpn: 77,
                 psn: 5,
+                mtu: 3,
+                rd_responder: 8,
             },
             inbox_addr: 0x1000,
             inbox_rkey: 0xabc,
@@ -397,11 +410,20 @@ fn hello_round_trips_and_junk_is_refused() {
         bad_version[8] = 9;
         let mut huge_fabric = bytes.clone();
         huge_fabric[10..12].copy_from_slice(&60_000u16.to_le_bytes());
+        // The MTU code and the responder depth come from the peer: checked before use (an
+        // unknown MTU code would make the verbs binding panic).
+        let at = 12 + hello.fabric.len() + 46;
+        let mut bad_mtu = bytes.clone();
+        bad_mtu[at..at + 4].copy_from_slice(&9u32.to_le_bytes());
+        let mut no_reads = bytes.clone();
+        no_reads[at + 4] = 0;
         for (input, want) in [
             (bytes.clone(), None),
             (b"GET / HTTP/1.1\r\n\r\n".to_vec(), Some("not an ibverbs hello")),
             (bad_version, Some("protocol version 9")),
             (huge_fabric, Some("fabric descriptor of 60000 bytes")),
+            (bad_mtu, Some("MTU code 9")),
+            (no_reads, Some("answers no RDMA reads")),
             (bytes[..20].to_vec(), Some("")),
         ] {
             let mut c = TcpStream::connect(addr).await.unwrap();
@@ -607,4 +629,168 @@ fn an_acknowledgement_racing_the_peers_teardown_does_not_fail_the_reader() {
         .await;
         assert!(fabric.violations().is_empty(), "{:?}", fabric.violations());
     });
+}
+
+/// As hardware: arming requests an event for the *next* completion. Sleeping with completions
+/// that were queued before the arming (not polled once more) is recorded as a violation; the
+/// arm-poll-wait sequence is not.
+#[test]
+fn sleeping_on_completions_queued_before_arming_is_a_violation() {
+    let p = pair(DEFAULT_LIMITS, caps(8), 64);
+    let cq = p.cqs.1.as_ref();
+    p.qps.1.post_recv(1).unwrap();
+    cq.arm().unwrap();
+    unsafe {
+        p.qps
+            .0
+            .post_send(&SendWr {
+                wr_id: 5,
+                op: SendOp::SendImm { imm: 7 },
+                local: None,
+            })
+            .unwrap()
+    };
+    // The armed event fires for the completion (the timeout is only a watchdog).
+    cq.wait(Duration::from_secs(10)).unwrap();
+    assert!(p.fabric.violations().is_empty(), "{:?}", p.fabric.violations());
+    // Armed again without polling: the queued completion raises no event, and sleeping on it
+    // is the bug.
+    cq.arm().unwrap();
+    cq.wait(Duration::from_millis(1)).unwrap();
+    let v = p.fabric.violations();
+    assert!(v.iter().any(|v| v.contains("queued before it was armed")), "{v:?}");
+    let got = poll_n(cq, 1);
+    assert_eq!(got[0].imm, Some(7));
+    poll_n(p.cqs.0.as_ref(), 1);
+}
+
+/// Registration asks for exactly the rights it needs, as `ibv_reg_mr` checks them: write
+/// rights on read-only memory fail (EFAULT), remote write without local write fails (EINVAL),
+/// and a source for remote reads needs no write right at all.
+#[test]
+fn registration_rights_are_checked_against_the_memory() {
+    static READ_ONLY: [u8; 8192] = [3; 8192];
+    let fabric = ModelFabric::new();
+    let dev = fabric.device("a", DEFAULT_LIMITS);
+    let ro = READ_ONLY.as_ptr() as *mut u8;
+    // SAFETY: a static outlives every region; nothing is posted with these regions.
+    let r = unsafe { dev.register(ro, READ_ONLY.len(), Access::REMOTE_READ) };
+    assert!(r.is_ok(), "a read-only source for remote reads: {:?}", r.err());
+    let w = unsafe { dev.register(ro, READ_ONLY.len(), Access::LOCAL) };
+    assert!(w.err().is_some_and(|e| e.to_string().contains("EFAULT")));
+    let mut buf = vec![0u8; 4096];
+    let bad = Access {
+        local_write: false,
+        remote_write: true,
+        remote_read: false,
+    };
+    let e = unsafe { dev.register(buf.as_mut_ptr(), buf.len(), bad) };
+    assert!(e.err().is_some_and(|e| e.to_string().contains("EINVAL")));
+    // Sources (what the peer reads) ask for no write right.
+    const { assert!(!Access::REMOTE_READ.local_write) };
+}
+
+/// Ports with different MTUs and read depths: the path is the smaller MTU of the two, and
+/// neither side initiates more reads than the other answers. The model refuses a path that
+/// exceeds the peer's port (what taking the local MTU alone would do).
+#[test]
+fn the_path_fits_both_ports() {
+    let fabric = ModelFabric::new();
+    let small = Limits {
+        active_mtu: 3, // 1024 B
+        max_rd_atomic: 4,
+        max_rd_responder: 2,
+        ..DEFAULT_LIMITS
+    };
+    let a = fabric.device("a", small);
+    let b = fabric.device("b", DEFAULT_LIMITS);
+    let (ca, cb) = (a.create_cq(64).unwrap(), b.create_cq(64).unwrap());
+    let qa = a.create_qp(ca.as_ref(), caps(8)).unwrap();
+    let qb = b.create_qp(cb.as_ref(), caps(8)).unwrap();
+    let (ea, eb) = (endpoint(&a, qa.as_ref()), endpoint(&b, qb.as_ref()));
+    // b on its own limits alone: a 4096 B MTU and 16 reads in flight, more than a takes.
+    let local_only = Path {
+        mtu: DEFAULT_LIMITS.active_mtu,
+        rd_initiator: DEFAULT_LIMITS.max_rd_atomic,
+        rd_responder: DEFAULT_LIMITS.max_rd_responder,
+    };
+    let e = qb.connect(0, &ea, &local_only).unwrap_err().to_string();
+    assert!(e.contains("peer port's active MTU"), "{e}");
+    let too_deep = Path { mtu: 3, ..local_only };
+    let e = qb.connect(0, &ea, &too_deep).unwrap_err().to_string();
+    assert!(e.contains("the peer answers 2"), "{e}");
+    let pb = Path::negotiate(&b.limits(), &ea);
+    let pa = Path::negotiate(&a.limits(), &eb);
+    assert_eq!((pb.mtu, pb.rd_initiator, pa.rd_initiator), (3, 2, 4));
+    qb.connect(0, &ea, &pb).unwrap();
+    qa.connect(0, &eb, &pa).unwrap();
+}
+
+/// The same through the transport: two devices with different ports connect and carry frames.
+#[test]
+fn transports_on_mismatched_ports_negotiate_and_carry_frames() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let fabric = ModelFabric::new();
+        let opts = IbvOptions {
+            device: DeviceChoice::Model,
+            ring_capacity: 1 << 16,
+            ..IbvOptions::default()
+        };
+        let small = Limits {
+            active_mtu: 2,
+            max_rd_responder: 1,
+            ..DEFAULT_LIMITS
+        };
+        let a = IbvTransport::with_device(fabric.device("a", small), opts.clone());
+        let b = IbvTransport::with_device(fabric.device("b", DEFAULT_LIMITS), opts);
+        let mut listener = b.listen("127.0.0.1:0").await.unwrap();
+        let addr = listener.address().to_owned();
+        let (ca, cb) = tokio::join!(a.connect(&addr), listener.accept());
+        let (mut ra, mut wa) = ca.unwrap().split();
+        let (mut rb, mut wb) = cb.unwrap().split();
+        // Larger than the 64 KiB ring: the writer waits for the reader to hand space back.
+        let frame = vec![7u8; 100_000];
+        let mut got = vec![0u8; frame.len()];
+        let parts: [&[u8]; 1] = [&frame];
+        let (w, r) = tokio::join!(wa.write(&parts), rb.read(&mut got));
+        w.unwrap();
+        assert_eq!(r.unwrap(), frame.len());
+        assert_eq!(got, frame);
+        wb.write(&[b"back"]).await.unwrap();
+        let mut back = [0u8; 4];
+        assert_eq!(ra.read(&mut back).await.unwrap(), 4);
+        assert!(fabric.violations().is_empty(), "{:?}", fabric.violations());
+    });
+}
+
+/// The locked-memory limit: a transport whose one connection could not pin its rings is not
+/// viable and says which limit and how to raise it; a registration beyond the limit fails the
+/// same way (the model counts pinned bytes as the kernel does).
+#[test]
+fn the_locked_memory_limit_is_checked_and_named() {
+    let fabric = ModelFabric::new();
+    let tight = Limits {
+        memlock: 3 << 20,
+        ..DEFAULT_LIMITS
+    };
+    let t = IbvTransport::with_device(fabric.device("tight", tight), IbvOptions::default());
+    let why = t.viability().expect_err("two 2 MiB rings do not fit 3 MiB").to_string();
+    assert!(why.contains("RLIMIT_MEMLOCK") && why.contains("ulimit -l"), "{why}");
+    let dev = fabric.device("d", tight);
+    let mut a = vec![0u8; 2 << 20];
+    let mut b = vec![0u8; 2 << 20];
+    let first = registered(&dev, &mut a, Access::LOCAL);
+    // SAFETY: `b` outlives the (failed) registration attempt.
+    let e = unsafe { dev.register(b.as_mut_ptr(), b.len(), Access::LOCAL) }
+        .err()
+        .expect("over the limit");
+    assert!(e.to_string().contains("RLIMIT_MEMLOCK"), "{e}");
+    drop(first);
+    let again = registered(&dev, &mut b, Access::LOCAL);
+    drop(again);
 }

@@ -51,6 +51,54 @@ pub struct Limits {
     pub max_mr_size: u64,
     /// Outstanding RDMA reads a queue pair may initiate (`max_qp_init_rd_atom`).
     pub max_rd_atomic: u8,
+    /// Outstanding RDMA reads a queue pair may answer as responder (`max_qp_rd_atom`).
+    pub max_rd_responder: u8,
+    /// The selected port's active MTU, as an `ibv_mtu` code ([`MTU_256`] ..= [`MTU_4096`]).
+    pub active_mtu: u32,
+    /// Bytes this process may pin (`RLIMIT_MEMLOCK`; `u64::MAX` when unlimited): every
+    /// registration counts against it.
+    pub memlock: u64,
+}
+
+/// Why a registration did not fit the locked-memory limit, and how to raise it.
+pub fn memlock_hint(limit: u64, wanted: u64) -> String {
+    format!(
+        "the locked-memory limit (RLIMIT_MEMLOCK, `ulimit -l`) is {} KiB and {} KiB more must be pinned; \
+         raise it (`ulimit -l unlimited`, Docker `--ulimit memlock=-1`, systemd `LimitMEMLOCK=infinity`, \
+         or `memlock` in /etc/security/limits.conf)",
+        limit / 1024,
+        wanted / 1024
+    )
+}
+
+/// `IBV_MTU_256`: the smallest path MTU code.
+pub const MTU_256: u32 = 1;
+/// `IBV_MTU_4096`: the largest path MTU code.
+pub const MTU_4096: u32 = 5;
+
+/// What a connection's two ends agree on, from both sides' [`Endpoint`]s: neither port's MTU
+/// is exceeded, and neither side initiates more outstanding reads than the other answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Path {
+    /// `ibv_mtu` code: the smaller of both ports' active MTUs.
+    pub mtu: u32,
+    /// Reads this side may have outstanding (`max_rd_atomic`): its own initiator limit, bounded
+    /// by the peer's responder limit.
+    pub rd_initiator: u8,
+    /// Reads this side answers at once (`max_dest_rd_atomic`): its own responder limit, which
+    /// the peer bounds its initiator depth by.
+    pub rd_responder: u8,
+}
+
+impl Path {
+    /// The path between this device and the peer that sent `remote`.
+    pub fn negotiate(local: &Limits, remote: &Endpoint) -> Path {
+        Path {
+            mtu: local.active_mtu.min(remote.mtu),
+            rd_initiator: local.max_rd_atomic.min(remote.rd_responder).max(1),
+            rd_responder: local.max_rd_responder.max(1),
+        }
+    }
 }
 
 /// What the peer needs to connect a queue pair to ours.
@@ -60,6 +108,10 @@ pub struct Endpoint {
     pub gid: [u8; 16],
     pub qpn: u32,
     pub psn: u32,
+    /// The port's active MTU (`ibv_mtu` code).
+    pub mtu: u32,
+    /// Reads this side answers at once as responder (`max_qp_rd_atom`).
+    pub rd_responder: u8,
 }
 
 /// Memory access rights of a registration.
@@ -81,8 +133,9 @@ impl Access {
         remote_write: true,
         remote_read: false,
     };
+    /// A source the peer reads: no local write, so read-only memory can be registered.
     pub const REMOTE_READ: Access = Access {
-        local_write: true,
+        local_write: false,
         remote_write: false,
         remote_read: true,
     };
@@ -222,8 +275,13 @@ pub trait VerbsMr: Send + Sync {
 pub trait VerbsCq: Send + Sync {
     /// Appends up to `max` completions to `out`; returns how many.
     fn poll(&self, out: &mut Vec<Completion>, max: usize) -> VerbsResult<usize>;
-    /// Blocks until a completion may be available, [`wake`](Self::wake) is called, or
-    /// `timeout` passes. Callers poll again afterwards (wake-ups may be spurious).
+    /// Requests one event for the next completion (`ibv_req_notify_cq`). Completions already
+    /// queued raise none: after arming, poll once more and [`wait`](Self::wait) only if that
+    /// found nothing, or a completion that raced the arming is slept through.
+    fn arm(&self) -> VerbsResult<()>;
+    /// Blocks until the armed event fires, [`wake`](Self::wake) is called, or `timeout` passes.
+    /// Callers poll again afterwards (wake-ups may be spurious) and arm again before the next
+    /// wait.
     fn wait(&self, timeout: Duration) -> VerbsResult<()>;
     /// Ends a pending [`wait`](Self::wait) early (from any thread).
     fn wake(&self);
@@ -235,8 +293,9 @@ pub trait VerbsCq: Send + Sync {
 /// error state and every flushed completion has been polled.
 pub trait VerbsQp: Send + Sync {
     fn qpn(&self) -> u32;
-    /// Moves the queue pair through INIT, RTR and RTS towards `remote`.
-    fn connect(&self, local_psn: u32, remote: &Endpoint) -> VerbsResult<()>;
+    /// Moves the queue pair through INIT, RTR and RTS towards `remote`, over `path` (see
+    /// [`Path::negotiate`]).
+    fn connect(&self, local_psn: u32, remote: &Endpoint, path: &Path) -> VerbsResult<()>;
     /// Moves the queue pair to the error state: outstanding requests complete as flushed.
     fn set_error(&self) -> VerbsResult<()>;
     /// Posts a send-queue request.
