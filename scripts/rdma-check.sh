@@ -7,6 +7,13 @@
 #   scripts/rdma-check.sh                      # automatic device, port and GID
 #   SLUICE_IB_DEVICE=mlx5_0 SLUICE_IB_PORT=1 SLUICE_IB_GID_INDEX=3 scripts/rdma-check.sh
 #
+# Across two hosts (what only shows there: MTU, GID address family and read-depth mismatches
+# between two ports, and the fabric itself), one side listens and the other measures pipes over
+# ibverbs (basic and rdma channels) against raw TCP between the same hosts:
+#
+#   scripts/rdma-check.sh listen 0.0.0.0:7000      # on host A
+#   scripts/rdma-check.sh connect HOST_A:7000      # on host B
+#
 # Needs rdma-core (libibverbs) at run time, and cmake + libclang to build the `rdma` feature
 # (Debian: apt-get install rdma-core libibverbs1 cmake libclang-dev). A device that is missing or
 # unusable fails the run (SLUICE_REQUIRE_RDMA=1): nothing is skipped silently here.
@@ -15,8 +22,6 @@ cd "$(dirname "$0")/.."
 export SLUICE_REQUIRE_RDMA=1
 OUT=${OUT:-target/rdma-check}
 mkdir -p "$OUT"
-
-command -v ibv_devinfo >/dev/null && ibv_devinfo | tee "$OUT/devinfo.txt" || echo "(ibv_devinfo not installed)"
 
 # Registered memory is pinned and counts against RLIMIT_MEMLOCK: each connection pins two 2 MiB
 # rings and the rdma channel caches registrations of sent tensors (a quarter of the limit at
@@ -28,6 +33,24 @@ if [ "$(id -u)" != 0 ] && [ "$memlock" != unlimited ] && [ "$memlock" -lt 65536 
         "systemd LimitMEMLOCK=infinity) or pipes will fail to register their rings" >&2
     exit 1
 fi
+
+case "${1:-}" in
+    listen)
+        exec cargo run --release --features rdma -- bench --listen "${2:?listen ADDR}"
+        ;;
+    connect)
+        cargo run --release --features rdma -- bench --connect "${2:?connect HOST:PORT}" \
+            --suites raw,pipe --json "$OUT/two-hosts.jsonl" 2>&1 | tee "$OUT/two-hosts.txt"
+        grep -q "rdma/ibv" "$OUT/two-hosts.txt" || {
+            echo "no pipe ran over ibverbs with the rdma channel: see the negotiation messages above" >&2
+            exit 1
+        }
+        exit 0
+        ;;
+esac
+
+command -v ibv_devinfo >/dev/null && ibv_devinfo | tee "$OUT/devinfo.txt" || echo "(ibv_devinfo not installed)"
+
 
 # The conformance suite (model and hardware), one test at a time so the hardware is not shared.
 cargo test --release -p sluice-tests --features rdma --test ibverbs -- --test-threads=1 --nocapture 2>&1 \

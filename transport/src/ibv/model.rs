@@ -404,7 +404,7 @@ impl VerbsDevice for ModelDevice {
                 addr: addr as u64,
                 len,
                 lkey: key,
-                rkey: key,
+                rkey: key | RKEY_TAG,
             },
         }))
     }
@@ -784,8 +784,20 @@ fn push_cqe(st: &mut State, qpn: u32, wr_id: u64, status: WcStatus, kind: WcKind
 }
 
 /// Checks that `[addr, addr+len)` lies in registration `key` of device `dev` with `need`.
-fn check_mr(st: &State, dev: u32, key: u32, addr: u64, len: u64, need: impl Fn(Access) -> bool) -> bool {
-    st.mrs.get(&key).is_some_and(|m| {
+/// Remote keys differ from local keys (as on hardware): an rkey is the region's id with this
+/// bit set, an lkey the id alone, so a key used on the wrong side matches nothing.
+const RKEY_TAG: u32 = 0x8000_0000;
+
+/// Whether `key` names a region of `dev` covering `addr..addr+len` with the rights `need`;
+/// `remote` says whether `key` is an rkey (from a peer) or an lkey.
+#[allow(clippy::too_many_arguments)]
+fn check_mr(st: &State, dev: u32, key: u32, remote: bool, addr: u64, len: u64, need: impl Fn(Access) -> bool) -> bool {
+    let id = match (remote, key & RKEY_TAG != 0) {
+        (true, true) => key & !RKEY_TAG,
+        (false, false) => key,
+        _ => return false,
+    };
+    st.mrs.get(&id).is_some_and(|m| {
         m.dev == dev
             && need(m.access)
             && addr >= m.addr
@@ -845,7 +857,9 @@ fn execute(st: &mut State, n: u32) {
         let local_len = wr.local.map_or(0, |s| s.len as u64);
         if let Some(s) = wr.local {
             let writable = matches!(wr.op, SendOp::Read { .. });
-            if !check_mr(st, dev, s.lkey, s.addr, s.len as u64, |a| !writable || a.local_write) {
+            if !check_mr(st, dev, s.lkey, false, s.addr, s.len as u64, |a| {
+                !writable || a.local_write
+            }) {
                 fail(st, n, wr, WcStatus::LocalProtection, None);
                 return;
             }
@@ -861,7 +875,7 @@ fn execute(st: &mut State, n: u32) {
         }
         match wr.op {
             SendOp::WriteImm { remote_addr, rkey, imm } => {
-                if !check_mr(st, rdev, rkey, remote_addr, local_len, |a| a.remote_write) {
+                if !check_mr(st, rdev, rkey, true, remote_addr, local_len, |a| a.remote_write) {
                     fail(st, n, wr, WcStatus::RemoteAccess, Some(rn));
                     return;
                 }
@@ -879,7 +893,7 @@ fn execute(st: &mut State, n: u32) {
                 finish(st, n, rn, wr, WcKind::Send, Some((WcKind::Recv, imm)));
             }
             SendOp::Read { remote_addr, rkey } => {
-                if !check_mr(st, rdev, rkey, remote_addr, local_len, |a| a.remote_read) {
+                if !check_mr(st, rdev, rkey, true, remote_addr, local_len, |a| a.remote_read) {
                     fail(st, n, wr, WcStatus::RemoteAccess, Some(rn));
                     return;
                 }

@@ -255,6 +255,33 @@ fn rdma_read_copies_remote_memory_and_needs_the_right() {
     assert_eq!(local, remote);
 }
 
+/// As on hardware, a region's remote key is not its local key: a read naming the peer's lkey
+/// where its rkey belongs fails with a remote access error.
+#[test]
+fn an_lkey_is_not_an_rkey() {
+    let p = pair(DEFAULT_LIMITS, caps(8), 64);
+    let mut remote = vec![1u8; 256];
+    let mut local = vec![0u8; 256];
+    let rmr = registered(&p._devs.1, &mut remote, Access::REMOTE_READ);
+    let lmr = registered(&p._devs.0, &mut local, Access::LOCAL);
+    assert_ne!(rmr.info().lkey, rmr.info().rkey);
+    let wr = SendWr {
+        wr_id: 1,
+        op: SendOp::Read {
+            remote_addr: rmr.info().addr,
+            rkey: rmr.info().lkey,
+        },
+        local: Some(Sge {
+            addr: lmr.info().addr,
+            len: 256,
+            lkey: lmr.info().lkey,
+        }),
+    };
+    unsafe { p.qps.0.post_send(&wr).unwrap() };
+    assert_eq!(poll_n(p.cqs.0.as_ref(), 1)[0].status, WcStatus::RemoteAccess);
+    drop((rmr, lmr));
+}
+
 #[test]
 fn the_error_state_flushes_everything_outstanding_in_order() {
     let p = pair(DEFAULT_LIMITS, caps(8), 64);
