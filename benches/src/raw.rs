@@ -15,47 +15,10 @@ use crossbeam_utils::CachePadded;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-/// Busy-poll ping-pong over shared atomics between two threads (two cores): the floor for any
-/// shared-memory round trip. Returns per-round-trip samples in ns.
+/// Busy-poll ping-pong over shared atomics between two threads (two cores), moving no bytes:
+/// the floor for any shared-memory round trip. Per-round-trip samples in ns.
 pub fn busy_poll_pingpong(budget: Duration, max_iters: usize) -> Vec<f64> {
-    let ping = Arc::new(CachePadded::new(AtomicU64::new(0)));
-    let pong = Arc::new(CachePadded::new(AtomicU64::new(0)));
-    let stop = u64::MAX;
-    let echo = {
-        let (ping, pong) = (ping.clone(), pong.clone());
-        std::thread::spawn(move || {
-            let mut last = 0;
-            loop {
-                let v = ping.load(Ordering::Acquire);
-                if v == stop {
-                    return;
-                }
-                if v != last {
-                    last = v;
-                    pong.store(v, Ordering::Release);
-                }
-                std::hint::spin_loop();
-            }
-        })
-    };
-    let mut samples = Vec::new();
-    let start = Instant::now();
-    let mut i = 0u64;
-    while samples.len() < max_iters && (start.elapsed() < budget || samples.len() < 100) {
-        // Time batches of 64 round trips: the clock costs as much as one round trip.
-        let t = Instant::now();
-        for _ in 0..64 {
-            i += 1;
-            ping.store(i, Ordering::Release);
-            while pong.load(Ordering::Acquire) != i {
-                std::hint::spin_loop();
-            }
-        }
-        samples.push(t.elapsed().as_nanos() as f64 / 64.0);
-    }
-    ping.store(stop, Ordering::Release);
-    echo.join().expect("echo thread");
-    samples
+    shm_copy_pingpong(0, budget, max_iters)
 }
 
 /// A buffer the two threads of [`shm_copy_pingpong`] take turns on.

@@ -30,6 +30,18 @@ pub fn peer_exe(built: &str) -> String {
     std::env::var("SLUICE_TEST_PEER").unwrap_or_else(|_| built.to_owned())
 }
 
+/// Context options offering exactly these transports and channels (in priority order).
+pub fn offering(
+    transports: &[sluice_channel::TransportKind],
+    channels: &[sluice_channel::ChannelKind],
+) -> sluice_channel::ContextOptions {
+    sluice_channel::ContextOptions {
+        transports: transports.to_vec(),
+        channels: channels.to_vec(),
+        ..sluice_channel::ContextOptions::default()
+    }
+}
+
 /// Two ends of one pipe within this process: a listener's context with `opts` and a client's.
 pub async fn pipe_pair(opts: sluice_channel::ContextOptions) -> (sluice_channel::Pipe, sluice_channel::Pipe) {
     let server = sluice_channel::Context::new(opts.clone()).unwrap();

@@ -15,11 +15,7 @@ fn peer() -> String {
 }
 
 fn options(transports: &[TransportKind], channels: &[ChannelKind]) -> ContextOptions {
-    ContextOptions {
-        transports: transports.to_vec(),
-        channels: channels.to_vec(),
-        ..ContextOptions::default()
-    }
+    sluice_tests::offering(transports, channels)
 }
 
 const CPU: (Device, Device) = (Device::Cpu, Device::Cpu);

@@ -17,11 +17,7 @@ fn peer() -> String {
 }
 
 fn options(transports: &[TransportKind], channels: &[ChannelKind]) -> ContextOptions {
-    ContextOptions {
-        transports: transports.to_vec(),
-        channels: channels.to_vec(),
-        ..ContextOptions::default()
-    }
+    sluice_tests::offering(transports, channels)
 }
 
 async fn pair_with(opts: ContextOptions) -> (Pipe, Pipe) {
