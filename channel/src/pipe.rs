@@ -458,6 +458,7 @@ impl Pipe {
         let link = inner.link(&poison);
         let seq = side.seq;
         let mut channels = Vec::with_capacity(message.tensors.len());
+        let mut targets = Vec::with_capacity(message.tensors.len());
         let mut prepared = Vec::with_capacity(message.tensors.len());
         let mut staging = Staging::default();
         for t in &message.tensors {
@@ -470,6 +471,7 @@ impl Pipe {
                 .map_err(|e| PipeError::Misuse(e.to_string()))?;
             prepared.push(path::prepare(channel, &mut side.tx, &link, &t.buffer, &mut staging)?);
             channels.push(channel);
+            targets.push(target);
         }
         // Counted only once the message is known to be sendable (a refused one leaves no gap).
         side.seq += 1;
@@ -481,10 +483,11 @@ impl Pipe {
                 .tensors
                 .iter()
                 .zip(&prepared)
-                .map(|(t, p)| WireTensor {
+                .zip(&targets)
+                .map(|((t, p), &target)| WireTensor {
                     length: t.buffer.len() as u64,
                     source: t.buffer.device(),
-                    target: t.target_device.or_else(|| self.default_target(t.buffer.device())),
+                    target,
                     metadata: t.metadata.clone(),
                     data: p.source.clone(),
                 })
