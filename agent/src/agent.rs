@@ -266,6 +266,16 @@ impl Agent {
         RRef::from_state(state)
     }
 
+    /// A reference owned by this worker holding `value` as it is (an object with its own
+    /// encoding, see [`Value::encodable`], or a payload).
+    pub fn rref_value<T>(&self, value: Value) -> RRef<T> {
+        let id = self.inner.global_id();
+        let host = self.inner.host();
+        let state = self.inner.rrefs.owner_handle(&host, id);
+        self.inner.rrefs.set_value(id, Ok(value));
+        RRef::from_state(state)
+    }
+
     /// Changes the timeout of calls started from now on that give none (`rpc_sync`,
     /// `rpc_async`, `remote`, `to_here`, the proxies); zero means none. Calls already sent
     /// keep the deadline they were sent with.

@@ -129,6 +129,38 @@ impl<C: Send + 'static> Handlers<C> {
         self
     }
 
+    /// A synchronous handler returning a [`Value`] as it is: an object stays unencoded on this
+    /// worker when it becomes an RRef's value (`remote`), and is encoded only to travel.
+    pub fn value_handler<F>(&mut self, name: &str, f: F) -> &mut Self
+    where
+        F: Fn(&C, Payload) -> Result<Value, HandlerError> + Send + Sync + 'static,
+    {
+        self.handlers
+            .insert(name.to_owned(), Handler::Sync(Arc::new(f), Arc::default()));
+        self
+    }
+
+    /// The async form of [`value_handler`](Self::value_handler).
+    pub fn value_async_handler<F, Fut>(&mut self, name: &str, f: F) -> &mut Self
+    where
+        F: Fn(C, Payload) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Value, HandlerError>> + Send + 'static,
+    {
+        let h: Arc<AsyncFn<C>> = Arc::new(move |ctx, payload| Box::pin(f(ctx, payload)));
+        self.handlers.insert(name.to_owned(), Handler::Async(h));
+        self
+    }
+
+    /// A method over whatever value the RRef holds (a payload or an object of any type), for
+    /// values the caller's type system does not describe (the Python binding's objects).
+    pub fn value_method<F>(&mut self, name: &str, f: F) -> &mut Self
+    where
+        F: Fn(&C, &Value, Payload) -> Result<Value, HandlerError> + Send + Sync + 'static,
+    {
+        self.methods.insert(name.to_owned(), Arc::new(f));
+        self
+    }
+
     /// An async handler: the future runs on the agent's runtime and holds no thread while it
     /// waits.
     pub fn async_handler<A, R, F, Fut>(&mut self, name: &str, f: F) -> &mut Self

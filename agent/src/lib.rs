@@ -63,7 +63,7 @@ pub use error::{HandlerError, InitError, RpcError, ShutdownError};
 pub use membership::MembershipEvent;
 pub use name::{Dest, WorkerInfo};
 pub use options::{AgentOptions, Connect, Faults};
-pub use payload::{Payload, Value};
+pub use payload::{Encode, Payload, Value};
 pub use rref::RRef;
 pub use server::CallContext;
 pub use sluice_channel::{Device, Tensor};

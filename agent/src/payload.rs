@@ -210,7 +210,35 @@ pub struct Object {
     pub(crate) type_name: &'static str,
 }
 
+/// A value that encodes itself into a whole payload (bytes, tensors, RRefs), for objects
+/// serde does not describe: the Python binding's objects, pickled with their tensors lifted
+/// out.
+pub trait Encode: Send + Sync + 'static {
+    fn encode(&self) -> Result<Payload, RpcError>;
+}
+
 impl Value {
+    /// An object with its own encoding, kept as it is while it stays on this worker.
+    pub fn encodable<T: Encode>(value: T) -> Value {
+        Value::Object(Object {
+            any: Arc::new(value),
+            encode: |any| {
+                any.downcast_ref::<T>()
+                    .expect("an Object encodes the type it was built from")
+                    .encode()
+            },
+            type_name: std::any::type_name::<T>(),
+        })
+    }
+
+    /// The object itself, if this value is an object of type `T` (no decoding).
+    pub fn object_ref<T: Send + Sync + 'static>(&self) -> Option<&T> {
+        match self {
+            Value::Object(o) => o.any.downcast_ref::<T>(),
+            Value::Payload(_) => None,
+        }
+    }
+
     /// A typed value.
     pub fn object<T: Serialize + Send + Sync + 'static>(value: T) -> Value {
         Value::Object(Object {

@@ -341,17 +341,18 @@ impl<T> RRef<T> {
     }
 }
 
-impl<T: DeserializeOwned + Send + Sync + 'static> RRef<T> {
-    /// A copy of the value, fetched from the owner (on the owner: a copy of the local value).
-    /// Waits up to the default timeout.
-    pub fn to_here(&self) -> Result<T, RpcError> {
+impl<T> RRef<T> {
+    /// The value as its owner holds it (an object or a payload). Only on the owner.
+    pub fn local(&self) -> Result<Value, RpcError> {
         let inner = self.agent()?;
-        self.to_here_timeout(inner.default_timeout())
-    }
-
-    /// [`to_here`](Self::to_here) with its own timeout (zero: none).
-    pub fn to_here_timeout(&self, timeout: Duration) -> Result<T, RpcError> {
-        self.fetch(timeout).wait().and_then(|p| p.decode())
+        if !self.is_owner() {
+            return Err(RpcError::NotOwner {
+                rref: self.state.describe(),
+                here: self.state.here.to_string(),
+                owner: self.state.owner_info.to_string(),
+            });
+        }
+        inner.rrefs().value(self.state.id).wait()
     }
 
     /// The fetch as a future (for async code).
@@ -382,23 +383,6 @@ impl<T: DeserializeOwned + Send + Sync + 'static> RRef<T> {
             Payload::empty(),
             timeout,
         )
-    }
-
-    /// The value itself, shared. Only on the owner; elsewhere an error naming the owner.
-    pub fn local_value(&self) -> Result<Arc<T>, RpcError> {
-        let inner = self.agent()?;
-        if !self.is_owner() {
-            return Err(RpcError::NotOwner {
-                rref: self.state.describe(),
-                here: self.state.here.to_string(),
-                owner: self.state.owner_info.to_string(),
-            });
-        }
-        let value = inner.rrefs().value(self.state.id).wait()?;
-        value.get::<T>().map_err(|_| RpcError::WrongType {
-            rref: self.state.describe(),
-            expected: std::any::type_name::<T>(),
-        })
     }
 
     /// Proxy: runs the method handler `method` on the value, on its owner, and returns the
@@ -483,6 +467,29 @@ impl<T: DeserializeOwned + Send + Sync + 'static> RRef<T> {
             }
         });
         Ok(RRef::from_state(state))
+    }
+}
+
+impl<T: DeserializeOwned + Send + Sync + 'static> RRef<T> {
+    /// A copy of the value, fetched from the owner (on the owner: a copy of the local value).
+    /// Waits up to the default timeout.
+    pub fn to_here(&self) -> Result<T, RpcError> {
+        let inner = self.agent()?;
+        self.to_here_timeout(inner.default_timeout())
+    }
+
+    /// [`to_here`](Self::to_here) with its own timeout (zero: none).
+    pub fn to_here_timeout(&self, timeout: Duration) -> Result<T, RpcError> {
+        self.fetch(timeout).wait().and_then(|p| p.decode())
+    }
+
+    /// The value itself, shared. Only on the owner; elsewhere an error naming the owner.
+    pub fn local_value(&self) -> Result<Arc<T>, RpcError> {
+        let value = self.local()?;
+        value.get::<T>().map_err(|_| RpcError::WrongType {
+            rref: self.state.describe(),
+            expected: std::any::type_name::<T>(),
+        })
     }
 }
 

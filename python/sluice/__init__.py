@@ -1,0 +1,30 @@
+"""Sluice from Python.
+
+Two levels:
+
+* the pipe (``sluice.Context``, ``listen``, ``connect``, ``Pipe.write`` / ``read_descriptor`` /
+  ``read``, blocking and ``*_async`` for asyncio), for frameworks that build their own protocol;
+* RPC (``sluice.rpc``), shaped like ``torch.distributed.rpc``: ``init_rpc``, ``rpc_sync``,
+  ``rpc_async``, ``remote``, ``RRef``, ``shutdown``.
+
+Tensors (anything with ``__dlpack__``: torch, NumPy, CuPy, JAX) are sent without a copy and
+arrive without one, as the sender's framework type when this process has it.
+"""
+
+from ._sluice import PipeError, Received, RpcError, RpcTimeout, _send_view
+from .pipe import Context, Descriptor, Listener, Message, Pipe, from_dlpack
+from . import rpc
+
+__all__ = [
+    "Context",
+    "Descriptor",
+    "Listener",
+    "Message",
+    "Pipe",
+    "PipeError",
+    "Received",
+    "RpcError",
+    "RpcTimeout",
+    "from_dlpack",
+    "rpc",
+]

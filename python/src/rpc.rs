@@ -1,0 +1,533 @@
+//! The RPC level: an agent whose handlers run Python functions (see `sluice/rpc.py` for the
+//! API shaped like `torch.distributed.rpc`).
+//!
+//! A call's payload is `(rrefs, pickle bytes)` in postcard plus the tensors the pickler lifted
+//! out, which the pipe's channels move. Three handlers serve Python: `py.call` (a function,
+//! whose result stays an unencoded object when it becomes an RRef's value), `py.call_async`
+//! (a function decorated `async_execution`: its future settles the reply, no thread held) and
+//! the method `py.method` (a method on an RRef's value, on its owner).
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use bytes::Bytes;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyList, PyTuple};
+use sluice_agent::{
+    Agent, AgentOptions, Device, Encode, HandlerError, Payload, RRef, Registry, RpcError, RpcFuture, Value,
+};
+use sluice_channel::{ChannelKind, TransportKind};
+use tokio::sync::oneshot;
+
+use crate::runtime::rt;
+use crate::tensor::{to_channel, Received};
+use crate::{RpcErrorPy, RpcTimeout};
+
+/// What the Python side of the binding provides, looked up once.
+struct Hook(PyOnceLock<Py<PyAny>>, &'static str);
+
+impl Hook {
+    const fn new(name: &'static str) -> Hook {
+        Hook(PyOnceLock::new(), name)
+    }
+
+    fn get<'py>(&self, py: Python<'py>) -> PyResult<&Bound<'py, PyAny>> {
+        self.0.import(py, "sluice.rpc", self.1)
+    }
+}
+
+static SERVE_CALL: Hook = Hook::new("_serve_call");
+static SERVE_METHOD: Hook = Hook::new("_serve_method");
+static PACK: Hook = Hook::new("_pack");
+static UNPACK: Hook = Hook::new("_unpack");
+static DESCRIBE: Hook = Hook::new("_describe");
+static REMOTE_ERROR: Hook = Hook::new("_remote_error");
+
+/// A Python object as an agent value: kept as it is on its owner, pickled to travel.
+pub struct PyObj(Py<PyAny>);
+
+impl Encode for PyObj {
+    fn encode(&self) -> Result<Payload, RpcError> {
+        crate::gil::attach(|py| {
+            let packed = PACK.get(py).and_then(|f| f.call1((self.0.bind(py),)));
+            packed
+                .and_then(|p| {
+                    let (data, tensors, rrefs): (Bound<'_, PyBytes>, Bound<'_, PyList>, Bound<'_, PyList>) =
+                        p.extract()?;
+                    payload(&data, &tensors, &rrefs)
+                })
+                .map_err(|e| RpcError::Encode(format!("the result cannot be pickled: {e}")))
+        })
+    }
+}
+
+/// A payload from pickle bytes, the tensors lifted out of them and the RRefs they mention.
+fn payload(data: &Bound<'_, PyBytes>, tensors: &Bound<'_, PyList>, rrefs: &Bound<'_, PyList>) -> PyResult<Payload> {
+    let rrefs = rrefs
+        .iter()
+        .map(|r| Ok(r.cast::<PyRRef>()?.get().rref.clone()))
+        .collect::<PyResult<Vec<RRef<()>>>>()?;
+    let tensors = tensors
+        .iter()
+        .map(|t| to_channel(&t, None))
+        .collect::<PyResult<Vec<_>>>()?;
+    let bytes = Bytes::copy_from_slice(data.as_bytes());
+    Ok(Payload::encode(&(rrefs, bytes))
+        .map_err(|e| PyValueError::new_err(e.to_string()))?
+        .with_tensors(tensors))
+}
+
+/// `(pickle bytes, [Received], [_RRef])` from a payload.
+fn unpack<'py>(py: Python<'py>, mut p: Payload) -> PyResult<Bound<'py, PyTuple>> {
+    let (rrefs, bytes): (Vec<RRef<()>>, Bytes) = p
+        .decode()
+        .map_err(|e| PyValueError::new_err(format!("a malformed Python payload: {e}")))?;
+    let tensors = PyList::empty(py);
+    for t in p.take_tensors() {
+        tensors.append(Received::new(t)?)?;
+    }
+    let refs = PyList::empty(py);
+    for r in rrefs {
+        refs.append(PyRRef { rref: r })?;
+    }
+    PyTuple::new(
+        py,
+        [PyBytes::new(py, &bytes).into_any(), tensors.into_any(), refs.into_any()],
+    )
+}
+
+/// A Python exception as a handler error: its qualified type name, its message and the
+/// traceback (rebuilt as the same type on the caller, by `_remote_error`).
+fn describe(py: Python<'_>, e: PyErr) -> HandlerError {
+    let described = DESCRIBE
+        .get(py)
+        .and_then(|f| f.call1((e.value(py),)))
+        .and_then(|d| d.extract::<(String, String)>());
+    match described {
+        Ok((kind, message)) => HandlerError::new(kind, message),
+        Err(_) => HandlerError::new("builtins.RuntimeError", e.to_string()),
+    }
+}
+
+/// The Python exception for an agent error: a remote exception as its own type, a timeout as
+/// `sluice.rpc.RpcTimeout` (a `TimeoutError`), the rest as `sluice.rpc.RpcError`.
+pub fn rpc_err(py: Python<'_>, e: RpcError) -> PyErr {
+    match e {
+        RpcError::RRefCreation(inner) => rpc_err(py, *inner),
+        RpcError::Remote { kind, message, worker } => {
+            match REMOTE_ERROR
+                .get(py)
+                .and_then(|f| f.call1((kind.as_str(), message.as_str(), worker.as_str())))
+            {
+                Ok(exc) => PyErr::from_value(exc),
+                Err(_) => PyRuntimeError::new_err(format!("{kind} on {worker}: {message}")),
+            }
+        }
+        e @ RpcError::Timeout { .. } => RpcTimeout::new_err(e.to_string()),
+        e => RpcErrorPy::new_err(e.to_string()),
+    }
+}
+
+fn serve_call(payload: Payload) -> Result<Value, HandlerError> {
+    crate::gil::attach(|py| {
+        let args = unpack(py, payload).map_err(|e| describe(py, e))?;
+        match SERVE_CALL.get(py).and_then(|f| f.call1(args)) {
+            Ok(v) => Ok(Value::encodable(PyObj(v.unbind()))),
+            Err(e) => Err(describe(py, e)),
+        }
+    })
+}
+
+fn serve_method(value: &Value, payload: Payload) -> Result<Value, HandlerError> {
+    crate::gil::attach(|py| {
+        let target = match value.object_ref::<PyObj>() {
+            Some(o) => o.0.bind(py).clone(),
+            None => {
+                let p = value
+                    .to_payload()
+                    .map_err(|e| HandlerError::new("builtins.RuntimeError", e.to_string()))?;
+                let packed = unpack(py, p).map_err(|e| describe(py, e))?;
+                UNPACK
+                    .get(py)
+                    .and_then(|f| f.call1(packed))
+                    .map_err(|e| describe(py, e))?
+            }
+        };
+        let (data, tensors, rrefs): (Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>) = unpack(py, payload)
+            .map_err(|e| describe(py, e))?
+            .extract()
+            .map_err(|e| describe(py, e))?;
+        match SERVE_METHOD
+            .get(py)
+            .and_then(|f| f.call1((target, data, tensors, rrefs)))
+        {
+            Ok(v) => Ok(Value::encodable(PyObj(v.unbind()))),
+            Err(e) => Err(describe(py, e)),
+        }
+    })
+}
+
+/// Settles an `async_execution` reply: called by the function's future when it completes.
+#[pyclass(module = "sluice._sluice")]
+struct Settle {
+    tx: Mutex<Option<oneshot::Sender<Result<Value, HandlerError>>>>,
+}
+
+#[pymethods]
+impl Settle {
+    fn __call__(&self, py: Python<'_>, fut: &Bound<'_, PyAny>) {
+        let result = match fut.call_method0("wait") {
+            Ok(v) => Ok(Value::encodable(PyObj(v.unbind()))),
+            Err(e) => Err(describe(py, e)),
+        };
+        if let Some(tx) = self.tx.lock().expect("settle slot").take() {
+            let _ = tx.send(result);
+        }
+    }
+}
+
+async fn serve_async(payload: Payload) -> Result<Value, HandlerError> {
+    let rx = crate::gil::attach(|py| -> Result<_, HandlerError> {
+        let args = unpack(py, payload).map_err(|e| describe(py, e))?;
+        let fut = SERVE_CALL
+            .get(py)
+            .and_then(|f| f.call1(args))
+            .map_err(|e| describe(py, e))?;
+        let (tx, rx) = oneshot::channel();
+        let settle = Settle {
+            tx: Mutex::new(Some(tx)),
+        };
+        fut.call_method1("add_done_callback", (settle,))
+            .map_err(|e| describe(py, e))?;
+        Ok(rx)
+    })?;
+    rx.await.unwrap_or_else(|_| {
+        Err(HandlerError::new(
+            "builtins.RuntimeError",
+            "the async_execution function's future was dropped without a result",
+        ))
+    })
+}
+
+fn registry() -> Registry {
+    let mut r = Registry::new();
+    r.value_handler("py.call", |_cx, payload| serve_call(payload));
+    r.value_async_handler("py.call_async", |_cx, payload| serve_async(payload));
+    r.value_method("py.method", |_cx, value, payload| serve_method(value, payload));
+    r
+}
+
+fn timeout(agent: &Agent, seconds: Option<f64>) -> Duration {
+    match seconds {
+        None => agent.default_timeout(),
+        Some(s) if s < 0.0 => agent.default_timeout(),
+        Some(s) => Duration::from_secs_f64(s),
+    }
+}
+
+/// This process's agent.
+#[pyclass(module = "sluice._sluice", name = "_Agent", frozen)]
+pub struct PyAgent {
+    agent: Agent,
+}
+
+#[pymethods]
+impl PyAgent {
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (name, rank=None, world_size=None, store=None, timeout=60.0, device_maps=None,
+                        transports=None, channels=None, threads=None, listen=None))]
+    fn new(
+        py: Python<'_>,
+        name: String,
+        rank: Option<u32>,
+        world_size: Option<u32>,
+        store: Option<String>,
+        timeout: f64,
+        device_maps: Option<HashMap<String, HashMap<String, String>>>,
+        transports: Option<Vec<String>>,
+        channels: Option<Vec<String>>,
+        threads: Option<usize>,
+        listen: Option<String>,
+    ) -> PyResult<PyAgent> {
+        let mut o = AgentOptions::new(name);
+        o.rank = rank;
+        o.world_size = world_size;
+        o.store_addr = store;
+        o.default_timeout = Duration::from_secs_f64(timeout.max(0.0));
+        if let Some(t) = threads {
+            o.pool_threads = t.max(1);
+        }
+        if let Some(l) = listen {
+            o.listen = l;
+        }
+        for (peer, map) in device_maps.unwrap_or_default() {
+            for (local, remote) in map {
+                let parse = |d: &str| {
+                    Device::from_str(d).map_err(|e| PyValueError::new_err(format!("device map for {peer}: {}", e.0)))
+                };
+                o = o.map_device(&peer, parse(&local)?, parse(&remote)?);
+            }
+        }
+        if let Some(list) = transports {
+            o.pipe.transports = list
+                .iter()
+                .map(|t| {
+                    TransportKind::from_name(t).ok_or_else(|| PyValueError::new_err(format!("unknown transport {t:?}")))
+                })
+                .collect::<PyResult<_>>()?;
+        }
+        if let Some(list) = channels {
+            o.pipe.channels = list
+                .iter()
+                .map(|c| {
+                    ChannelKind::from_name(c).ok_or_else(|| PyValueError::new_err(format!("unknown channel {c:?}")))
+                })
+                .collect::<PyResult<_>>()?;
+        }
+        let agent = py
+            .detach(|| Agent::init(o, registry()))
+            .map_err(|e| RpcErrorPy::new_err(format!("init_rpc failed: {e}")))?;
+        Ok(PyAgent { agent })
+    }
+
+    /// `(name, id)` of this worker, or of `name`/rank `id`.
+    #[pyo3(signature = (dest=None))]
+    fn worker(&self, py: Python<'_>, dest: Option<&Bound<'_, PyAny>>) -> PyResult<(String, u32)> {
+        let info = match dest {
+            None => self.agent.info().clone(),
+            Some(d) => self.agent.worker(dest_of(d)?).map_err(|e| rpc_err(py, e))?,
+        };
+        Ok((info.name, info.id))
+    }
+
+    fn workers(&self) -> Vec<(String, u32)> {
+        self.agent.workers().into_iter().map(|w| (w.name, w.id)).collect()
+    }
+
+    /// Starts a call; `handler` is `py.call` or `py.call_async`.
+    #[pyo3(signature = (dest, handler, data, tensors, rrefs, timeout=None))]
+    fn call(
+        &self,
+        py: Python<'_>,
+        dest: &Bound<'_, PyAny>,
+        handler: &str,
+        data: &Bound<'_, PyBytes>,
+        tensors: &Bound<'_, PyList>,
+        rrefs: &Bound<'_, PyList>,
+        timeout: Option<f64>,
+    ) -> PyResult<PyFuture> {
+        let p = payload(data, tensors, rrefs)?;
+        let t = self::timeout(&self.agent, timeout);
+        let dest = dest_of(dest)?;
+        let fut = py.detach(|| self.agent.rpc_async_timeout(dest, handler, p, t));
+        Ok(PyFuture { fut })
+    }
+
+    /// A call and its wait in one step (the `rpc_sync` path: no future object).
+    #[pyo3(signature = (dest, handler, data, tensors, rrefs, timeout=None))]
+    fn call_sync<'py>(
+        &self,
+        py: Python<'py>,
+        dest: &Bound<'py, PyAny>,
+        handler: &str,
+        data: &Bound<'py, PyBytes>,
+        tensors: &Bound<'py, PyList>,
+        rrefs: &Bound<'py, PyList>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let p = payload(data, tensors, rrefs)?;
+        let t = self::timeout(&self.agent, timeout);
+        let dest = dest_of(dest)?;
+        let result = py.detach(|| self.agent.rpc_sync_timeout(dest, handler, p, t));
+        unpack(py, result.map_err(|e| rpc_err(py, e))?)
+    }
+
+    #[pyo3(signature = (dest, handler, data, tensors, rrefs, timeout=None))]
+    fn remote(
+        &self,
+        py: Python<'_>,
+        dest: &Bound<'_, PyAny>,
+        handler: &str,
+        data: &Bound<'_, PyBytes>,
+        tensors: &Bound<'_, PyList>,
+        rrefs: &Bound<'_, PyList>,
+        timeout: Option<f64>,
+    ) -> PyResult<PyRRef> {
+        let p = payload(data, tensors, rrefs)?;
+        let t = self::timeout(&self.agent, timeout);
+        let dest = dest_of(dest)?;
+        let rref = py
+            .detach(|| self.agent.remote_timeout::<()>(dest, handler, p, t))
+            .map_err(|e| rpc_err(py, e))?;
+        Ok(PyRRef { rref })
+    }
+
+    /// An RRef owned here, holding `obj` itself.
+    fn rref(&self, obj: Py<PyAny>) -> PyRRef {
+        PyRRef {
+            rref: self.agent.rref_value(Value::encodable(PyObj(obj))),
+        }
+    }
+
+    #[getter]
+    fn default_timeout(&self) -> f64 {
+        self.agent.default_timeout().as_secs_f64()
+    }
+
+    fn set_default_timeout(&self, seconds: f64) {
+        self.agent
+            .set_default_timeout(Duration::from_secs_f64(seconds.max(0.0)));
+    }
+
+    /// Graceful: waits for every worker's outstanding work (a barrier), then stops.
+    #[pyo3(signature = (graceful=true, timeout=None))]
+    fn shutdown(&self, py: Python<'_>, graceful: bool, timeout: Option<f64>) -> PyResult<()> {
+        if !graceful {
+            py.detach(|| self.agent.shutdown_now());
+            return Ok(());
+        }
+        let r = py.detach(|| match timeout {
+            Some(t) => self.agent.shutdown_timeout(Duration::from_secs_f64(t.max(0.0))),
+            None => self.agent.shutdown(),
+        });
+        r.map_err(|e| RpcErrorPy::new_err(format!("shutdown: {e}")))
+    }
+}
+
+fn dest_of(d: &Bound<'_, PyAny>) -> PyResult<sluice_agent::Dest> {
+    if let Ok(name) = d.extract::<String>() {
+        return Ok(name.into());
+    }
+    if let Ok(id) = d.extract::<u32>() {
+        return Ok(id.into());
+    }
+    // A WorkerInfo (anything with an `id`).
+    let id: u32 = d.getattr("id")?.extract()?;
+    Ok(id.into())
+}
+
+/// The pending result of a call.
+#[pyclass(module = "sluice._sluice", name = "_Future", frozen)]
+pub struct PyFuture {
+    fut: RpcFuture,
+}
+
+#[pymethods]
+impl PyFuture {
+    /// Waits (GIL released) and returns `(pickle bytes, [Received], [_RRef])`.
+    #[pyo3(signature = (timeout=None))]
+    fn wait<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyTuple>> {
+        let r = match timeout {
+            None => py.detach(|| self.fut.wait()),
+            Some(t) => py
+                .detach(|| self.fut.wait_timeout(Duration::from_secs_f64(t.max(0.0))))
+                .ok_or_else(|| RpcTimeout::new_err(format!("no result within {t} s (the call goes on)")))?,
+        };
+        unpack(py, r.map_err(|e| rpc_err(py, e))?)
+    }
+
+    fn done(&self) -> bool {
+        self.fut.is_done()
+    }
+
+    /// Calls `callback()` (with the GIL, on a runtime thread) once the result is there.
+    fn add_done_callback(&self, callback: Py<PyAny>) {
+        let fut = self.fut.clone();
+        rt().spawn(async move {
+            let _ = fut.await;
+            crate::gil::attach(|py| {
+                if let Err(e) = callback.call0(py) {
+                    e.write_unraisable(py, None);
+                }
+            });
+        });
+    }
+}
+
+/// A reference to a value owned by some worker.
+#[pyclass(module = "sluice._sluice", name = "_RRef", frozen)]
+pub struct PyRRef {
+    rref: RRef<()>,
+}
+
+#[pymethods]
+impl PyRRef {
+    fn owner(&self) -> (String, u32) {
+        let o = self.rref.owner();
+        (o.name.clone(), o.id)
+    }
+
+    fn is_owner(&self) -> bool {
+        self.rref.is_owner()
+    }
+
+    fn confirmed_by_owner(&self) -> bool {
+        self.rref.confirmed_by_owner()
+    }
+
+    /// The value itself (only on the owner).
+    fn local_value<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let v = py.detach(|| self.rref.local()).map_err(|e| rpc_err(py, e))?;
+        if let Some(o) = v.object_ref::<PyObj>() {
+            return Ok(o.0.bind(py).clone());
+        }
+        let p = v.to_payload().map_err(|e| rpc_err(py, e))?;
+        UNPACK.get(py)?.call1(unpack(py, p)?)
+    }
+
+    /// Fetches a copy of the value.
+    #[pyo3(signature = (timeout))]
+    fn fetch(&self, timeout: f64) -> PyFuture {
+        PyFuture {
+            fut: self.rref.fetch(Duration::from_secs_f64(timeout.max(0.0))),
+        }
+    }
+
+    /// Completes when the value exists on its owner (or with the error that kept it from it).
+    fn created(&self) -> PyFuture {
+        PyFuture {
+            fut: self.rref.created(),
+        }
+    }
+
+    /// Runs a method of the value on its owner (`py.method`).
+    fn method(
+        &self,
+        py: Python<'_>,
+        data: &Bound<'_, PyBytes>,
+        tensors: &Bound<'_, PyList>,
+        rrefs: &Bound<'_, PyList>,
+        timeout: f64,
+    ) -> PyResult<PyFuture> {
+        let p = payload(data, tensors, rrefs)?;
+        let t = Duration::from_secs_f64(timeout.max(0.0));
+        let fut = py.detach(|| self.rref.rpc_async_raw("py.method", p, t));
+        Ok(PyFuture { fut })
+    }
+
+    /// The `remote` form of [`method`]: the owner keeps the result.
+    fn remote_method(
+        &self,
+        py: Python<'_>,
+        data: &Bound<'_, PyBytes>,
+        tensors: &Bound<'_, PyList>,
+        rrefs: &Bound<'_, PyList>,
+        timeout: f64,
+    ) -> PyResult<PyRRef> {
+        let p = payload(data, tensors, rrefs)?;
+        let t = Duration::from_secs_f64(timeout.max(0.0));
+        let rref = py
+            .detach(|| self.rref.remote_raw::<()>("py.method", p, t))
+            .map_err(|e| rpc_err(py, e))?;
+        Ok(PyRRef { rref })
+    }
+
+    fn __repr__(&self) -> String {
+        format!("{:?}", self.rref)
+    }
+}
