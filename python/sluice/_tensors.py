@@ -6,22 +6,34 @@ import sys
 def from_dlpack(received, framework=None):
     """A received tensor as a torch tensor or NumPy array viewing the received memory.
 
-    ``framework``: "torch" or "numpy"; None picks the sender's framework when this process has
-    it imported, then torch, then NumPy, else returns the DLPack producer itself.
+    ``framework``: "torch", "numpy", or "raw" (the DLPack producer itself, for any other
+    framework's ``from_dlpack``); None picks the sender's framework, else torch when this
+    process has it imported, else NumPy. A dtype NumPy lacks (bfloat16) arrives as a torch
+    tensor when torch is importable, else raw.
     """
     name = framework or received.framework
-    if name == "torch" or (framework is None and name not in ("numpy",) and "torch" in sys.modules):
-        torch = sys.modules.get("torch")
-        if torch is None:
-            import torch
-        return torch.from_dlpack(received)
-    if name == "numpy" or framework is None:
+    if name == "raw":
+        return received
+    if name == "torch" or (framework is None and name != "numpy" and "torch" in sys.modules):
+        return _torch().from_dlpack(received)
+    try:
+        import numpy
+    except ImportError:
+        return received
+    try:
+        return numpy.from_dlpack(received)
+    except (RuntimeError, BufferError, TypeError):
         try:
-            import numpy
+            return _torch().from_dlpack(received)
         except ImportError:
             return received
-        return numpy.from_dlpack(received)
-    return received
+
+
+def _torch():
+    torch = sys.modules.get("torch")
+    if torch is None:
+        import torch
+    return torch
 
 
 def is_tensor(obj):

@@ -11,6 +11,7 @@ or raises never stalls the agent.
 """
 
 import asyncio
+import atexit
 import functools
 import importlib
 import io
@@ -111,6 +112,16 @@ def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=N
         opts.num_worker_threads,
         opts.listen,
     )
+
+
+@atexit.register
+def _at_exit():
+    # A process that exits without shutdown() leaves its peers at once (no graceful wait),
+    # before the interpreter goes away under the agent's threads.
+    global _agent
+    if _agent is not None:
+        agent, _agent = _agent, None
+        agent.shutdown(False)
 
 
 def shutdown(graceful: bool = True, timeout: Optional[float] = None) -> None:
@@ -228,13 +239,13 @@ def _me():
         return "this worker"
 
 
-def _describe(exc):
+def _describe(exc, tb=None):
     kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
     if len(exc.args) == 1 and isinstance(exc.args[0], str):
         text = exc.args[0]
     else:
         text = str(exc)
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    tb = "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
     return kind, f"{text}{_TRACEBACK}{tb}"
 
 
@@ -270,7 +281,7 @@ def _remote_error(kind, message, worker):
         exc = RpcError(f"{kind} on {worker}: {text}")
     exc.remote_traceback = tb
     exc.worker = worker
-    if hasattr(exc, "add_note"):
+    if tb and hasattr(exc, "add_note"):
         exc.add_note(f"Raised on {worker}; remote traceback:\n{tb}")
     return exc
 
@@ -407,6 +418,23 @@ def _copy_into_asyncio(f, aio):
 # --- calls -----------------------------------------------------------------------------------
 
 
+_keys = {}
+
+
+def _key(func):
+    """The callee's pace key: which function this is (the callee runs functions it has not
+    seen be quick as work that may block)."""
+    try:
+        return _keys[func]
+    except (KeyError, TypeError):
+        k = f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__qualname__)}"
+        try:
+            _keys[func] = k
+        except TypeError:
+            pass
+        return k
+
+
 def _handler(func):
     return "py.call_async" if getattr(func, "_sluice_async_execution", False) else "py.call"
 
@@ -419,14 +447,14 @@ def rpc_sync(to, func, args=None, kwargs=None, timeout: float = -1.0):
     """Runs ``func(*args, **kwargs)`` on ``to`` (a name, rank or WorkerInfo) and returns its
     result. ``timeout`` in seconds; negative: the default; 0: none."""
     data, tensors, rrefs = _pack((func, tuple(args or ()), kwargs or {}))
-    out = _require_agent().call_sync(to, _handler(func), data, tensors, rrefs, _timeout(timeout))
+    out = _require_agent().call_sync(to, _handler(func), _key(func), data, tensors, rrefs, _timeout(timeout))
     return _unpack(*out)
 
 
 def rpc_async(to, func, args=None, kwargs=None, timeout: float = -1.0) -> Future:
     """Like ``rpc_sync``, returning a ``Future`` at once."""
     data, tensors, rrefs = _pack((func, tuple(args or ()), kwargs or {}))
-    native = _require_agent().call(to, _handler(func), data, tensors, rrefs, _timeout(timeout))
+    native = _require_agent().call(to, _handler(func), _key(func), data, tensors, rrefs, _timeout(timeout))
     return Future(_native=native, _decode=_unpack_tuple)
 
 
@@ -434,7 +462,7 @@ def remote(to, func, args=None, kwargs=None, timeout: float = -1.0) -> "RRef":
     """Runs ``func`` on ``to``, which keeps the result (as the object itself) and owns it;
     returns a reference at once."""
     data, tensors, rrefs = _pack((func, tuple(args or ()), kwargs or {}))
-    return RRef._wrap(_require_agent().remote(to, _handler(func), data, tensors, rrefs, _timeout(timeout)))
+    return RRef._wrap(_require_agent().remote(to, _handler(func), _key(func), data, tensors, rrefs, _timeout(timeout)))
 
 
 def async_execution(fn):
@@ -491,7 +519,13 @@ class RRef:
         t = _timeout(timeout)
         if t is None:
             t = _require_agent().default_timeout
-        return Future(_native=self._native.fetch(t), _decode=_unpack_tuple).wait()
+        try:
+            return Future(_native=self._native.fetch(t), _decode=_unpack_tuple).wait()
+        except RpcError:
+            # A value that was never created: raise what kept it from existing (the
+            # callee's own exception), not the owner's report of it.
+            self._native.wait_created()
+            raise
 
     def rpc_sync(self, timeout: float = -1.0):
         """A proxy: ``rref.rpc_sync().method(*args)`` runs ``method`` on the owner."""
@@ -522,11 +556,13 @@ class _Proxy:
         if t is None:
             t = _require_agent().default_timeout
 
+        key = f"{type(rref).__name__}.{name}"
+
         def call(*args, **kwargs):
             data, tensors, rrefs = _pack((name, args, kwargs))
             if mode == "remote":
-                return RRef._wrap(rref._native.remote_method(data, tensors, rrefs, t))
-            fut = Future(_native=rref._native.method(data, tensors, rrefs, t), _decode=_unpack_tuple)
+                return RRef._wrap(rref._native.remote_method(key, data, tensors, rrefs, t))
+            fut = Future(_native=rref._native.method(key, data, tensors, rrefs, t), _decode=_unpack_tuple)
             return fut.wait() if mode == "sync" else fut
 
         return call

@@ -24,12 +24,19 @@ create_exception!(
     PyRuntimeError,
     "A pipe failed (its message names the peer)."
 );
-create_exception!(
-    sluice,
-    RpcErrorPy,
-    PyRuntimeError,
-    "An RPC failed for a reason other than the callee's exception."
-);
+/// Named apart from the agent's `RpcError`, which the binding uses too.
+mod exc {
+    use pyo3::create_exception;
+    use pyo3::exceptions::PyRuntimeError;
+
+    create_exception!(
+        sluice,
+        RpcError,
+        PyRuntimeError,
+        "An RPC failed for a reason other than the callee's exception."
+    );
+}
+pub use exc::RpcError as RpcErrorPy;
 create_exception!(sluice, RpcTimeout, PyTimeoutError, "An RPC did not complete in time.");
 
 #[pymodule]

@@ -58,15 +58,21 @@ impl Encode for PyObj {
                 .and_then(|p| {
                     let (data, tensors, rrefs): (Bound<'_, PyBytes>, Bound<'_, PyList>, Bound<'_, PyList>) =
                         p.extract()?;
-                    payload(&data, &tensors, &rrefs)
+                    payload("", &data, &tensors, &rrefs)
                 })
                 .map_err(|e| RpcError::Encode(format!("the result cannot be pickled: {e}")))
         })
     }
 }
 
-/// A payload from pickle bytes, the tensors lifted out of them and the RRefs they mention.
-fn payload(data: &Bound<'_, PyBytes>, tensors: &Bound<'_, PyList>, rrefs: &Bound<'_, PyList>) -> PyResult<Payload> {
+/// A payload from the callee's pace key (the function's name; empty for results), pickle
+/// bytes, the tensors lifted out of them and the RRefs they mention.
+fn payload(
+    key: &str,
+    data: &Bound<'_, PyBytes>,
+    tensors: &Bound<'_, PyList>,
+    rrefs: &Bound<'_, PyList>,
+) -> PyResult<Payload> {
     let rrefs = rrefs
         .iter()
         .map(|r| Ok(r.cast::<PyRRef>()?.get().rref.clone()))
@@ -76,14 +82,21 @@ fn payload(data: &Bound<'_, PyBytes>, tensors: &Bound<'_, PyList>, rrefs: &Bound
         .map(|t| to_channel(&t, None))
         .collect::<PyResult<Vec<_>>>()?;
     let bytes = Bytes::copy_from_slice(data.as_bytes());
-    Ok(Payload::encode(&(rrefs, bytes))
+    Ok(Payload::encode(&(key, rrefs, bytes))
         .map_err(|e| PyValueError::new_err(e.to_string()))?
         .with_tensors(tensors))
 }
 
+/// The pace key a payload starts with (without decoding the rest).
+fn key_of(p: &Payload) -> String {
+    postcard::take_from_bytes::<String>(p.bytes())
+        .map(|(k, _)| k)
+        .unwrap_or_default()
+}
+
 /// `(pickle bytes, [Received], [_RRef])` from a payload.
 fn unpack<'py>(py: Python<'py>, mut p: Payload) -> PyResult<Bound<'py, PyTuple>> {
-    let (rrefs, bytes): (Vec<RRef<()>>, Bytes) = p
+    let (_key, rrefs, bytes): (String, Vec<RRef<()>>, Bytes) = p
         .decode()
         .map_err(|e| PyValueError::new_err(format!("a malformed Python payload: {e}")))?;
     let tensors = PyList::empty(py);
@@ -105,7 +118,7 @@ fn unpack<'py>(py: Python<'py>, mut p: Payload) -> PyResult<Bound<'py, PyTuple>>
 fn describe(py: Python<'_>, e: PyErr) -> HandlerError {
     let described = DESCRIBE
         .get(py)
-        .and_then(|f| f.call1((e.value(py),)))
+        .and_then(|f| f.call1((e.value(py), e.traceback(py))))
         .and_then(|d| d.extract::<(String, String)>());
     match described {
         Ok((kind, message)) => HandlerError::new(kind, message),
@@ -132,7 +145,35 @@ pub fn rpc_err(py: Python<'_>, e: RpcError) -> PyErr {
     }
 }
 
+/// Which Python functions were quick last time they ran (by `module.qualname`). Python code
+/// can block in ways the agent cannot see (`time.sleep`, a lock, I/O): a function not known
+/// to be quick runs as [`sluice_agent::pool::blocking`] work, so a handler running inline
+/// hands the pipe's read role on first and later requests are served meanwhile.
+static PACE: std::sync::LazyLock<Mutex<HashMap<String, bool>>> = std::sync::LazyLock::new(Mutex::default);
+
+/// Quick: under the agent's own bar for running inline.
+const QUICK: Duration = Duration::from_micros(200);
+
+fn paced<R>(key: String, run: impl FnOnce() -> R) -> R {
+    let quick = PACE.lock().expect("pace map").get(&key).copied().unwrap_or(false);
+    let start = std::time::Instant::now();
+    let r = if quick {
+        run()
+    } else {
+        sluice_agent::pool::blocking(run)
+    };
+    let now_quick = start.elapsed() < QUICK;
+    if now_quick != quick {
+        PACE.lock().expect("pace map").insert(key, now_quick);
+    }
+    r
+}
+
 fn serve_call(payload: Payload) -> Result<Value, HandlerError> {
+    paced(key_of(&payload), || serve_call_now(payload))
+}
+
+fn serve_call_now(payload: Payload) -> Result<Value, HandlerError> {
     crate::gil::attach(|py| {
         let args = unpack(py, payload).map_err(|e| describe(py, e))?;
         match SERVE_CALL.get(py).and_then(|f| f.call1(args)) {
@@ -143,6 +184,10 @@ fn serve_call(payload: Payload) -> Result<Value, HandlerError> {
 }
 
 fn serve_method(value: &Value, payload: Payload) -> Result<Value, HandlerError> {
+    paced(key_of(&payload), || serve_method_now(value, payload))
+}
+
+fn serve_method_now(value: &Value, payload: Payload) -> Result<Value, HandlerError> {
     crate::gil::attach(|py| {
         let target = match value.object_ref::<PyObj>() {
             Some(o) => o.0.bind(py).clone(),
@@ -235,6 +280,23 @@ pub struct PyAgent {
     agent: Agent,
 }
 
+impl Drop for PyAgent {
+    fn drop(&mut self) {
+        // The last reference may go on one of the agent's own runtime threads (Python frees
+        // objects on whichever thread next takes the GIL), where the agent cannot be dropped:
+        // stop it from a thread of its own instead.
+        if tokio::runtime::Handle::try_current().is_ok() {
+            let agent = self.agent.clone();
+            std::thread::spawn(move || {
+                agent.shutdown_now();
+                drop(agent);
+            });
+        } else {
+            self.agent.shutdown_now();
+        }
+    }
+}
+
 #[pymethods]
 impl PyAgent {
     #[new]
@@ -310,18 +372,19 @@ impl PyAgent {
     }
 
     /// Starts a call; `handler` is `py.call` or `py.call_async`.
-    #[pyo3(signature = (dest, handler, data, tensors, rrefs, timeout=None))]
+    #[pyo3(signature = (dest, handler, key, data, tensors, rrefs, timeout=None))]
     fn call(
         &self,
         py: Python<'_>,
         dest: &Bound<'_, PyAny>,
         handler: &str,
+        key: &str,
         data: &Bound<'_, PyBytes>,
         tensors: &Bound<'_, PyList>,
         rrefs: &Bound<'_, PyList>,
         timeout: Option<f64>,
     ) -> PyResult<PyFuture> {
-        let p = payload(data, tensors, rrefs)?;
+        let p = payload(key, data, tensors, rrefs)?;
         let t = self::timeout(&self.agent, timeout);
         let dest = dest_of(dest)?;
         let fut = py.detach(|| self.agent.rpc_async_timeout(dest, handler, p, t));
@@ -329,36 +392,38 @@ impl PyAgent {
     }
 
     /// A call and its wait in one step (the `rpc_sync` path: no future object).
-    #[pyo3(signature = (dest, handler, data, tensors, rrefs, timeout=None))]
+    #[pyo3(signature = (dest, handler, key, data, tensors, rrefs, timeout=None))]
     fn call_sync<'py>(
         &self,
         py: Python<'py>,
         dest: &Bound<'py, PyAny>,
         handler: &str,
+        key: &str,
         data: &Bound<'py, PyBytes>,
         tensors: &Bound<'py, PyList>,
         rrefs: &Bound<'py, PyList>,
         timeout: Option<f64>,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        let p = payload(data, tensors, rrefs)?;
+        let p = payload(key, data, tensors, rrefs)?;
         let t = self::timeout(&self.agent, timeout);
         let dest = dest_of(dest)?;
         let result = py.detach(|| self.agent.rpc_sync_timeout(dest, handler, p, t));
         unpack(py, result.map_err(|e| rpc_err(py, e))?)
     }
 
-    #[pyo3(signature = (dest, handler, data, tensors, rrefs, timeout=None))]
+    #[pyo3(signature = (dest, handler, key, data, tensors, rrefs, timeout=None))]
     fn remote(
         &self,
         py: Python<'_>,
         dest: &Bound<'_, PyAny>,
         handler: &str,
+        key: &str,
         data: &Bound<'_, PyBytes>,
         tensors: &Bound<'_, PyList>,
         rrefs: &Bound<'_, PyList>,
         timeout: Option<f64>,
     ) -> PyResult<PyRRef> {
-        let p = payload(data, tensors, rrefs)?;
+        let p = payload(key, data, tensors, rrefs)?;
         let t = self::timeout(&self.agent, timeout);
         let dest = dest_of(dest)?;
         let rref = py
@@ -488,23 +553,24 @@ impl PyRRef {
         }
     }
 
-    /// Completes when the value exists on its owner (or with the error that kept it from it).
-    fn created(&self) -> PyFuture {
-        PyFuture {
-            fut: self.rref.created(),
-        }
+    /// Waits until the value exists on its owner; raises the error that kept it from
+    /// existing (the callee's own exception for a failed `remote`).
+    fn wait_created(&self, py: Python<'_>) -> PyResult<()> {
+        let created = self.rref.created();
+        py.detach(|| created.wait()).map(|_| ()).map_err(|e| rpc_err(py, e))
     }
 
     /// Runs a method of the value on its owner (`py.method`).
     fn method(
         &self,
         py: Python<'_>,
+        key: &str,
         data: &Bound<'_, PyBytes>,
         tensors: &Bound<'_, PyList>,
         rrefs: &Bound<'_, PyList>,
         timeout: f64,
     ) -> PyResult<PyFuture> {
-        let p = payload(data, tensors, rrefs)?;
+        let p = payload(key, data, tensors, rrefs)?;
         let t = Duration::from_secs_f64(timeout.max(0.0));
         let fut = py.detach(|| self.rref.rpc_async_raw("py.method", p, t));
         Ok(PyFuture { fut })
@@ -514,12 +580,13 @@ impl PyRRef {
     fn remote_method(
         &self,
         py: Python<'_>,
+        key: &str,
         data: &Bound<'_, PyBytes>,
         tensors: &Bound<'_, PyList>,
         rrefs: &Bound<'_, PyList>,
         timeout: f64,
     ) -> PyResult<PyRRef> {
-        let p = payload(data, tensors, rrefs)?;
+        let p = payload(key, data, tensors, rrefs)?;
         let t = Duration::from_secs_f64(timeout.max(0.0));
         let rref = py
             .detach(|| self.rref.remote_raw::<()>("py.method", p, t))

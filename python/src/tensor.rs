@@ -188,9 +188,11 @@ pub fn to_channel(obj: &Bound<'_, PyAny>, framework: Option<&str>) -> PyResult<T
             device.device_type, device.device_id
         )));
     }
-    let tag = match framework {
-        Some(f) => f.to_owned(),
-        None => framework_of(obj),
+    let tag = match (framework, obj.cast::<Received>()) {
+        (Some(f), _) => f.to_owned(),
+        // Forwarding a received tensor keeps the original sender's framework.
+        (None, Ok(r)) => r.get().framework.clone(),
+        (None, Err(_)) => framework_of(obj),
     };
     let metadata = Bytes::from(imported.meta().encode_tagged(tag.as_bytes()));
     Ok(Tensor {

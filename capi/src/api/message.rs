@@ -1,0 +1,139 @@
+//! Building messages.
+
+use std::ffi::{c_int, c_void};
+
+use sluice_dlpack::ffi::DLTensor;
+
+use super::{bytes, give, guard, handle, handle_mut, out_handle, take, SluiceReleaseFn};
+use crate::borrowed::lend;
+use crate::message::{SluiceMessage, TensorSpec};
+use crate::status::{Error, SLUICE_OK};
+
+/// Creates an empty message: no metadata, payloads or tensors. On success `*out` is the new
+/// message; it is consumed by a write, or freed with `sluice_message_free`.
+#[no_mangle]
+pub unsafe extern "C" fn sluice_message_new(out: *mut *mut SluiceMessage) -> c_int {
+    guard("sluice_message_new", || {
+        // SAFETY: the caller passes a writable `sluice_message*` place or NULL.
+        let out = unsafe { out_handle(out, "out") }?;
+        give(out, SluiceMessage::new());
+        Ok(SLUICE_OK)
+    })
+}
+
+/// Sets the message's metadata to a copy of `len` bytes at `data` (NULL allowed when `len`
+/// is 0), replacing any set before.
+#[no_mangle]
+pub unsafe extern "C" fn sluice_message_set_metadata(
+    message: *mut SluiceMessage,
+    data: *const u8,
+    len: usize,
+) -> c_int {
+    guard("sluice_message_set_metadata", || {
+        // SAFETY: the caller passes a live message, used by no other thread meanwhile, or NULL.
+        let message = unsafe { handle_mut(message, "message") }?;
+        // SAFETY: the caller passes `len` readable bytes (or NULL).
+        let data = unsafe { bytes(data, len, "data") }?;
+        message.set_metadata(data);
+        Ok(SLUICE_OK)
+    })
+}
+
+/// Appends a payload: a copy of `len` bytes at `data` (NULL allowed when `len` is 0).
+/// Payloads travel beside the metadata; put large data in tensors, which are not copied.
+#[no_mangle]
+pub unsafe extern "C" fn sluice_message_add_payload(message: *mut SluiceMessage, data: *const u8, len: usize) -> c_int {
+    guard("sluice_message_add_payload", || {
+        // SAFETY: the caller passes a live message, used by no other thread meanwhile, or NULL.
+        let message = unsafe { handle_mut(message, "message") }?;
+        // SAFETY: the caller passes `len` readable bytes (or NULL).
+        let data = unsafe { bytes(data, len, "data") }?;
+        message.add_payload(data);
+        Ok(SLUICE_OK)
+    })
+}
+
+/// Appends a CPU tensor, NOT copied: the message borrows the tensor's memory.
+///
+/// `tensor` describes it (device `kDLCPU`; dtype one lane of bool, int8-64, uint8-64,
+/// float16/32/64, bfloat16, complex64/128; `strides` NULL for compact row-major, otherwise
+/// non-negative). The bytes sent are the tensor's span, from its first element to the end of
+/// its last (`data + byte_offset` onwards), so a strided view goes as it lies and arrives with
+/// the same strides. The description travels as the tensor's metadata, in the encoding the
+/// Python binding uses. The `DLTensor` and its shape and strides arrays are read during this
+/// call only.
+///
+/// The memory must stay valid and unchanged until `release(user)` is called: once, from any
+/// thread, when the library holds no more references to it (after the write that sent it has
+/// completed, or when the message is freed unsent). `release` may be NULL (then the memory
+/// must outlive every write of the message). If this call fails, the tensor was not taken and
+/// `release` is not called. A tensor on another device is `SLUICE_UNSUPPORTED`.
+#[no_mangle]
+pub unsafe extern "C" fn sluice_message_add_tensor(
+    message: *mut SluiceMessage,
+    tensor: *const DLTensor,
+    release: SluiceReleaseFn,
+    user: *mut c_void,
+) -> c_int {
+    guard("sluice_message_add_tensor", || {
+        // SAFETY: the caller passes a live message, used by no other thread meanwhile, or NULL.
+        let message = unsafe { handle_mut(message, "message") }?;
+        // SAFETY: the caller passes a readable `DLTensor` or NULL.
+        let t = unsafe { handle(tensor, "tensor") }?;
+        // SAFETY: DLPack's contract: `shape` and non-NULL `strides` hold `ndim` entries.
+        let spec = unsafe { read_spec(t) }?;
+        let (meta, span) = spec.check()?;
+        let start = (t.data as *const u8).wrapping_add(t.byte_offset as usize);
+        // SAFETY: the caller lends `span` bytes from the first element (checked against
+        // `ndim`, shape, strides and dtype above) until `release(user)`, callable from any
+        // thread, as documented.
+        let data = unsafe { lend(start, span, release, user) };
+        message.add_tensor(&meta, data);
+        Ok(SLUICE_OK)
+    })
+}
+
+/// A `DLTensor`'s description with its arrays copied out.
+///
+/// # Safety
+/// `shape` holds `ndim` entries, and so does `strides` unless it is NULL.
+unsafe fn read_spec(t: &DLTensor) -> crate::status::Result<TensorSpec> {
+    let rank = usize::try_from(t.ndim).map_err(|_| Error::invalid(format!("bad tensor: ndim {}", t.ndim)))?;
+    if rank > sluice_dlpack::MAX_RANK {
+        return Err(Error::invalid(format!(
+            "bad tensor: ndim {rank} is above the limit of {}",
+            sluice_dlpack::MAX_RANK
+        )));
+    }
+    let array = |p: *const i64, what: &str| -> crate::status::Result<Vec<i64>> {
+        if rank == 0 {
+            return Ok(Vec::new());
+        }
+        if p.is_null() {
+            return Err(Error::invalid(format!("bad tensor: {what} is NULL with ndim {rank}")));
+        }
+        // SAFETY: the function's contract: `rank` entries.
+        Ok(unsafe { std::slice::from_raw_parts(p, rank) }.to_vec())
+    };
+    Ok(TensorSpec {
+        device: t.device,
+        dtype: t.dtype,
+        shape: array(t.shape, "shape")?,
+        strides: if t.strides.is_null() {
+            None
+        } else {
+            Some(array(t.strides, "strides")?)
+        },
+        data_is_null: t.data.is_null(),
+    })
+}
+
+/// Frees a message that was not written (NULL: nothing), releasing its tensors.
+#[no_mangle]
+pub unsafe extern "C" fn sluice_message_free(message: *mut SluiceMessage) {
+    guard("sluice_message_free", || {
+        // SAFETY: the caller gives up a message handle (or NULL).
+        drop(unsafe { take(message) });
+        Ok(SLUICE_OK)
+    });
+}

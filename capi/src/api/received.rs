@@ -1,0 +1,169 @@
+//! Reading a received message.
+
+use std::ffi::c_int;
+
+use sluice_dlpack::ffi::DLTensor;
+
+use super::{guard, guard_or, handle, out as place, take};
+use crate::received::SluiceReceived;
+use crate::status::SLUICE_OK;
+
+/// Sets `*data` and `*len` to `bytes`, valid as long as the received message.
+///
+/// # Safety
+/// `data` and `len` are NULL or writable.
+unsafe fn put_bytes(bytes: &[u8], data: *mut *const u8, len: *mut usize) -> crate::status::Result<c_int> {
+    // SAFETY: forwarded contract.
+    let data = unsafe { place(data, "data", std::ptr::null()) }?;
+    // SAFETY: forwarded contract.
+    let len = unsafe { place(len, "len", 0) }?;
+    data.set(bytes.as_ptr());
+    len.set(bytes.len());
+    Ok(SLUICE_OK)
+}
+
+/// The message's metadata: `*data` (valid as long as `received`) and `*len`.
+#[no_mangle]
+pub unsafe extern "C" fn sluice_received_metadata(
+    received: *const SluiceReceived,
+    data: *mut *const u8,
+    len: *mut usize,
+) -> c_int {
+    guard("sluice_received_metadata", || {
+        // SAFETY: the caller passes a live received message or NULL.
+        let r = unsafe { handle(received, "received") }?;
+        // SAFETY: the caller passes writable places or NULL.
+        unsafe { put_bytes(r.metadata(), data, len) }
+    })
+}
+
+/// The number of payloads (0 if `received` is NULL).
+#[no_mangle]
+pub unsafe extern "C" fn sluice_received_payload_count(received: *const SluiceReceived) -> usize {
+    guard_or(
+        "sluice_received_payload_count",
+        |_| 0,
+        || {
+            // SAFETY: the caller passes a live received message or NULL.
+            Ok(unsafe { handle(received, "received") }?.payloads().len())
+        },
+    )
+}
+
+/// Payload `index`: `*data` (valid as long as `received`) and `*len`. An index out of range is
+/// `SLUICE_INVALID_ARGUMENT`.
+#[no_mangle]
+pub unsafe extern "C" fn sluice_received_payload(
+    received: *const SluiceReceived,
+    index: usize,
+    data: *mut *const u8,
+    len: *mut usize,
+) -> c_int {
+    guard("sluice_received_payload", || {
+        // SAFETY: the caller passes a live received message or NULL.
+        let r = unsafe { handle(received, "received") }?;
+        let payload = r.payload(index)?;
+        // SAFETY: the caller passes writable places or NULL.
+        unsafe { put_bytes(payload, data, len) }
+    })
+}
+
+/// The number of tensors (0 if `received` is NULL).
+#[no_mangle]
+pub unsafe extern "C" fn sluice_received_tensor_count(received: *const SluiceReceived) -> usize {
+    guard_or(
+        "sluice_received_tensor_count",
+        |_| 0,
+        || {
+            // SAFETY: the caller passes a live received message or NULL.
+            Ok(unsafe { handle(received, "received") }?.tensor_count())
+        },
+    )
+}
+
+/// Fills `*out` with tensor `index` as a `DLTensor` viewing the received memory (device
+/// `kDLCPU`, `byte_offset` 0, strides always set). The data and the shape and strides arrays
+/// are owned by `received` and valid as long as it; treat the data as read-only. The tensor's
+/// description is checked against its bytes: a bad one (from a buggy or hostile peer, or a
+/// peer that sent its own metadata) is `SLUICE_PEER` with the reason, and `*out` is zeroed.
+#[no_mangle]
+pub unsafe extern "C" fn sluice_received_tensor(
+    received: *const SluiceReceived,
+    index: usize,
+    out: *mut DLTensor,
+) -> c_int {
+    guard("sluice_received_tensor", || {
+        // SAFETY: the caller passes a live received message or NULL.
+        let r = unsafe { handle(received, "received") }?;
+        // SAFETY: the caller passes a writable `DLTensor` or NULL.
+        let out = unsafe { place(out, "out", empty_tensor()) }?;
+        out.set(r.tensor(index)?);
+        Ok(SLUICE_OK)
+    })
+}
+
+/// A zeroed `DLTensor`.
+fn empty_tensor() -> DLTensor {
+    DLTensor {
+        data: std::ptr::null_mut(),
+        device: sluice_dlpack::ffi::DLDevice {
+            device_type: 0,
+            device_id: 0,
+        },
+        ndim: 0,
+        dtype: sluice_dlpack::ffi::DLDataType {
+            code: 0,
+            bits: 0,
+            lanes: 0,
+        },
+        shape: std::ptr::null_mut(),
+        strides: std::ptr::null_mut(),
+        byte_offset: 0,
+    }
+}
+
+/// Tensor `index`'s bytes as they arrived (its span), whatever its metadata: `*data` (valid as
+/// long as `received`, read-only) and `*len`.
+#[no_mangle]
+pub unsafe extern "C" fn sluice_received_tensor_data(
+    received: *const SluiceReceived,
+    index: usize,
+    data: *mut *const u8,
+    len: *mut usize,
+) -> c_int {
+    guard("sluice_received_tensor_data", || {
+        // SAFETY: the caller passes a live received message or NULL.
+        let r = unsafe { handle(received, "received") }?;
+        let bytes = r.tensor_data(index)?;
+        // SAFETY: the caller passes writable places or NULL.
+        unsafe { put_bytes(bytes, data, len) }
+    })
+}
+
+/// Tensor `index`'s metadata bytes as they arrived (for peers that send their own): `*data`
+/// (valid as long as `received`) and `*len`.
+#[no_mangle]
+pub unsafe extern "C" fn sluice_received_tensor_metadata(
+    received: *const SluiceReceived,
+    index: usize,
+    data: *mut *const u8,
+    len: *mut usize,
+) -> c_int {
+    guard("sluice_received_tensor_metadata", || {
+        // SAFETY: the caller passes a live received message or NULL.
+        let r = unsafe { handle(received, "received") }?;
+        let bytes = r.tensor_metadata(index)?;
+        // SAFETY: the caller passes writable places or NULL.
+        unsafe { put_bytes(bytes, data, len) }
+    })
+}
+
+/// Frees a received message and the memory its tensors view (NULL: nothing).
+#[no_mangle]
+pub unsafe extern "C" fn sluice_received_free(received: *mut SluiceReceived) {
+    guard("sluice_received_free", || {
+        // SAFETY: the caller gives up a received-message handle (or NULL).
+        drop(unsafe { take(received) });
+        Ok(SLUICE_OK)
+    });
+}

@@ -1,0 +1,85 @@
+//! The caller's memory and callbacks as Rust values: [`Lent`] (tensor memory a message
+//! borrows, released through the caller's callback when the last reference goes) and [`Done`]
+//! (a completion callback). The only `unsafe` outside [`crate::api`].
+#![allow(unsafe_code)]
+
+use std::ffi::{c_int, c_void};
+
+use bytes::Bytes;
+
+use crate::api::{SluiceDoneFn, SluiceReleaseFn};
+
+/// Memory lent by the caller: `len` bytes at `ptr`, read by the pipe until the last `Bytes`
+/// that views it drops, which calls `release(user)` (once, from whatever thread drops it).
+struct Lent {
+    ptr: *const u8,
+    len: usize,
+    release: SluiceReleaseFn,
+    user: *mut c_void,
+}
+
+// SAFETY: the memory is only read, and the caller promised (`lend`'s contract) that it stays
+// valid from any thread until `release`, which it made callable from any thread.
+unsafe impl Send for Lent {}
+
+impl AsRef<[u8]> for Lent {
+    fn as_ref(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: `lend`'s caller guarantees `len` readable bytes at `ptr` until `release`
+        // runs, which is not before this value drops.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        if let Some(release) = self.release {
+            // SAFETY: the caller's own callback with its own argument, called exactly once
+            // (drop runs once), from any thread as its contract allows.
+            unsafe { release(self.user) }
+        }
+    }
+}
+
+/// The caller's memory as `Bytes` without copying; `release(user)` runs when the last
+/// reference drops (at once if nothing keeps one).
+///
+/// # Safety
+/// `len` bytes at `ptr` (which may be dangling or NULL when `len` is 0) must stay readable and
+/// unchanged until `release` is called (forever when `release` is NULL), and `release` must be
+/// callable from any thread.
+pub(crate) unsafe fn lend(ptr: *const u8, len: usize, release: SluiceReleaseFn, user: *mut c_void) -> Bytes {
+    Bytes::from_owner(Lent {
+        ptr,
+        len,
+        release,
+        user,
+    })
+}
+
+/// A completion callback and its argument, to be called once from a library thread.
+pub(crate) struct Done {
+    f: SluiceDoneFn,
+    user: *mut c_void,
+}
+
+// SAFETY: the C API documents that completion callbacks run on library threads; the caller
+// made `f` and `user` fit for that.
+unsafe impl Send for Done {}
+
+impl Done {
+    /// # Safety
+    /// `f`, when not NULL, must be callable once with `user` from any thread.
+    pub(crate) unsafe fn new(f: SluiceDoneFn, user: *mut c_void) -> Done {
+        Done { f, user }
+    }
+
+    pub(crate) fn call(self, status: c_int) {
+        if let Some(f) = self.f {
+            // SAFETY: `new`'s contract; `self` is consumed, so this runs once.
+            unsafe { f(status, self.user) }
+        }
+    }
+}

@@ -1,0 +1,134 @@
+"""Functions the RPC tests call by reference (importable on every worker)."""
+
+import threading
+import time
+
+import numpy as np
+import torch
+
+from sluice import rpc
+
+
+def noop():
+    return None
+
+
+def add(a, b):
+    return a + b
+
+
+def echo(*args, **kwargs):
+    return args, kwargs
+
+
+def scale(t, k):
+    return t * k
+
+
+def boom(message):
+    raise ValueError(message)
+
+
+class CustomError(Exception):
+    pass
+
+
+def custom_boom():
+    raise CustomError("a custom exception type survives the trip")
+
+
+def key_error():
+    return {}["missing"]
+
+
+def sleep(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def unpicklable_result():
+    return lambda: None
+
+
+def whoami():
+    return rpc.get_worker_info().name
+
+
+def data_ptr_of(t):
+    return t.data_ptr() if isinstance(t, torch.Tensor) else t.__array_interface__["data"][0]
+
+
+class Counter:
+    def __init__(self, start=0):
+        self.n = start
+        self.lock = threading.Lock()
+
+    def inc(self, k=1):
+        with self.lock:
+            self.n += k
+            return self.n
+
+    def get(self):
+        return self.n
+
+    def __getstate__(self):
+        return {"n": self.n}
+
+    def __setstate__(self, state):
+        self.n = state["n"]
+        self.lock = threading.Lock()
+
+    def fail(self):
+        raise KeyError("no such counter")
+
+
+class ParameterServer:
+    """Holds a weight; applies gradients pushed by trainers."""
+
+    def __init__(self, n):
+        self.w = torch.zeros(n, dtype=torch.float64)
+        self.lock = threading.Lock()
+
+    def __getstate__(self):
+        return {"w": self.w}
+
+    def weights(self):
+        return self.w
+
+    def push(self, grad, lr):
+        with self.lock:
+            self.w -= lr * grad
+            return self.w.clone()
+
+
+def fetch_via(rref):
+    """Called with an RRef as its argument: reads through it from a third place."""
+    return rref.to_here()
+
+
+def sum_rref(rref):
+    return rref.rpc_sync().get()
+
+
+@rpc.async_execution
+def doubled_later(x, delay=0.05):
+    fut = rpc.Future()
+    threading.Timer(delay, lambda: fut.set_result(x * 2)).start()
+    return fut
+
+
+@rpc.async_execution
+def chained(to, x):
+    # Replies once a nested call completes, holding no thread meanwhile.
+    return rpc.rpc_async(to, add, (x, 1)).then(lambda f: f.wait() * 10)
+
+
+@rpc.async_execution
+def fails_later():
+    fut = rpc.Future()
+    threading.Timer(0.01, lambda: fut.set_exception(RuntimeError("failed asynchronously"))).start()
+    return fut
+
+
+def numpy_stats(a):
+    return float(np.mean(a)), a.dtype.str

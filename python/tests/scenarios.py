@@ -1,0 +1,267 @@
+"""What each worker of a test group does (run by _worker.py with torchrun's variables).
+
+Rank 0 drives and asserts; the others serve until the graceful shutdown."""
+
+import asyncio
+import os
+import threading
+import time
+
+import numpy as np
+import torch
+
+import rpcfns
+from sluice import rpc
+
+
+def _init(rank, **options):
+    rpc.init_rpc(f"worker{rank}", options=rpc.RpcBackendOptions(**options) if options else None)
+
+
+def calls(rank, world):
+    _init(rank)
+    if rank == 0:
+        assert rpc.rpc_sync("worker1", rpcfns.add, (2, 3)) == 5
+        assert rpc.rpc_sync(1, rpcfns.add, kwargs={"a": "x", "b": "y"}) == "xy"
+        info = rpc.get_worker_info("worker1")
+        assert info == rpc.WorkerInfo("worker1", 1) and rpc.get_worker_info().name == "worker0"
+        assert rpc.rpc_sync(info, rpcfns.whoami) == "worker1"
+        # Tensors anywhere in the arguments come back as their own types, with dtypes and
+        # strides.
+        t = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4).t()
+        a = np.arange(10, dtype=np.uint16)[::3]
+        args, kwargs = rpc.rpc_sync("worker1", rpcfns.echo, (t, [a, {"k": (t, 7)}]), {"b": torch.tensor(True)})
+        assert isinstance(args[0], torch.Tensor) and args[0].dtype == torch.bfloat16
+        assert torch.equal(args[0], t) and args[0].stride() == t.stride()
+        assert isinstance(args[1][0], np.ndarray) and np.array_equal(args[1][0], a)
+        assert torch.equal(args[1][1]["k"][0], t) and args[1][1]["k"][1] == 7
+        assert kwargs["b"].item() is True
+        for dtype in (torch.float16, torch.float32, torch.float64, torch.int8, torch.int32, torch.int64, torch.uint8):
+            x = (torch.arange(6) % 5).to(dtype)
+            assert torch.equal(rpc.rpc_sync("worker1", rpcfns.scale, (x, 2)), x * 2)
+        assert rpc.rpc_sync("worker1", rpcfns.numpy_stats, (np.ones(4, dtype=np.float32),)) == (1.0, "<f4")
+        # A parameter that requires grad is sent detached.
+        p = torch.nn.Parameter(torch.ones(3))
+        assert torch.equal(rpc.rpc_sync("worker1", rpcfns.scale, (p, 3)), torch.full((3,), 3.0))
+        # Large tensors.
+        big = torch.randn(1 << 22)
+        assert torch.equal(rpc.rpc_sync("worker1", rpcfns.scale, (big, 1)), big)
+    rpc.shutdown()
+
+
+def futures(rank, world):
+    _init(rank)
+    if rank == 0:
+        f = rpc.rpc_async("worker1", rpcfns.add, (1, 1))
+        assert f.wait() == 2 and f.done() and f.value() == 2
+        g = rpc.rpc_async("worker1", rpcfns.add, (20, 1)).then(lambda fut: fut.wait() * 2)
+        assert g.wait() == 42
+        seen = []
+        done = threading.Event()
+        h = rpc.rpc_async("worker1", rpcfns.sleep, (0.1,))
+        h.add_done_callback(lambda fut: (seen.append(fut.wait()), done.set()))
+        assert done.wait(30) and seen == [0.1]
+        many = [rpc.rpc_async("worker1", rpcfns.add, (i, i)) for i in range(200)]
+        assert [m.wait() for m in many] == [2 * i for i in range(200)]
+        failing = rpc.rpc_async("worker1", rpcfns.boom, ("async failure",))
+        try:
+            failing.wait()
+            raise AssertionError("no exception")
+        except ValueError as e:
+            assert "async failure" in str(e)
+
+        async def main():
+            one = await rpc.rpc_async("worker1", rpcfns.add, (40, 2))
+            both = await asyncio.gather(
+                rpc.rpc_async("worker1", rpcfns.sleep, (0.05,)), rpc.rpc_async("worker1", rpcfns.add, (1, 2))
+            )
+            try:
+                await rpc.rpc_async("worker1", rpcfns.boom, ("awaited",))
+            except ValueError as e:
+                return one, both, str(e)
+
+        one, both, err = asyncio.run(main())
+        assert one == 42 and both == [0.05, 3] and err == "awaited"
+        # async_execution: the callee replies when the returned future completes.
+        assert rpc.rpc_sync("worker1", rpcfns.doubled_later, (21,)) == 42
+        assert rpc.rpc_sync("worker1", rpcfns.chained, ("worker0", 4)) == 50
+        slow = [rpc.rpc_async("worker1", rpcfns.doubled_later, (i, 0.3)) for i in range(32)]
+        t0 = time.monotonic()
+        assert [s.wait() for s in slow] == [2 * i for i in range(32)]
+        # 32 replies held 0.3 s each would take 9.6 s one after the other on 4 threads' worth;
+        # holding no thread they overlap.
+        assert time.monotonic() - t0 < 5
+        try:
+            rpc.rpc_sync("worker1", rpcfns.fails_later)
+            raise AssertionError("no exception")
+        except RuntimeError as e:
+            assert "failed asynchronously" in str(e)
+    rpc.shutdown()
+
+
+def rrefs(rank, world):
+    _init(rank)
+    if rank == 0:
+        c = rpc.remote("worker1", rpcfns.Counter, (5,))
+        assert c.owner() == rpc.WorkerInfo("worker1", 1) and c.owner_name() == "worker1" and not c.is_owner()
+        assert c.rpc_sync().inc(3) == 8
+        assert c.rpc_async().inc().wait() == 9
+        assert c.to_here().n == 9
+        derived = c.remote().get()
+        assert derived.to_here() == 9
+        # An RRef as an argument: worker2 reads through it from worker1.
+        assert rpc.rpc_sync("worker2", rpcfns.fetch_via, (derived,)) == 9
+        assert rpc.rpc_sync("worker2", rpcfns.sum_rref, (c,)) == 9
+        # An RRef owned here.
+        mine = rpc.RRef(torch.ones(3))
+        assert mine.is_owner() and torch.equal(mine.local_value(), torch.ones(3))
+        assert torch.equal(rpc.rpc_sync("worker1", rpcfns.fetch_via, (mine,)), torch.ones(3))
+        # Methods that raise keep their type; the owner keeps serving.
+        try:
+            c.rpc_sync().fail()
+            raise AssertionError("no exception")
+        except KeyError as e:
+            assert "no such counter" in str(e)
+        assert c.rpc_sync().get() == 9
+        # local_value elsewhere than the owner is an error naming the owner.
+        try:
+            c.local_value()
+            raise AssertionError("no exception")
+        except rpc.RpcError as e:
+            assert "worker1" in str(e)
+        # A remote whose constructor fails surfaces on use.
+        bad = rpc.remote("worker1", rpcfns.boom, ("no value",))
+        try:
+            bad.to_here()
+            raise AssertionError("no exception")
+        except ValueError as e:
+            assert "no value" in str(e)
+        # A parameter server step: two trainers push gradients to a server object.
+        ps = rpc.remote("worker1", rpcfns.ParameterServer, (4,))
+        grads = [ps.rpc_async().push(torch.ones(4, dtype=torch.float64), 0.5) for _ in range(10)]
+        for g in grads:
+            g.wait()
+        assert torch.equal(ps.rpc_sync().weights(), torch.full((4,), -5.0, dtype=torch.float64))
+    if rank == 1:
+        # The owner sees the object itself.
+        pass
+    rpc.shutdown()
+
+
+def errors(rank, world):
+    _init(rank)
+    if rank == 0:
+        try:
+            rpc.rpc_sync("worker1", rpcfns.boom, ("bad input",))
+            raise AssertionError("no exception")
+        except ValueError as e:
+            assert str(e).startswith("bad input")
+            assert e.worker == "worker1"
+            assert "rpcfns.py" in e.remote_traceback and "in boom" in e.remote_traceback
+        try:
+            rpc.rpc_sync("worker1", rpcfns.custom_boom)
+            raise AssertionError("no exception")
+        except rpcfns.CustomError as e:
+            assert "survives the trip" in str(e)
+        try:
+            rpc.rpc_sync("worker1", rpcfns.key_error)
+            raise AssertionError("no exception")
+        except KeyError as e:
+            assert "missing" in str(e)
+        # A function only this worker can import.
+        import only_here
+
+        try:
+            rpc.rpc_sync("worker1", only_here.hello)
+            raise AssertionError("no exception")
+        except RuntimeError as e:
+            assert "cannot load the call" in str(e) and "only_here" in str(e)
+        # Arguments that do not pickle fail here, before anything is sent.
+        try:
+            rpc.rpc_sync("worker1", rpcfns.echo, (lambda: 1,))
+            raise AssertionError("no exception")
+        except (AttributeError, TypeError, Exception) as e:
+            assert "cannot pickle" in str(e)
+        # A result that does not pickle is an error from the callee.
+        try:
+            rpc.rpc_sync("worker1", rpcfns.unpicklable_result)
+            raise AssertionError("no exception")
+        except rpc.RpcError as e:
+            assert "pickle" in str(e)
+        # Unknown worker.
+        try:
+            rpc.rpc_sync("worker9", rpcfns.noop)
+            raise AssertionError("no exception")
+        except rpc.RpcError as e:
+            assert "worker9" in str(e)
+        # A timeout, then the agent keeps serving.
+        t0 = time.monotonic()
+        try:
+            rpc.rpc_sync("worker1", rpcfns.sleep, (3,), timeout=0.2)
+            raise AssertionError("no exception")
+        except rpc.RpcTimeout as e:
+            assert isinstance(e, TimeoutError) and "worker1" in str(e)
+        assert time.monotonic() - t0 < 2.5
+        # A handler that blocks does not stall the others: one sleeps 2 s while 50 calls
+        # complete.
+        blocked = rpc.rpc_async("worker1", rpcfns.sleep, (2,))
+        t0 = time.monotonic()
+        for i in range(50):
+            assert rpc.rpc_sync("worker1", rpcfns.add, (i, 1)) == i + 1
+        assert time.monotonic() - t0 < 1.5, "calls waited for a blocked handler"
+        assert blocked.wait() == 2
+        # Tensors without DLPack are pickled like any object; objects that claim DLPack
+        # and fail are clear errors.
+        class NotATensor:
+            def __dlpack__(self):
+                return "not a capsule"
+
+        try:
+            rpc.rpc_sync("worker1", rpcfns.echo, (NotATensor(),))
+            raise AssertionError("no exception")
+        except TypeError as e:
+            assert "capsule" in str(e)
+        assert rpc.rpc_sync("worker1", rpcfns.add, (1, 1)) == 2
+    rpc.shutdown()
+
+
+def gil(rank, world):
+    """While the main thread waits for a slow call, Python threads run (the GIL is released),
+    and the callee serves other calls while one handler sleeps."""
+    _init(rank)
+    if rank == 0:
+        ticks = [0]
+        stop = threading.Event()
+
+        def spin():
+            while not stop.is_set():
+                ticks[0] += 1
+
+        th = threading.Thread(target=spin)
+        th.start()
+        time.sleep(0.05)
+        before = ticks[0]
+        rpc.rpc_sync("worker1", rpcfns.sleep, (0.5,))
+        during = ticks[0] - before
+        stop.set()
+        th.join()
+        assert during > 1000, f"only {during} ticks while waiting: the GIL was held"
+    rpc.shutdown()
+
+
+def options(rank, world):
+    try:
+        rpc.init_rpc(
+            f"worker{rank}",
+            options=rpc.RpcBackendOptions(device_maps={"worker1": {"cuda:0": "warp-drive"}}),
+        )
+        raise AssertionError("a bad device map was accepted")
+    except ValueError as e:
+        assert "device map" in str(e)
+    opts = rpc.TensorPipeRpcBackendOptions(rpc_timeout=5, num_worker_threads=2, _transports=["tcp"])
+    opts.set_device_map("worker1", {"cpu": "cpu"})
+    rpc.init_rpc(f"worker{rank}", options=opts)
+    if rank == 0:
+        assert rpc._get_current_rpc_agent().default_timeout == 5
+        assert rpc.rpc_sync("worker1", rpcfns.add, (2, 2)) == 4
+    rpc.shutdown()
