@@ -373,6 +373,7 @@ impl PyAgent {
 
     /// Starts a call; `handler` is `py.call` or `py.call_async`.
     #[pyo3(signature = (dest, handler, key, data, tensors, rrefs, timeout=None))]
+    #[allow(clippy::too_many_arguments)] // the Python method's parameters
     fn call(
         &self,
         py: Python<'_>,
@@ -393,6 +394,7 @@ impl PyAgent {
 
     /// A call and its wait in one step (the `rpc_sync` path: no future object).
     #[pyo3(signature = (dest, handler, key, data, tensors, rrefs, timeout=None))]
+    #[allow(clippy::too_many_arguments)] // the Python method's parameters
     fn call_sync<'py>(
         &self,
         py: Python<'py>,
@@ -412,6 +414,7 @@ impl PyAgent {
     }
 
     #[pyo3(signature = (dest, handler, key, data, tensors, rrefs, timeout=None))]
+    #[allow(clippy::too_many_arguments)] // the Python method's parameters
     fn remote(
         &self,
         py: Python<'_>,
