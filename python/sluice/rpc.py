@@ -447,14 +447,14 @@ def rpc_sync(to, func, args=None, kwargs=None, timeout: float = -1.0):
     """Runs ``func(*args, **kwargs)`` on ``to`` (a name, rank or WorkerInfo) and returns its
     result. ``timeout`` in seconds; negative: the default; 0: none."""
     data, tensors, rrefs = _pack((func, tuple(args or ()), kwargs or {}))
-    out = _require_agent().call_sync(to, _handler(func), _key(func), data, tensors, rrefs, _timeout(timeout))
+    out = _require_agent().call_sync((to, _handler(func), _key(func), data, tensors, rrefs, _timeout(timeout)))
     return _unpack(*out)
 
 
 def rpc_async(to, func, args=None, kwargs=None, timeout: float = -1.0) -> Future:
     """Like ``rpc_sync``, returning a ``Future`` at once."""
     data, tensors, rrefs = _pack((func, tuple(args or ()), kwargs or {}))
-    native = _require_agent().call(to, _handler(func), _key(func), data, tensors, rrefs, _timeout(timeout))
+    native = _require_agent().call((to, _handler(func), _key(func), data, tensors, rrefs, _timeout(timeout)))
     return Future(_native=native, _decode=_unpack_tuple)
 
 
@@ -462,7 +462,7 @@ def remote(to, func, args=None, kwargs=None, timeout: float = -1.0) -> "RRef":
     """Runs ``func`` on ``to``, which keeps the result (as the object itself) and owns it;
     returns a reference at once."""
     data, tensors, rrefs = _pack((func, tuple(args or ()), kwargs or {}))
-    return RRef._wrap(_require_agent().remote(to, _handler(func), _key(func), data, tensors, rrefs, _timeout(timeout)))
+    return RRef._wrap(_require_agent().remote((to, _handler(func), _key(func), data, tensors, rrefs, _timeout(timeout))))
 
 
 def async_execution(fn):

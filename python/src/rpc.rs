@@ -371,66 +371,25 @@ impl PyAgent {
         self.agent.workers().into_iter().map(|w| (w.name, w.id)).collect()
     }
 
-    /// Starts a call; `handler` is `py.call` or `py.call_async`.
-    #[pyo3(signature = (dest, handler, key, data, tensors, rrefs, timeout=None))]
-    #[allow(clippy::too_many_arguments)] // the Python method's parameters
-    fn call(
-        &self,
-        py: Python<'_>,
-        dest: &Bound<'_, PyAny>,
-        handler: &str,
-        key: &str,
-        data: &Bound<'_, PyBytes>,
-        tensors: &Bound<'_, PyList>,
-        rrefs: &Bound<'_, PyList>,
-        timeout: Option<f64>,
-    ) -> PyResult<PyFuture> {
-        let p = payload(key, data, tensors, rrefs)?;
-        let t = self::timeout(&self.agent, timeout);
-        let dest = dest_of(dest)?;
-        let fut = py.detach(|| self.agent.rpc_async_timeout(dest, handler, p, t));
+    /// Starts a call (see [`Request`]).
+    fn call(&self, py: Python<'_>, request: Request<'_>) -> PyResult<PyFuture> {
+        let (dest, handler, p, t) = self.prepare(request)?;
+        let fut = py.detach(|| self.agent.rpc_async_timeout(dest, &handler, p, t));
         Ok(PyFuture { fut })
     }
 
     /// A call and its wait in one step (the `rpc_sync` path: no future object).
-    #[pyo3(signature = (dest, handler, key, data, tensors, rrefs, timeout=None))]
-    #[allow(clippy::too_many_arguments)] // the Python method's parameters
-    fn call_sync<'py>(
-        &self,
-        py: Python<'py>,
-        dest: &Bound<'py, PyAny>,
-        handler: &str,
-        key: &str,
-        data: &Bound<'py, PyBytes>,
-        tensors: &Bound<'py, PyList>,
-        rrefs: &Bound<'py, PyList>,
-        timeout: Option<f64>,
-    ) -> PyResult<Bound<'py, PyTuple>> {
-        let p = payload(key, data, tensors, rrefs)?;
-        let t = self::timeout(&self.agent, timeout);
-        let dest = dest_of(dest)?;
-        let result = py.detach(|| self.agent.rpc_sync_timeout(dest, handler, p, t));
+    fn call_sync<'py>(&self, py: Python<'py>, request: Request<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let (dest, handler, p, t) = self.prepare(request)?;
+        let result = py.detach(|| self.agent.rpc_sync_timeout(dest, &handler, p, t));
         unpack(py, result.map_err(|e| rpc_err(py, e))?)
     }
 
-    #[pyo3(signature = (dest, handler, key, data, tensors, rrefs, timeout=None))]
-    #[allow(clippy::too_many_arguments)] // the Python method's parameters
-    fn remote(
-        &self,
-        py: Python<'_>,
-        dest: &Bound<'_, PyAny>,
-        handler: &str,
-        key: &str,
-        data: &Bound<'_, PyBytes>,
-        tensors: &Bound<'_, PyList>,
-        rrefs: &Bound<'_, PyList>,
-        timeout: Option<f64>,
-    ) -> PyResult<PyRRef> {
-        let p = payload(key, data, tensors, rrefs)?;
-        let t = self::timeout(&self.agent, timeout);
-        let dest = dest_of(dest)?;
+    /// The `remote` form: the callee keeps the result as the new RRef's value.
+    fn remote(&self, py: Python<'_>, request: Request<'_>) -> PyResult<PyRRef> {
+        let (dest, handler, p, t) = self.prepare(request)?;
         let rref = py
-            .detach(|| self.agent.remote_timeout::<()>(dest, handler, p, t))
+            .detach(|| self.agent.remote_timeout::<()>(dest, &handler, p, t))
             .map_err(|e| rpc_err(py, e))?;
         Ok(PyRRef { rref })
     }
@@ -464,6 +423,27 @@ impl PyAgent {
             None => self.agent.shutdown(),
         });
         r.map_err(|e| RpcErrorPy::new_err(format!("shutdown: {e}")))
+    }
+}
+
+/// A call as Python hands it over: `(dest, handler, pace key, pickle bytes, tensors, RRefs,
+/// timeout)`; `handler` is `py.call` or `py.call_async`.
+#[derive(FromPyObject)]
+pub struct Request<'py>(
+    Bound<'py, PyAny>,
+    String,
+    String,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyList>,
+    Bound<'py, PyList>,
+    Option<f64>,
+);
+
+impl PyAgent {
+    fn prepare(&self, r: Request<'_>) -> PyResult<(sluice_agent::Dest, String, Payload, Duration)> {
+        let Request(dest, handler, key, data, tensors, rrefs, t) = r;
+        let p = payload(&key, &data, &tensors, &rrefs)?;
+        Ok((dest_of(&dest)?, handler, p, timeout(&self.agent, t)))
     }
 }
 
