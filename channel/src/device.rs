@@ -122,9 +122,10 @@ impl From<Vec<u8>> for SendBuffer {
 #[non_exhaustive]
 pub enum RecvBuffer {
     Cpu(BytesMut),
-    /// Received in place, in memory shared with the sender (a cma pipe's segment): the pipe
-    /// puts it here instead of filling the buffer supplied. Read-only; its memory goes back to
-    /// the sender when the last handle drops.
+    /// Received in memory the pipe lends: shared with the sender (a cma pipe's segment), or
+    /// a registered chunk of an rdma pipe's receive pool. The pipe puts it here instead of
+    /// filling the buffer supplied (the descriptor says `arrives_shared`). Read-only; its
+    /// memory goes back (to the sender, or to the pool) when the last handle drops.
     Shared(Bytes),
     /// Filled by copies queued on the buffer's stream: work queued there after the read
     /// completes sees the data.

@@ -59,9 +59,9 @@ pub struct TensorDescriptor {
     pub source_device: Device,
     pub target_device: Option<Device>,
     pub metadata: Bytes,
-    /// The tensor arrives in memory shared with the sender (a cma pipe's segment) and is
-    /// handed over as [`RecvBuffer::Shared`]: the buffer supplied for it is not used, so an
-    /// empty one will do.
+    /// The tensor arrives in memory the pipe lends (a cma pipe's segment shared with the
+    /// sender, or an rdma pipe's registered receive pool) and is handed over as
+    /// [`RecvBuffer::Shared`]: supply an empty buffer for it.
     pub arrives_shared: bool,
 }
 

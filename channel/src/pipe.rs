@@ -289,6 +289,10 @@ impl Pipe {
                 .map(|h| RegCache::new(h.device(), 64, pin_budget(16 << 30)))
         };
         let (gpu_registrations, gpu_targets) = (gpu_cache(), gpu_cache());
+        // Received CPU tensors land in registered chunks recycled across reads.
+        let landing = rdma
+            .as_ref()
+            .map(|h| crate::channel::rdma::RecvPool::new(h.device(), pin_budget(1 << 30)));
         Pipe {
             inner: Arc::new(Inner {
                 info,
@@ -322,6 +326,7 @@ impl Pipe {
                         lanes: lane_readers,
                         inbox: segments.inbox,
                         gpu_targets,
+                        landing,
                         held: Vec::new(),
                     },
                     acks: links.reply.1,
@@ -580,6 +585,7 @@ impl Pipe {
         }
         // The sender has finished waiting on the events of our previous acknowledgement.
         side.rx.held.clear();
+        let pooled = side.rx.landing.is_some();
         let public = Descriptor {
             metadata: descriptor.metadata.clone(),
             payload_lengths: descriptor.payloads.clone(),
@@ -591,7 +597,7 @@ impl Pipe {
                     source_device: t.source,
                     target_device: t.target,
                     metadata: t.metadata.clone(),
-                    arrives_shared: t.in_segment(),
+                    arrives_shared: lent(t, pooled),
                 })
                 .collect(),
         };
@@ -629,7 +635,7 @@ impl Pipe {
                 allocation,
             });
         };
-        if let Err(why) = check_allocation(&descriptor, &allocation) {
+        if let Err(why) = check_allocation(&descriptor, &allocation, side.rx.landing.is_some()) {
             side.pending = Some(descriptor);
             return Err(ReadError {
                 error: PipeError::Misuse(why),
@@ -683,7 +689,18 @@ impl Pipe {
     }
 }
 
-fn check_allocation(d: &WireDescriptor, a: &Allocation) -> std::result::Result<(), String> {
+/// Whether a tensor arrives in memory the pipe lends (the reader supplies an empty buffer):
+/// the receiver's cma segment, or for rdma the receive pool (`pooled`: this pipe has one).
+fn lent(t: &WireTensor, pooled: bool) -> bool {
+    t.in_segment()
+        || (pooled
+            && matches!(t.data, crate::wire::Source::Rdma { .. })
+            && t.target.unwrap_or(t.source) == Device::Cpu
+            && t.length > 0
+            && t.length as usize <= crate::channel::rdma::POOL_MAX_TENSOR)
+}
+
+fn check_allocation(d: &WireDescriptor, a: &Allocation, pooled: bool) -> std::result::Result<(), String> {
     if a.payloads.len() != d.payloads.len() || a.tensors.len() != d.tensors.len() {
         return Err(format!(
             "allocation has {} payloads and {} tensors; the message has {} and {}",
@@ -699,7 +716,7 @@ fn check_allocation(d: &WireDescriptor, a: &Allocation) -> std::result::Result<(
         }
     }
     for (i, (b, t)) in a.tensors.iter().zip(&d.tensors).enumerate() {
-        if b.len() as u64 != t.length && !t.in_segment() {
+        if b.len() as u64 != t.length && !lent(t, pooled) {
             return Err(format!(
                 "tensor {i}: buffer of {} bytes for {} bytes",
                 b.len(),

@@ -151,6 +151,42 @@ async fn rdma_and_basic_over_ibv_model() {
     .await
 }
 
+/// rdma lands received CPU tensors in the pipe's registered receive pool instead of registering
+/// the reader's buffer for every read: each arrives lent (`RecvBuffer::Shared`, no buffer
+/// supplied), and once dropped its chunk, still registered, serves the next tensor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_reads_land_in_a_recycled_registered_pool() {
+    watchdog("rdma receive pool", async {
+        let (a, b) = pair_with(ibv_model(&[ChannelKind::Rdma])).await;
+        let mut addresses = std::collections::HashSet::new();
+        for round in 0..20u8 {
+            let m = Message {
+                tensors: vec![Tensor::cpu(vec![round; 1 << 20])],
+                ..Message::default()
+            };
+            let read = async {
+                let d = b.read_descriptor().await.unwrap();
+                assert!(d.tensors[0].arrives_shared, "an rdma tensor lands in the receive pool");
+                assert_eq!(d.tensors[0].buffer_len(), 0);
+                b.read(Allocation::for_descriptor(&d)).await.unwrap()
+            };
+            let (w, r) = tokio::join!(a.write(&m), read);
+            w.unwrap();
+            let t = &r.tensors[0];
+            assert!(matches!(t, RecvBuffer::Shared(_)), "not lent from the pool");
+            let bytes = t.as_cpu().unwrap();
+            assert_eq!(bytes.len(), 1 << 20);
+            assert!(bytes.iter().all(|&x| x == round));
+            addresses.insert(bytes.as_ptr() as usize);
+        }
+        // Each tensor was dropped before the next arrived: one chunk served them all.
+        assert_eq!(addresses.len(), 1, "chunks: {addresses:x?}");
+        let v = sluice_transport::ibv::model::ModelFabric::global().violations();
+        assert!(v.is_empty(), "verbs rules broken: {v:?}");
+    })
+    .await
+}
+
 /// A tensor in read-only memory (a static) goes by rdma: its registration asks for remote reads
 /// only, as hardware requires (write rights on read-only pages fail with EFAULT; the model
 /// refuses them the same way).

@@ -65,6 +65,8 @@ pub(crate) struct Rx {
     pub inbox: Option<Arc<Segment>>,
     /// cuda_gdr: registrations of receiving GPU allocations.
     pub gpu_targets: Option<RegCache>,
+    /// rdma: registered memory CPU tensors are read into, lent to the reader.
+    pub landing: Option<Arc<rdma::RecvPool>>,
     /// cuda_ipc/cuda_p2p: events whose handles went to the sender in the last
     /// acknowledgement. It may still be queueing waits on them until its next message arrives,
     /// so they are not reused before.
@@ -255,6 +257,16 @@ pub(crate) async fn recv(
     if let Source::Segment { offset } = source {
         return cma::take(rx, link, *offset, length, buffer);
     }
+    if let (&Source::Rdma { addr, rkey }, ChannelKind::Rdma, Some(pool)) = (source, channel, rx.landing.as_ref()) {
+        if lands_in_pool(length, buffer) {
+            if let Some(b) = rdma::recv_pooled(link, pool, length as usize, addr, rkey).await? {
+                *buffer = RecvBuffer::Shared(b);
+                return Ok(Received::Ack);
+            }
+            // The pool is over its budget: a buffer of our own, registered for this read.
+            *buffer = RecvBuffer::cpu(length as usize);
+        }
+    }
     if let RecvBuffer::Shared(b) = buffer {
         // A buffer handed back from an earlier read: this tensor needs writable memory.
         *buffer = RecvBuffer::cpu(b.len());
@@ -276,6 +288,12 @@ pub(crate) async fn recv(
         }
         (_, b) => Err(link.protocol(format!("channel {channel} cannot fill a {} buffer", b.device()))),
     }
+}
+
+/// Whether an rdma tensor of `length` bytes, for which the reader supplied `buffer`, lands in
+/// the receive pool: the descriptor announced it so (the reader supplied no memory).
+fn lands_in_pool(length: u64, buffer: &RecvBuffer) -> bool {
+    length > 0 && buffer.is_empty() && matches!(buffer, RecvBuffer::Cpu(_) | RecvBuffer::Shared(_))
 }
 
 /// Sender, once acknowledged: what the receiver sent back for one CUDA tensor.

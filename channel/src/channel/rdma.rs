@@ -9,14 +9,19 @@
 //!   trip and a registration, a ring write neither.
 //! - The sender's registrations are cached per pipe ([`RegCache`], bounded by count and bytes);
 //!   an entry keeps its buffer alive, so a cached address can never be freed and reused under
-//!   a stale registration. The receiver registers its destination for the read and drops the
-//!   registration after it (its buffers are caller-owned `BytesMut`, which a cache could not
-//!   keep alive).
+//!   a stale registration. The receiver reads into its pipe's [`RecvPool`]: registered chunks
+//!   recycled by size class, lent to the reader as `RecvBuffer::Shared` and back in the pool
+//!   (still registered) when the last handle drops, so a steady stream of tensors registers
+//!   nothing after the first few. Caller-owned memory could not be cached (nothing keeps it
+//!   alive, and UCX's registration cache needs memory hooks to notice it being freed); a pool
+//!   whose memory the pipe owns needs none. When the pool is over its budget the read falls back
+//!   to registering a fresh buffer for that read only.
 //! - The sender's write completes when the receiver acknowledges its reads (as with CMA).
 #![allow(unsafe_code)]
 
-use std::collections::VecDeque;
-use std::sync::Arc;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use bytes::{Bytes, BytesMut};
 use sluice_transport::ibv::{Access, IbvTransport, MrInfo, Sge, VerbsDevice, VerbsError, VerbsMr};
@@ -194,6 +199,156 @@ pub(crate) fn prepare(tx: &mut Tx, link: &Link<'_>, b: &Bytes) -> PipeResult<Sou
     })
 }
 
+/// Largest tensor the receive pool lands (larger ones are read into a buffer registered for
+/// that read).
+pub const POOL_MAX_TENSOR: usize = 256 << 20;
+
+/// A registered chunk of the receive pool (fields drop in order: the registration before the
+/// memory).
+struct Chunk {
+    mr: Box<dyn VerbsMr>,
+    mem: Box<[u8]>,
+}
+
+/// Registered memory the receiver RDMA-reads tensors into, recycled by power-of-two size class
+/// (a chunk keeps its registration while free), within a byte budget.
+pub struct RecvPool {
+    device: Arc<dyn VerbsDevice>,
+    state: Mutex<PoolState>,
+    /// Registrations made (what the pool saves: one per chunk, not one per read).
+    pub registrations: AtomicU64,
+}
+
+struct PoolState {
+    free: HashMap<usize, Vec<Chunk>>,
+    /// Bytes registered: free chunks and chunks lent out.
+    bytes: usize,
+    max_bytes: usize,
+}
+
+impl RecvPool {
+    pub fn new(device: Arc<dyn VerbsDevice>, max_bytes: usize) -> Arc<RecvPool> {
+        Arc::new(RecvPool {
+            device,
+            state: Mutex::new(PoolState {
+                free: HashMap::new(),
+                bytes: 0,
+                max_bytes,
+            }),
+            registrations: AtomicU64::new(0),
+        })
+    }
+
+    fn class(len: usize) -> usize {
+        len.max(INLINE_MAX).next_power_of_two()
+    }
+
+    /// A registered chunk for `len` bytes: a free one of its class, or a new one if the budget
+    /// allows (evicting free chunks of other classes first). `None`: over budget.
+    pub fn take(self: &Arc<Self>, len: usize) -> Result<Option<Landing>, VerbsError> {
+        if len > POOL_MAX_TENSOR {
+            return Ok(None);
+        }
+        let class = Self::class(len);
+        let mut st = self.state.lock().expect("receive pool");
+        if let Some(chunk) = st.free.get_mut(&class).and_then(Vec::pop) {
+            return Ok(Some(Landing::new(chunk, len, self)));
+        }
+        while st.bytes + class > st.max_bytes {
+            let Some((&other, _)) = st.free.iter().find(|(_, v)| !v.is_empty()) else {
+                return Ok(None);
+            };
+            st.free.get_mut(&other).and_then(Vec::pop);
+            st.bytes -= other;
+        }
+        st.bytes += class;
+        drop(st);
+        let mut mem = vec![0u8; class].into_boxed_slice();
+        // SAFETY: the chunk owns `mem` with its registration, and the registration is dropped
+        // (with the chunk) before the memory; a chunk lent to a read that is abandoned is
+        // leaked, never freed (see `Lease`).
+        let mr = match unsafe { self.device.register(mem.as_mut_ptr(), class, Access::LOCAL) } {
+            Ok(mr) => mr,
+            Err(e) => {
+                self.state.lock().expect("receive pool").bytes -= class;
+                return Err(e);
+            }
+        };
+        self.registrations.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(Landing::new(Chunk { mr, mem }, len, self)))
+    }
+
+    fn give_back(&self, chunk: Chunk) {
+        let class = chunk.mem.len();
+        self.state
+            .lock()
+            .expect("receive pool")
+            .free
+            .entry(class)
+            .or_default()
+            .push(chunk);
+    }
+}
+
+/// A chunk of the pool lent for one tensor: the tensor's bytes, back to the pool (still
+/// registered) when dropped.
+pub struct Landing {
+    chunk: Option<Chunk>,
+    len: usize,
+    pool: std::sync::Weak<RecvPool>,
+}
+
+impl Landing {
+    fn new(chunk: Chunk, len: usize, pool: &Arc<RecvPool>) -> Landing {
+        Landing {
+            chunk: Some(chunk),
+            len,
+            pool: Arc::downgrade(pool),
+        }
+    }
+
+    fn info(&self) -> MrInfo {
+        self.chunk.as_ref().expect("lent").mr.info()
+    }
+}
+
+impl AsRef<[u8]> for Landing {
+    fn as_ref(&self) -> &[u8] {
+        &self.chunk.as_ref().expect("lent").mem[..self.len]
+    }
+}
+
+impl Drop for Landing {
+    fn drop(&mut self) {
+        if let (Some(chunk), Some(pool)) = (self.chunk.take(), self.pool.upgrade()) {
+            pool.give_back(chunk);
+        }
+    }
+}
+
+/// Receiver: RDMA-reads a tensor of `len` bytes into a chunk of `pool`, lent to the caller as
+/// the returned bytes. `None` when the pool is over its budget (the caller falls back to
+/// [`recv`]). Abandoned mid-read, the chunk is leaked (the NIC may still write there).
+pub(crate) async fn recv_pooled(
+    link: &Link<'_>,
+    pool: &Arc<RecvPool>,
+    len: usize,
+    addr: u64,
+    rkey: u32,
+) -> PipeResult<Option<Bytes>> {
+    let landing = match pool.take(len) {
+        Ok(Some(l)) => l,
+        Ok(None) => return Ok(None),
+        Err(e) => return Err(link.channel_error(ChannelKind::Rdma, format!("registering receive memory: {e}"))),
+    };
+    let info = landing.info();
+    let mut lease = Lease::new(landing, link, ChannelKind::Rdma);
+    // SAFETY: the lease holds the registered chunk until the read completes, or leaks it.
+    let result = unsafe { pull(link, info.addr, info.lkey, len, addr, rkey) }.await;
+    let landing = lease.release();
+    result.map(|()| Some(Bytes::from_owner(landing)))
+}
+
 /// Receiver: RDMA-reads a tensor into `dst` (registered for the read only). If this future is
 /// dropped mid-read, the destination and its registration are leaked (the NIC may still write
 /// there) and the pipe fails.
@@ -288,6 +443,27 @@ impl<T> Drop for Lease<'_, T> {
 mod tests {
     use super::*;
     use sluice_transport::ibv::model::{ModelFabric, DEFAULT_LIMITS};
+
+    #[test]
+    fn the_receive_pool_registers_once_per_chunk_and_keeps_to_its_budget() {
+        let pool = RecvPool::new(ModelFabric::new().device("pool", DEFAULT_LIMITS), 4 << 20);
+        // A steady stream of 1 MiB tensors: one registration, the chunk lent and given back.
+        for _ in 0..50 {
+            let l = pool.take(1 << 20).unwrap().expect("within budget");
+            assert_eq!(l.as_ref().len(), 1 << 20);
+            drop(l);
+        }
+        assert_eq!(pool.registrations.load(Ordering::Relaxed), 1);
+        // Lent chunks count against the budget: a fifth 1 MiB chunk does not fit.
+        let held: Vec<Landing> = (0..4).map(|_| pool.take(1 << 20).unwrap().unwrap()).collect();
+        assert!(pool.take(1 << 20).unwrap().is_none(), "over budget");
+        drop(held);
+        // Free chunks of another class are evicted to make room.
+        let big = pool.take(3 << 20).unwrap().expect("evicts free 1 MiB chunks");
+        assert_eq!(big.as_ref().len(), 3 << 20);
+        // Tensors above the pool's limit are not pooled.
+        assert!(pool.take(POOL_MAX_TENSOR + 1).unwrap().is_none());
+    }
 
     #[test]
     fn the_cache_is_bounded_keeps_pinned_entries_and_holds_its_buffers() {

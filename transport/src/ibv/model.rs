@@ -15,7 +15,10 @@
 //!   pair (and for remote errors the peer's) to the error state;
 //! - a write or send with immediate that finds no receive posted waits (receiver-not-ready,
 //!   retried for ever as with `rnr_retry = 7`), counted in [`ModelStats::rnr_waits`];
-//! - a peer that is gone (destroyed queue pair, killed device) yields `RetryExceeded`;
+//! - a peer that is gone (destroyed queue pair, killed device, queue pair in error) does not
+//!   answer: the request is retried until the retry timeout (the transport's `timeout` 14 and
+//!   `retry_cnt` 7: 8 × 67 ms, [`RETRY_TIMEOUT`]; [`ModelFabric::set_retry_timeout`]) and only
+//!   then completes with `RetryExceeded`, as a NIC does, never at once;
 //! - the error state flushes every outstanding request, in order;
 //! - a completion queue that overflows is a violation and moves its queue pairs to error;
 //! - deregistering memory that a queued request still uses, or destroying a queue pair whose
@@ -30,9 +33,14 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::verbs::*;
+
+/// How long a NIC retries a request its peer does not answer before `RetryExceeded`, with the
+/// attributes the real backend sets (`timeout` 14: 4.096 µs × 2^14 = 67 ms per attempt;
+/// `retry_cnt` 7: eight attempts).
+pub const RETRY_TIMEOUT: Duration = Duration::from_nanos((4096u64 << 14) * 8);
 
 /// Counters a test or benchmark can read.
 #[derive(Debug, Clone, Copy, Default)]
@@ -69,6 +77,9 @@ struct State {
     stats: ModelStats,
     /// Queue pairs that may have executable work.
     ready: VecDeque<u32>,
+    /// Queue pairs retrying a request their peer does not answer (revisited every few ms).
+    retrying: Vec<u32>,
+    retry_timeout: Duration,
     shutdown: bool,
 }
 
@@ -138,6 +149,8 @@ struct Qp {
     sq_outstanding: u32,
     rq_outstanding: u32,
     rnr_waiting: bool,
+    /// When the head request first found its peer silent (retries run from there).
+    silent_since: Option<Instant>,
 }
 
 /// Whether every page of `addr..addr+len` is mapped writable in this process (from
@@ -188,6 +201,7 @@ impl ModelFabric {
         let inner = Arc::new(Fabric {
             state: Mutex::new(State {
                 next: 0x100,
+                retry_timeout: RETRY_TIMEOUT,
                 ..State::default()
             }),
             work: Condvar::new(),
@@ -199,6 +213,12 @@ impl ModelFabric {
             .spawn(move || worker(weak))
             .expect("spawn the verbs model thread");
         ModelFabric { inner }
+    }
+
+    /// How long requests to a silent peer are retried before `RetryExceeded` (default
+    /// [`RETRY_TIMEOUT`]).
+    pub fn set_retry_timeout(&self, timeout: Duration) {
+        self.lock().retry_timeout = timeout;
     }
 
     /// The process-wide fabric the transport uses when configured for the model.
@@ -442,6 +462,7 @@ impl VerbsDevice for ModelDevice {
                 sq_outstanding: 0,
                 rq_outstanding: 0,
                 rnr_waiting: false,
+                silent_since: None,
             },
         );
         Ok(Box::new(ModelQp {
@@ -805,6 +826,21 @@ fn check_mr(st: &State, dev: u32, key: u32, remote: bool, addr: u64, len: u64, n
     })
 }
 
+/// Whether the head request of `n`, whose peer does not answer, has been retried for the whole
+/// retry timeout; if not, `n` is revisited later.
+fn retried_out(st: &mut State, n: u32) -> bool {
+    let timeout = st.retry_timeout;
+    let q = st.qps.get_mut(&n).expect("present");
+    let since = *q.silent_since.get_or_insert_with(Instant::now);
+    if since.elapsed() >= timeout {
+        return true;
+    }
+    if !st.retrying.contains(&n) {
+        st.retrying.push(n);
+    }
+    false
+}
+
 /// The NIC: executes the head of each ready queue pair's send queue.
 fn worker(fabric: Weak<Fabric>) {
     loop {
@@ -818,11 +854,15 @@ fn worker(fabric: Weak<Fabric>) {
                 execute(&mut st, n);
                 continue;
             }
-            let (guard, _) = f
-                .work
-                .wait_timeout(st, Duration::from_millis(100))
-                .expect("verbs model state");
+            let idle = match st.retrying.is_empty() {
+                true => Duration::from_millis(100),
+                false => Duration::from_millis(2),
+            };
+            let (guard, _) = f.work.wait_timeout(st, idle).expect("verbs model state");
             st = guard;
+            // Retries go on: revisit the queue pairs whose peer was silent.
+            let retrying = std::mem::take(&mut st.retrying);
+            st.ready.extend(retrying);
             if st.ready.is_empty() {
                 break; // let the fabric go if nobody holds it
             }
@@ -843,17 +883,15 @@ fn execute(st: &mut State, n: u32) {
         }
         let dev = qp.dev;
         let remote = qp.remote.and_then(|r| st.qps.get(&r).map(|q| (r, q)));
-        let (rn, rdev, rstate, r_has_recv) = match remote {
-            Some((r, q)) if st.devices.get(&q.dev).is_some_and(|d| d.alive) => (r, q.dev, q.state, !q.rq.is_empty()),
-            _ => {
+        let answering =
+            remote.filter(|(_, q)| st.devices.get(&q.dev).is_some_and(|d| d.alive) && q.state != QpState::Error);
+        let Some((rn, rdev, r_has_recv)) = answering.map(|(r, q)| (r, q.dev, !q.rq.is_empty())) else {
+            // Nobody answers: the NIC retries until the retry timeout, then gives up.
+            if retried_out(st, n) {
                 fail(st, n, wr, WcStatus::RetryExceeded, None);
-                return;
             }
-        };
-        if rstate == QpState::Error {
-            fail(st, n, wr, WcStatus::RetryExceeded, None);
             return;
-        }
+        };
         let local_len = wr.local.map_or(0, |s| s.len as u64);
         if let Some(s) = wr.local {
             let writable = matches!(wr.op, SendOp::Read { .. });

@@ -319,6 +319,41 @@ fn the_error_state_flushes_everything_outstanding_in_order() {
 }
 
 #[test]
+fn a_dead_peer_fails_only_after_the_retry_timeout() {
+    // Hardware retries a request nobody answers (`timeout` × `retry_cnt`) before reporting
+    // RETRY_EXC_ERR; a model that failed at once let code pass that expects dead peers to
+    // show up immediately.
+    let p = pair(DEFAULT_LIMITS, caps(8), 64);
+    assert_eq!(model::RETRY_TIMEOUT.as_millis(), 536);
+    let retry = Duration::from_millis(300);
+    p.fabric.set_retry_timeout(retry);
+    p._devs.1.kill();
+    let start = Instant::now();
+    unsafe {
+        p.qps
+            .0
+            .post_send(&SendWr {
+                wr_id: 1,
+                op: SendOp::SendImm { imm: 0 },
+                local: None,
+            })
+            .unwrap()
+    };
+    // Nothing yet: the NIC is still retrying.
+    std::thread::sleep(Duration::from_millis(50));
+    let mut early = Vec::new();
+    p.cqs.0.poll(&mut early, 4).unwrap();
+    assert!(early.is_empty(), "failed before the retry timeout: {early:?}");
+    let c = poll_n(p.cqs.0.as_ref(), 1);
+    assert_eq!(c[0].status, WcStatus::RetryExceeded);
+    assert!(
+        start.elapsed() >= retry,
+        "failed after {:?}, before the retry timeout",
+        start.elapsed()
+    );
+}
+
+#[test]
 fn a_send_without_a_posted_receive_waits_for_one() {
     let p = pair(DEFAULT_LIMITS, caps(8), 64);
     unsafe {
