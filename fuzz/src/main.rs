@@ -227,4 +227,30 @@ fn main() {
     write("rpc", rpc);
     write("store", sluice_agent::store::tcp::fuzz_seeds());
     write("tensor", sluice_autograd::dist::wire::fuzz_seeds());
+    write("meta", meta_seeds());
+}
+
+/// Tensor descriptions as the bindings send them, each after the length of its buffer.
+fn meta_seeds() -> Vec<Vec<u8>> {
+    use sluice_dlpack::{DType, Meta};
+    let strided = Meta {
+        dtype: DType::I16,
+        shape: vec![4, 3],
+        strides: vec![6, 2],
+    };
+    let cases = [
+        (Meta::contiguous(DType::F32, &[2, 3]), 24u32, &b"torch"[..]),
+        (strided, 46, &b"numpy"[..]),
+        (Meta::contiguous(DType::BF16, &[]), 2, &b""[..]),
+        (Meta::contiguous(DType::Bool, &[0, 5]), 0, &b""[..]),
+        (Meta::contiguous(DType::C128, &[1, 1, 1, 2]), 64, &b"jax"[..]),
+    ];
+    cases
+        .into_iter()
+        .map(|(m, len, tag)| {
+            let mut v = len.to_le_bytes().to_vec();
+            v.extend(m.encode_tagged(tag));
+            v
+        })
+        .collect()
 }
