@@ -133,6 +133,14 @@ pub enum UpdateMode {
     Hogwild,
 }
 
+/// One parameter's optimizer state, as checkpoints keep it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ParamState {
+    pub momentum: Option<Vec<f64>>,
+    /// Adam's first and second moments and its step count.
+    pub adam: Option<(Vec<f64>, Vec<f64>, u64)>,
+}
+
 #[derive(Default)]
 struct Slot {
     momentum: Option<Vec<f64>>,
@@ -209,6 +217,57 @@ impl Optimizer {
                     }
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Each parameter's update state (momentum, Adam's moments and step), by parameter name,
+    /// for checkpoints. CPU state only: a parameter whose state lives on a GPU is an error.
+    pub fn export_state(&self) -> Result<Vec<(String, ParamState)>> {
+        let state = self.state.lock().unwrap();
+        let mut out = Vec::new();
+        for p in &self.params {
+            let Some(slot) = state.get(&p.id()) else { continue };
+            if slot.gpu_momentum.is_some() || slot.gpu_adam.is_some() {
+                return Err(Error::Optimizer(format!(
+                    "{}: exporting optimizer state kept on a GPU is not supported",
+                    p.name()
+                )));
+            }
+            out.push((
+                p.name().to_owned(),
+                ParamState {
+                    momentum: slot.momentum.clone(),
+                    adam: slot.adam.clone(),
+                },
+            ));
+        }
+        Ok(out)
+    }
+
+    /// Restores state saved by [`export_state`](Self::export_state) (matched by parameter
+    /// name; a length that does not match its parameter is an error).
+    pub fn import_state(&self, saved: &[(String, ParamState)]) -> Result<()> {
+        let mut state = self.state.lock().unwrap();
+        for (name, s) in saved {
+            let p = self
+                .params
+                .iter()
+                .find(|p| p.name() == name)
+                .ok_or_else(|| Error::Optimizer(format!("optimizer state for unknown parameter {name}")))?;
+            let n = p.data().numel();
+            let lens = [
+                s.momentum.as_ref().map(Vec::len),
+                s.adam.as_ref().map(|a| a.0.len().min(a.1.len())),
+            ];
+            if lens.iter().flatten().any(|&l| l != n) {
+                return Err(Error::Optimizer(format!(
+                    "{name}: saved state does not match its {n} elements"
+                )));
+            }
+            let slot = state.entry(p.id()).or_default();
+            slot.momentum = s.momentum.clone();
+            slot.adam = s.adam.clone();
         }
         Ok(())
     }

@@ -25,8 +25,8 @@ pub enum Demo {
         /// The server's parameters live on `cuda:0`.
         gpu: bool,
     },
-    /// Pipeline: micro-batches per batch, epochs.
-    Pipeline { micro_batches: u32, epochs: u32 },
+    /// Pipeline parallelism over `stages` workers.
+    Pipeline(pipeline::Settings),
     /// Agent and observers: observers, rounds.
     Rl { observers: u32, rounds: u32 },
 }
@@ -35,7 +35,7 @@ impl Demo {
     fn world_size(&self) -> u32 {
         match self {
             Demo::Ps { trainers, .. } => trainers + 1,
-            Demo::Pipeline { .. } => 3,
+            Demo::Pipeline(s) => pipeline::world_size(s),
             Demo::Rl { observers, .. } => observers + 1,
         }
     }
@@ -66,12 +66,31 @@ pub enum DemoCommand {
         #[arg(long)]
         gpu: bool,
     },
-    /// Pipeline parallelism: two stages, micro-batches in flight.
+    /// Pipeline parallelism: an MLP on handwritten digits split over stages, micro-batched
+    /// (GPipe or 1F1B), partitioned from a profile, checkpointed every epoch.
     Pipeline {
         #[arg(long, default_value_t = 4)]
+        stages: u32,
+        #[arg(long, default_value_t = 8)]
         micro_batches: u32,
-        #[arg(long, default_value_t = 30)]
+        #[arg(long, default_value_t = 10)]
         epochs: u32,
+        /// gpipe or 1f1b.
+        #[arg(long, default_value = "1f1b")]
+        schedule: sluice_pipeline::Schedule,
+        /// auto (from a profile of each layer) or hints (equal shares of the layers).
+        #[arg(long, default_value = "auto", value_parser = ["auto", "hints"])]
+        partition: String,
+        /// Save a distributed checkpoint here after every epoch.
+        #[arg(long)]
+        checkpoint: Option<std::path::PathBuf>,
+        /// Start from the newest checkpoint in --checkpoint.
+        #[arg(long)]
+        resume: bool,
+        /// Hidden width (about 16000 makes a 1 GiB model; with --epochs 0 and --checkpoint,
+        /// only the initial model is saved and timed against the disk).
+        #[arg(long, default_value_t = 128)]
+        width: usize,
     },
     /// An agent driving observers through RPC and RRefs (REINFORCE).
     Rl {
@@ -96,10 +115,25 @@ impl From<DemoCommand> for Demo {
                 reducer: sync,
                 gpu,
             },
-            DemoCommand::Pipeline { micro_batches, epochs } => Demo::Pipeline {
+            DemoCommand::Pipeline {
+                stages,
+                micro_batches,
+                epochs,
+                schedule,
+                partition,
+                checkpoint,
+                resume,
+                width,
+            } => Demo::Pipeline(pipeline::Settings {
+                stages: stages.max(1),
                 micro_batches: micro_batches.max(1),
                 epochs,
-            },
+                schedule,
+                auto_partition: partition != "hints",
+                checkpoint,
+                resume,
+                width: width.max(1),
+            }),
             DemoCommand::Rl { observers, rounds } => Demo::Rl {
                 observers: observers.max(1),
                 rounds: rounds.max(1),
@@ -135,8 +169,14 @@ pub fn child_main() -> Option<anyhow::Result<()>> {
     })())
 }
 
-/// Runs `demo`: this process is rank 0; ranks 1.. are started as children.
+/// Runs `demo`: this process is rank 0; ranks 1.. are started as children. Under `sluice
+/// launch` (which names each worker) every process is already one of the group: it runs its
+/// own rank only.
 pub fn launch(demo: Demo) -> anyhow::Result<()> {
+    if std::env::var("SLUICE_WORKER_NAME").is_ok() {
+        let rank: u32 = std::env::var("RANK")?.parse()?;
+        return demo.run_rank(rank);
+    }
     if let Demo::Ps { gpu: true, .. } = demo {
         // Say so before starting anyone, rather than through a failed rank.
         sluice_autograd::cuda::available().map_err(|e| anyhow::anyhow!("--gpu needs CUDA, NVRTC and cuBLAS: {e}"))?;

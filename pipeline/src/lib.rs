@@ -1,0 +1,363 @@
+//! Pipeline parallelism over RPC, and distributed checkpoints.
+//!
+//! A sequential model ([`nn::Layer`]s) is split into contiguous stages ([`partition`]: by
+//! hints, or automatically from a profile), each built on the worker its placement string
+//! names (`"worker1/cpu"`). A mini-batch is cut into micro-batches; each micro-batch's forward
+//! is one RPC chain through the stages (stage to stage, recorded in a distributed-autograd
+//! context), and the driver runs the backwards in the order of the [`schedule`] (GPipe or
+//! 1F1B), then every stage steps its own optimizer with the context's gradients. Gradients over
+//! a mini-batch equal the unpipelined model's (the micro-batch losses are weighted so they sum
+//! to the mini-batch mean).
+//!
+//! [`Pipeline::save`] writes a [`checkpoint`]: every stage writes its layers' shards, the
+//! driver commits the manifest; [`Pipeline::restore`] rebuilds on any placement and partition.
+//!
+//! Not yet: rematerialization, asynchronous 1F1B with weight stashing (PipeDream), CUDA stages.
+
+#![forbid(unsafe_code)]
+
+pub mod checkpoint;
+pub mod nn;
+pub mod partition;
+pub mod schedule;
+pub mod stage;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use sluice_agent::{Agent, Registry};
+use sluice_autograd::dist::{self, Context, DistFuture};
+use sluice_autograd::{cross_entropy, DType, OptimizerKind, Tensor};
+
+pub use checkpoint::{CheckpointError, Manifest};
+pub use nn::Layer;
+pub use partition::{LayerCost, Partition, PartitionError};
+pub use schedule::{Op, Schedule};
+
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error("placement {0:?}: expected WORKER/DEVICE, e.g. \"worker1/cpu\"")]
+    Placement(String),
+    #[error("{0}")]
+    Unsupported(String),
+    #[error(transparent)]
+    Partition(#[from] PartitionError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error(transparent)]
+    Autograd(#[from] sluice_autograd::Error),
+    #[error("{0}")]
+    Rpc(#[from] sluice_agent::RpcError),
+}
+
+pub type Result<T> = std::result::Result<T, PipelineError>;
+
+/// Registers what a worker holding stages needs (the stage handlers, distributed autograd).
+pub fn install(r: &mut Registry) {
+    dist::install(r);
+    stage::install(r);
+}
+
+/// A stage's home: a worker and a device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    pub worker: String,
+    pub device: String,
+}
+
+impl std::str::FromStr for Placement {
+    type Err = PipelineError;
+    fn from_str(s: &str) -> Result<Placement> {
+        match s.split_once('/') {
+            Some((w, d)) if !w.is_empty() && !d.is_empty() => Ok(Placement {
+                worker: w.to_owned(),
+                device: d.to_owned(),
+            }),
+            _ => Err(PipelineError::Placement(s.to_owned())),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct PipelineOptions {
+    pub seed: u64,
+    pub dtype: DType,
+    pub optimizer: OptimizerKind,
+    pub schedule: Schedule,
+    pub micro_batches: usize,
+}
+
+/// Each layer's measured cost on `worker` for micro-batches of `batch` rows.
+pub fn profile(agent: &Agent, worker: &str, model: &[Layer], batch: usize, dtype: DType) -> Result<Vec<LayerCost>> {
+    Ok(agent.call(worker, stage::H_PROFILE, &(model.to_vec(), batch, dtype, 5usize))?)
+}
+
+/// Every parameter's gradient, by name, in stage order.
+pub type Gradients = Vec<(String, Vec<f64>)>;
+
+/// What one training step did.
+#[derive(Debug, Clone)]
+pub struct StepReport {
+    /// The mini-batch's mean loss.
+    pub loss: f64,
+    pub seconds: f64,
+}
+
+/// A model split over workers.
+pub struct Pipeline {
+    agent: Agent,
+    model: Vec<Layer>,
+    partition: Partition,
+    placements: Vec<Placement>,
+    /// (worker id, stage id) in order.
+    route: Vec<(u32, u64)>,
+    options: PipelineOptions,
+}
+
+static NEXT_STAGE: AtomicU64 = AtomicU64::new(1);
+
+impl Pipeline {
+    /// Builds stage `i` (layers `partition.stages[i]`) on `placements[i]`.
+    pub fn new(
+        agent: &Agent,
+        model: Vec<Layer>,
+        placements: &[&str],
+        partition: Partition,
+        options: PipelineOptions,
+    ) -> Result<Pipeline> {
+        let placements = placements
+            .iter()
+            .map(|p| p.parse())
+            .collect::<Result<Vec<Placement>>>()?;
+        if placements.len() != partition.stages.len() {
+            return Err(PipelineError::Unsupported(format!(
+                "{} placements for {} stages",
+                placements.len(),
+                partition.stages.len()
+            )));
+        }
+        if partition.stages.last().map(|r| r.end) != Some(model.len()) {
+            return Err(PipelineError::Unsupported(format!(
+                "a partition that does not cover the {} layers",
+                model.len()
+            )));
+        }
+        if let Some(p) = placements.iter().find(|p| p.device != "cpu") {
+            return Err(PipelineError::Unsupported(format!(
+                "stage on {}/{}: only CPU stages are supported so far",
+                p.worker, p.device
+            )));
+        }
+        if options.micro_batches == 0 {
+            return Err(PipelineError::Unsupported("zero micro-batches".into()));
+        }
+        let mut route = Vec::new();
+        for (p, layers) in placements.iter().zip(&partition.stages) {
+            let id = (u64::from(agent.info().id) << 40) | NEXT_STAGE.fetch_add(1, Ordering::Relaxed);
+            let spec = stage::StageSpec {
+                id,
+                model: model.clone(),
+                layers: layers.clone(),
+                seed: options.seed,
+                dtype: options.dtype,
+                optimizer: options.optimizer,
+            };
+            let _: usize = agent.call(p.worker.as_str(), stage::H_CREATE, &spec)?;
+            route.push((agent.worker(p.worker.as_str())?.id, id));
+        }
+        Ok(Pipeline {
+            agent: agent.clone(),
+            model,
+            partition,
+            placements,
+            route,
+            options,
+        })
+    }
+
+    pub fn partition(&self) -> &Partition {
+        &self.partition
+    }
+
+    pub fn model(&self) -> &[Layer] {
+        &self.model
+    }
+
+    /// Rows of each micro-batch of a mini-batch of `n` rows.
+    fn sizes(&self, n: usize) -> Vec<usize> {
+        let m = self.options.micro_batches.min(n).max(1);
+        (0..m).map(|i| n / m + usize::from(i < n % m)).collect()
+    }
+
+    fn start(&self, x: &Tensor) -> Result<DistFuture<Tensor>> {
+        Ok(dist::rpc_async(
+            &self.agent,
+            self.route[0].0,
+            stage::H_HOP,
+            &(self.route.clone(), x.clone()),
+        )?)
+    }
+
+    /// Forward and backward of one mini-batch in `context`, micro-batch by micro-batch in the
+    /// schedule's order; returns the mean loss.
+    fn forward_backward(&self, context: &Context, x: &Tensor, y: &Tensor) -> Result<f64> {
+        let n = x.shape()[0];
+        let sizes = self.sizes(n);
+        let xs = x.split(&sizes, 0)?;
+        let ys = y.split(&sizes, 0)?;
+        let mut pending: Vec<Option<DistFuture<Tensor>>> = (0..sizes.len()).map(|_| None).collect();
+        let mut total = 0.0;
+        let order = schedule::driver_order(self.options.schedule, self.route.len(), sizes.len());
+        let mut backwards_left = sizes.len();
+        for op in order {
+            match op {
+                Op::Forward(m) => pending[m] = Some(self.start(&xs[m])?),
+                Op::Backward(m) => {
+                    let out = pending[m].take().expect("forward before backward").wait()?;
+                    let loss = cross_entropy(&out, &ys[m])?.mul_scalar(sizes[m] as f64 / n as f64)?;
+                    total += loss.item()?;
+                    // A context takes one non-retaining backward (its graph is then closed);
+                    // each micro-batch's is over its own part of the graph, so all but the
+                    // last retain (nothing more is kept: a context's graph lives until it is
+                    // released either way).
+                    backwards_left -= 1;
+                    context.backward(&[loss], backwards_left > 0)?;
+                }
+            }
+        }
+        Ok(total)
+    }
+
+    /// One training step: forward and backward over the micro-batches, then every stage's
+    /// optimizer step with the gradients.
+    pub fn train_step(&self, x: &Tensor, y: &Tensor) -> Result<StepReport> {
+        let start = std::time::Instant::now();
+        let context = Context::new(&self.agent)?;
+        let loss = self.forward_backward(&context, x, y)?;
+        let steps: Vec<_> = self
+            .route
+            .iter()
+            .map(|&(w, id)| self.agent.call_async(w, stage::H_STEP, &(id, context.id())))
+            .collect();
+        for s in steps {
+            s.wait()?;
+        }
+        context.release()?;
+        Ok(StepReport {
+            loss,
+            seconds: start.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// The gradients one mini-batch gives every parameter (by name), without stepping.
+    pub fn gradients(&self, x: &Tensor, y: &Tensor) -> Result<(f64, Gradients)> {
+        let context = Context::new(&self.agent)?;
+        let loss = self.forward_backward(&context, x, y)?;
+        let mut out = Vec::new();
+        for &(w, id) in &self.route {
+            let g: Vec<(String, Vec<f64>)> = self.agent.call(w, stage::H_GRADS, &(id, context.id()))?;
+            out.extend(g);
+        }
+        context.release()?;
+        Ok((loss, out))
+    }
+
+    /// The model's output (no gradients), micro-batches pipelined.
+    pub fn predict(&self, x: &Tensor) -> Result<Tensor> {
+        let sizes = self.sizes(x.shape()[0]);
+        let futures = x
+            .split(&sizes, 0)?
+            .iter()
+            .map(|m| self.start(m))
+            .collect::<Result<Vec<_>>>()?;
+        let outs = futures
+            .into_iter()
+            .map(|f| f.wait())
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        Ok(sluice_autograd::cat(&outs, 0)?)
+    }
+
+    /// Saves a checkpoint of step `step` into `dir`: every stage writes its shards (in
+    /// parallel), then the manifest (with `driver`, the caller's own state) makes it exist.
+    pub fn save(&self, dir: &Path, step: u64, driver: serde_json::Value) -> Result<PathBuf> {
+        std::fs::create_dir_all(dir).map_err(|source| CheckpointError::Io {
+            path: dir.to_owned(),
+            source,
+        })?;
+        let dir_s = dir.to_string_lossy().into_owned();
+        let writes: Vec<_> = self
+            .route
+            .iter()
+            .map(|&(w, id)| self.agent.call_async(w, stage::H_SAVE, &(id, dir_s.clone(), step)))
+            .collect();
+        let mut shards = Vec::new();
+        let mut first_error = None;
+        for w in writes {
+            match w.wait().and_then(|p| p.decode::<Vec<checkpoint::ShardEntry>>()) {
+                Ok(s) => shards.extend(s),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_error {
+            return Err(e.into());
+        }
+        let manifest = Manifest {
+            format: checkpoint::FORMAT,
+            step,
+            model: self.model.clone(),
+            seed: self.options.seed,
+            shards,
+            driver,
+        };
+        Ok(checkpoint::commit(dir, &manifest)?)
+    }
+
+    /// Rebuilds a pipeline from the newest complete checkpoint in `dir`, on `placements` with
+    /// `partition` (any: shards are per layer). Every shard is checked before any is loaded.
+    pub fn restore(
+        agent: &Agent,
+        dir: &Path,
+        placements: &[&str],
+        partition: Partition,
+        options: PipelineOptions,
+    ) -> Result<(Pipeline, Manifest)> {
+        let manifest = checkpoint::latest(dir)?;
+        checkpoint::verify(dir, &manifest)?;
+        let options = PipelineOptions {
+            seed: manifest.seed,
+            ..options
+        };
+        let p = Pipeline::new(agent, manifest.model.clone(), placements, partition, options)?;
+        let dir_s = dir.to_string_lossy().into_owned();
+        for &(w, id) in &p.route {
+            let () = agent.call(w, stage::H_LOAD, &(id, dir_s.clone(), manifest.step))?;
+        }
+        Ok((p, manifest))
+    }
+
+    /// Fault injection for tests: stage `i` pauses before each shard it writes.
+    pub fn pause_saves(&self, stage: usize, pause_ms: u64) -> Result<()> {
+        let (w, id) = self.route[stage];
+        Ok(self.agent.call(w, stage::H_FAULT, &(id, pause_ms))?)
+    }
+
+    /// The placements, in stage order.
+    pub fn placements(&self) -> &[Placement] {
+        &self.placements
+    }
+}
+
+impl Drop for Pipeline {
+    fn drop(&mut self) {
+        for &(w, id) in &self.route {
+            drop(self.agent.call_async(w, stage::H_DROP, &id));
+        }
+    }
+}
+
+/// The process id of `worker` (tests that kill a worker mid-save need it).
+pub fn worker_pid(agent: &Agent, worker: &str) -> Result<u32> {
+    Ok(agent.call(worker, stage::H_PID, &())?)
+}

@@ -1,0 +1,312 @@
+//! Pipeline parallelism and distributed checkpoints across real processes: gradients equal the
+//! unpipelined model's (f64, 1e-9) for both schedules and several micro-batch counts; the
+//! automatic partition matches exhaustive search; a checkpoint restores onto another placement
+//! and training resumes exactly; corrupt checkpoints are refused naming the file and the check;
+//! a worker killed in the middle of a save leaves the previous checkpoint valid.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use sluice_agent::{Agent, CallContext, Registry};
+use sluice_autograd::{cross_entropy, DType, OptimizerKind, Tensor};
+use sluice_pipeline::partition::{self, by_counts};
+use sluice_pipeline::{checkpoint, nn, Pipeline, PipelineOptions, Schedule};
+use sluice_tests::worker_test;
+use sluice_tests::workers::{run_workers_with, Ending, WorkerEnv};
+
+const SEED: u64 = 7;
+
+fn model() -> Vec<nn::Layer> {
+    nn::mlp(&[16, 24, 24, 24, 24, 10])
+}
+
+fn options(schedule: Schedule, micro_batches: usize) -> PipelineOptions {
+    PipelineOptions {
+        seed: SEED,
+        dtype: DType::F64,
+        optimizer: OptimizerKind::Sgd {
+            lr: 0.05,
+            momentum: 0.9,
+        },
+        schedule,
+        micro_batches,
+    }
+}
+
+/// Mini-batch `step` of a fixed synthetic data set (inputs f64, labels 0..10).
+fn batch(step: u64) -> (Tensor, Tensor) {
+    let x = Tensor::randn(&[24, 16], 1.0, 1000 + step, DType::F64).unwrap();
+    let labels: Vec<usize> = (0..24).map(|i| ((i as u64 * 7 + step * 3) % 10) as usize).collect();
+    (x, Tensor::indices(&labels, &[24]).unwrap())
+}
+
+static DONE: AtomicBool = AtomicBool::new(false);
+
+fn registry() -> Registry {
+    let mut r = Registry::new();
+    sluice_pipeline::install(&mut r);
+    r.handler("test.done", |_cx: &CallContext, (): ()| {
+        DONE.store(true, Ordering::SeqCst);
+        Ok(())
+    });
+    r
+}
+
+fn names(stages: &[u32]) -> Vec<String> {
+    stages.iter().map(|w| format!("worker{w}/cpu")).collect()
+}
+
+fn pipeline(agent: &Agent, stages: &[u32], counts: &[usize], opts: PipelineOptions) -> Pipeline {
+    let placements = names(stages);
+    let refs: Vec<&str> = placements.iter().map(String::as_str).collect();
+    Pipeline::new(agent, model(), &refs, by_counts(model().len(), counts).unwrap(), opts).unwrap()
+}
+
+worker_test!(pipelined_gradients_equal_the_local_models, 5, |env: WorkerEnv| {
+    let agent = env.agent(registry());
+    if env.rank == 0 {
+        let (x, y) = batch(0);
+        // The same model in this process, whole mini-batch at once.
+        let local = nn::build(&model(), 0..model().len(), SEED, DType::F64).unwrap();
+        let loss = cross_entropy(&nn::forward(&model(), &local, &x).unwrap(), &y).unwrap();
+        loss.backward().unwrap();
+        let want: Vec<(String, Vec<f64>)> = local
+            .iter()
+            .flatten()
+            .map(|p| (p.name().to_owned(), p.grad().unwrap().to_f64_vec().unwrap()))
+            .collect();
+        for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+            for micro in [1, 4, 8] {
+                let p = pipeline(&agent, &[1, 2, 3, 4], &[3, 2, 2, 2], options(schedule, micro));
+                let (l, got) = p.gradients(&x, &y).unwrap();
+                assert!(
+                    (l - loss.item().unwrap()).abs() < 1e-12,
+                    "{schedule:?} m={micro}: loss {l}"
+                );
+                assert_eq!(got.len(), want.len());
+                for ((gn, g), (wn, w)) in got.iter().zip(&want) {
+                    assert_eq!(gn, wn);
+                    let worst = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+                    assert!(worst < 1e-9, "{schedule:?} m={micro} {gn}: off by {worst:e}");
+                }
+            }
+        }
+        // The pipeline predicts what the local model does.
+        let p = pipeline(&agent, &[4, 3, 2, 1], &[1, 4, 1, 3], options(Schedule::OneFOneB, 3));
+        let out = p.predict(&x).unwrap().to_f64_vec().unwrap();
+        let want = nn::forward(&model(), &local, &x).unwrap().to_f64_vec().unwrap();
+        assert!(out.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-12));
+        // Placement errors are clear.
+        let bad = Pipeline::new(
+            &agent,
+            model(),
+            &["worker1"],
+            by_counts(9, &[9]).unwrap(),
+            options(Schedule::GPipe, 1),
+        );
+        assert!(bad.err().unwrap().to_string().contains("WORKER/DEVICE"));
+    }
+    agent.shutdown().unwrap();
+});
+
+worker_test!(
+    the_automatic_partition_matches_exhaustive_search,
+    3,
+    |env: WorkerEnv| {
+        let agent = env.agent(registry());
+        if env.rank == 0 {
+            // A model with one wide layer: a balanced cut is not one of equal layer counts.
+            let model = nn::mlp(&[64, 512, 64, 64, 64, 10]);
+            let costs = sluice_pipeline::profile(&agent, "worker1", &model, 32, DType::F32).unwrap();
+            assert_eq!(costs.len(), model.len());
+            assert!(costs.iter().all(|c| c.forward > 0.0 && c.backward > 0.0));
+            let limits = [u64::MAX; 2];
+            let auto = partition::auto(&costs, &limits, 4).unwrap();
+            let best = partition::exhaustive(&costs, &limits, 4).unwrap();
+            println!("automatic partition:\n{auto}");
+            assert!(auto.bottleneck() <= best.bottleneck() * (1.0 + 1e-12));
+            let refs = ["worker1/cpu", "worker2/cpu"];
+            let opts = PipelineOptions {
+                dtype: DType::F32,
+                ..options(Schedule::OneFOneB, 4)
+            };
+            let p = Pipeline::new(&agent, model, &refs, auto, opts).unwrap();
+            let x = Tensor::randn(&[32, 64], 1.0, 1, DType::F32).unwrap();
+            let y = Tensor::indices(&(0..32).map(|i| i % 10).collect::<Vec<_>>(), &[32]).unwrap();
+            let first = p.train_step(&x, &y).unwrap().loss;
+            let mut last = first;
+            for _ in 0..20 {
+                last = p.train_step(&x, &y).unwrap().loss;
+            }
+            assert!(last < first, "training did not reduce the loss: {first} → {last}");
+        }
+        agent.shutdown().unwrap();
+    }
+);
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("sluice-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+worker_test!(
+    a_checkpoint_restores_onto_another_placement_and_resumes_exactly,
+    5,
+    |env: WorkerEnv| {
+        let agent = env.agent(registry());
+        if env.rank == 0 {
+            let dir = scratch("resume");
+            // Uninterrupted: six steps on four stages.
+            let whole = pipeline(&agent, &[1, 2, 3, 4], &[3, 2, 2, 2], options(Schedule::OneFOneB, 4));
+            let losses: Vec<f64> = (0..6)
+                .map(|s| {
+                    let (x, y) = batch(s);
+                    whole.train_step(&x, &y).unwrap().loss
+                })
+                .collect();
+            drop(whole);
+            // Interrupted: three steps, a checkpoint, then (restored on two other stages with
+            // another partition and schedule) the last three.
+            let first = pipeline(&agent, &[1, 2, 3, 4], &[3, 2, 2, 2], options(Schedule::OneFOneB, 4));
+            for s in 0..3 {
+                let (x, y) = batch(s);
+                assert_eq!(
+                    first.train_step(&x, &y).unwrap().loss.to_bits(),
+                    losses[s as usize].to_bits()
+                );
+            }
+            first.save(&dir, 3, serde_json::json!({ "next_step": 3 })).unwrap();
+            drop(first);
+            let placements = ["worker3/cpu", "worker4/cpu"];
+            let (second, manifest) = Pipeline::restore(
+                &agent,
+                &dir,
+                &placements,
+                by_counts(model().len(), &[5, 4]).unwrap(),
+                options(Schedule::GPipe, 4),
+            )
+            .unwrap();
+            assert_eq!(manifest.step, 3);
+            assert_eq!(manifest.driver["next_step"], 3);
+            for s in 3..6 {
+                let (x, y) = batch(s);
+                let l = second.train_step(&x, &y).unwrap().loss;
+                assert!(
+                    (l - losses[s as usize]).abs() < 1e-12,
+                    "step {s}: {l} resumed, {} uninterrupted",
+                    losses[s as usize]
+                );
+            }
+            drop(second);
+
+            // Corrupt or partial checkpoints are refused, naming the file and the check.
+            let m = checkpoint::latest(&dir).unwrap();
+            let shard = checkpoint::step_dir(&dir, 3).join(&m.shards[2].file);
+            let good = std::fs::read(&shard).unwrap();
+            let mut bad = good.clone();
+            bad[good.len() / 2] ^= 0x40;
+            std::fs::write(&shard, &bad).unwrap();
+            let e = restore_error(&agent, &dir);
+            assert!(e.contains("layer-0002.bin") && e.contains("crc32"), "{e}");
+            std::fs::write(&shard, &good[..good.len() - 1]).unwrap();
+            let e = restore_error(&agent, &dir);
+            assert!(e.contains("layer-0002.bin") && e.contains("size"), "{e}");
+            std::fs::write(&shard, &good).unwrap();
+            let manifest_path = checkpoint::step_dir(&dir, 3).join("MANIFEST.json");
+            std::fs::write(&manifest_path, b"{ not json").unwrap();
+            let e = restore_error(&agent, &dir);
+            assert!(e.contains("no complete checkpoint"), "{e}");
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        agent.shutdown().unwrap();
+    }
+);
+
+fn restore_error(agent: &Agent, dir: &Path) -> String {
+    match Pipeline::restore(
+        agent,
+        dir,
+        &["worker1/cpu"],
+        by_counts(model().len(), &[model().len()]).unwrap(),
+        options(Schedule::GPipe, 1),
+    ) {
+        Ok(_) => panic!("a damaged checkpoint was restored"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn a_worker_killed_mid_save_leaves_the_previous_checkpoint() {
+    const TEST: &str = "a_worker_killed_mid_save_leaves_the_previous_checkpoint";
+    run_workers_with(
+        TEST,
+        5,
+        |rank| if rank == 3 { Ending::Killed } else { Ending::Success },
+        |env| {
+            let agent = env.agent(registry());
+            if env.rank != 0 {
+                // Serve until the driver says it is done (a barrier would wait for the dead).
+                let start = Instant::now();
+                while !DONE.load(Ordering::SeqCst) && start.elapsed() < Duration::from_secs(60) {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                agent.shutdown_now();
+                return;
+            }
+            let dir = scratch("killed");
+            let p = pipeline(&agent, &[1, 2, 3, 4], &[3, 2, 2, 2], options(Schedule::GPipe, 2));
+            let (x, y) = batch(0);
+            p.train_step(&x, &y).unwrap();
+            p.save(&dir, 1, serde_json::json!({})).unwrap();
+            p.train_step(&x, &y).unwrap();
+            // Stage 2 (on worker3) writes slowly; kill it once it has begun.
+            p.pause_saves(2, 400).unwrap();
+            let victim = sluice_pipeline::worker_pid(&agent, "worker3").unwrap();
+            let saving = std::thread::scope(|s| {
+                let save = s.spawn(|| p.save(&dir, 2, serde_json::json!({})));
+                let step2 = checkpoint::step_dir(&dir, 2);
+                let start = Instant::now();
+                // Stages 0, 1 and 3 write without pauses: wait for one of their shards.
+                while !step2.join("layer-0000.bin").exists() {
+                    assert!(start.elapsed() < Duration::from_secs(30), "the save never started");
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(victim as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                )
+                .unwrap();
+                save.join().unwrap()
+            });
+            let e = saving.unwrap_err().to_string();
+            assert!(
+                e.contains("worker3"),
+                "the failed save should name the lost worker: {e}"
+            );
+            // Step 2 never got a manifest: the checkpoint of step 1 is the latest, and whole.
+            assert!(!checkpoint::step_dir(&dir, 2).join("MANIFEST.json").exists());
+            let m = checkpoint::latest(&dir).unwrap();
+            assert_eq!(m.step, 1);
+            checkpoint::verify(&dir, &m).unwrap();
+            // And it restores onto the survivors.
+            let (q, _) = Pipeline::restore(
+                &agent,
+                &dir,
+                &["worker1/cpu", "worker2/cpu", "worker4/cpu"],
+                by_counts(model().len(), &[3, 3, 3]).unwrap(),
+                options(Schedule::GPipe, 2),
+            )
+            .unwrap();
+            q.train_step(&x, &y).unwrap();
+            drop(q);
+            drop(p);
+            for w in [1u32, 2, 4] {
+                let () = agent.call(w, "test.done", &()).unwrap();
+            }
+            let _ = std::fs::remove_dir_all(&dir);
+            agent.shutdown_now();
+        },
+    );
+}
