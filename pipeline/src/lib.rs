@@ -19,6 +19,7 @@
 pub mod checkpoint;
 pub mod nn;
 pub mod partition;
+pub mod remote;
 pub mod schedule;
 pub mod stage;
 
@@ -32,6 +33,7 @@ use sluice_autograd::{cross_entropy, DType, OptimizerKind, Tensor};
 pub use checkpoint::{CheckpointError, Manifest};
 pub use nn::Layer;
 pub use partition::{LayerCost, Partition, PartitionError};
+pub use remote::RemoteModule;
 pub use schedule::{Op, Schedule};
 
 #[derive(Debug, thiserror::Error)]
@@ -85,6 +87,21 @@ pub struct PipelineOptions {
     pub optimizer: OptimizerKind,
     pub schedule: Schedule,
     pub micro_batches: usize,
+}
+
+/// Stages live on the CPU so far: a CUDA placement is refused with the reason.
+pub(crate) fn check_devices(placements: &[Placement]) -> Result<()> {
+    match placements.iter().find(|p| p.device != "cpu") {
+        Some(p) => Err(PipelineError::Unsupported(format!(
+            "{}/{}: only CPU placements are supported so far (CUDA stages are not built yet)",
+            p.worker, p.device
+        ))),
+        None => Ok(()),
+    }
+}
+
+pub(crate) fn next_stage_id(agent: &Agent) -> u64 {
+    (u64::from(agent.info().id) << 40) | NEXT_STAGE.fetch_add(1, Ordering::Relaxed)
 }
 
 /// Each layer's measured cost on `worker` for micro-batches of `batch` rows.
@@ -142,18 +159,12 @@ impl Pipeline {
                 model.len()
             )));
         }
-        if let Some(p) = placements.iter().find(|p| p.device != "cpu") {
-            return Err(PipelineError::Unsupported(format!(
-                "stage on {}/{}: only CPU stages are supported so far",
-                p.worker, p.device
-            )));
-        }
         if options.micro_batches == 0 {
             return Err(PipelineError::Unsupported("zero micro-batches".into()));
         }
         let mut route = Vec::new();
         for (p, layers) in placements.iter().zip(&partition.stages) {
-            let id = (u64::from(agent.info().id) << 40) | NEXT_STAGE.fetch_add(1, Ordering::Relaxed);
+            let id = next_stage_id(agent);
             let spec = stage::StageSpec {
                 id,
                 model: model.clone(),
@@ -343,6 +354,19 @@ impl Pipeline {
         Ok(self.agent.call(w, stage::H_FAULT, &(id, pause_ms))?)
     }
 
+    /// Seconds each stage has spent computing so far (forward, backward). A worker's backward
+    /// time counts every backward it ran, so give each stage a worker of its own (the driver's
+    /// share of the loss's backward is small). Differences over a run give the stages' busy
+    /// time, and [`measured_bubble`] the idle fraction.
+    pub fn busy(&self) -> Result<Vec<(f64, f64)>> {
+        let mut out = Vec::with_capacity(self.route.len());
+        for &(w, id) in &self.route {
+            let (f, b): (u64, u64) = self.agent.call(w, stage::H_BUSY, &id)?;
+            out.push((f as f64 * 1e-9, b as f64 * 1e-9));
+        }
+        Ok(out)
+    }
+
     /// The placements, in stage order.
     pub fn placements(&self) -> &[Placement] {
         &self.placements
@@ -355,6 +379,13 @@ impl Drop for Pipeline {
             drop(self.agent.call_async(w, stage::H_DROP, &id));
         }
     }
+}
+
+/// The idle fraction of a pipeline over `seconds` of wall time, from each stage's busy time
+/// at the start and the end ([`Pipeline::busy`]): 1 − Σ busy / (stages × seconds).
+pub fn measured_bubble(before: &[(f64, f64)], after: &[(f64, f64)], seconds: f64) -> f64 {
+    let busy: f64 = before.iter().zip(after).map(|(b, a)| (a.0 - b.0) + (a.1 - b.1)).sum();
+    1.0 - busy / (after.len() as f64 * seconds)
 }
 
 /// The process id of `worker` (tests that kill a worker mid-save need it).

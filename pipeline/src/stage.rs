@@ -27,6 +27,17 @@ pub(crate) const H_DROP: &str = "sluice.pipeline.drop";
 pub(crate) const H_PROFILE: &str = "sluice.pipeline.profile";
 pub(crate) const H_FAULT: &str = "sluice.pipeline.fault";
 pub(crate) const H_PID: &str = "sluice.pipeline.pid";
+pub(crate) const H_PARAMS: &str = "sluice.pipeline.params";
+pub(crate) const H_BUSY: &str = "sluice.pipeline.busy";
+pub(crate) const H_MODULE: &str = "sluice.pipeline.module";
+/// The method remote modules answer through their RRef (`rref_rpc_sync(.., "forward", x)`).
+pub const FORWARD: &str = "forward";
+
+/// What an RRef to a remote module holds: the stage that is the module, on its owner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModuleRef {
+    pub id: u64,
+}
 
 /// What a worker needs to build a stage.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -48,6 +59,8 @@ struct Stage {
     compute: Mutex<()>,
     /// Fault injection for tests: a pause before each shard written.
     save_pause_ms: AtomicU64,
+    /// Nanoseconds spent computing forwards.
+    forward_busy_ns: AtomicU64,
 }
 
 fn stages() -> &'static Mutex<HashMap<u64, Arc<Stage>>> {
@@ -85,6 +98,7 @@ fn create(spec: StageSpec) -> Result<usize, HandlerError> {
         spec: spec.clone(),
         compute: Mutex::new(()),
         save_pause_ms: AtomicU64::new(0),
+        forward_busy_ns: AtomicU64::new(0),
     };
     stages().lock().unwrap().insert(spec.id, Arc::new(stage));
     Ok(count)
@@ -98,7 +112,12 @@ fn hop(cx: &CallContext, (route, x): (Vec<(u32, u64)>, Tensor)) -> Result<Tensor
     let layers = &stage.spec.model[stage.spec.layers.clone()];
     let h = {
         let _device = stage.compute.lock().unwrap();
-        nn::forward(layers, &stage.params, &x).map_err(err)?
+        let started = Instant::now();
+        let h = nn::forward(layers, &stage.params, &x).map_err(err)?;
+        stage
+            .forward_busy_ns
+            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        h
     };
     match rest.first() {
         None => Ok(h),
@@ -256,4 +275,24 @@ pub fn install(r: &mut Registry) {
         Ok(())
     });
     r.handler(H_PID, |_cx: &CallContext, (): ()| Ok(std::process::id()));
+    r.handler(H_BUSY, |_cx: &CallContext, id: u64| {
+        let fwd = get(id)?.forward_busy_ns.load(Ordering::Relaxed);
+        Ok((fwd, dist::backward_busy().as_nanos() as u64))
+    });
+    r.handler(H_PARAMS, |cx: &CallContext, id: u64| {
+        let stage = get(id)?;
+        Ok(stage
+            .params
+            .iter()
+            .flatten()
+            .map(|p| cx.agent.rref(p.clone()))
+            .collect::<Vec<sluice_agent::RRef<Parameter>>>())
+    });
+    r.handler(H_MODULE, |cx: &CallContext, id: u64| {
+        get(id)?;
+        Ok(cx.agent.rref(ModuleRef { id }))
+    });
+    dist::method(r, FORWARD, |cx: &CallContext, m: &ModuleRef, x: Tensor| {
+        hop(cx, (vec![(cx.agent.info().id, m.id)], x))
+    });
 }

@@ -196,24 +196,36 @@ fn drive(agent: &Agent, s: &Settings) -> anyhow::Result<()> {
     let batches = TRAIN / BATCH;
     let start = Instant::now();
     let mut samples = 0usize;
+    let mut bubbles = Vec::new();
     for epoch in first_epoch..s.epochs {
         let mut total = 0.0;
+        let busy_before = pipeline.busy()?;
+        let epoch_start = Instant::now();
         for b in 0..batches {
             let (x, y) = tensors(&train, b * BATCH..(b + 1) * BATCH)?;
             total += pipeline.train_step(&x, &y)?.loss;
             samples += BATCH;
         }
-        println!("epoch {epoch}: loss {:.4}", total / batches as f64);
+        let bubble =
+            sluice_pipeline::measured_bubble(&busy_before, &pipeline.busy()?, epoch_start.elapsed().as_secs_f64());
+        bubbles.push(bubble);
+        println!(
+            "epoch {epoch}: loss {:.4}, measured bubble {:.0}%",
+            total / batches as f64,
+            bubble * 100.0
+        );
         if let Some(dir) = &s.checkpoint {
             let step = u64::from(epoch) + 1;
             save_timed(&pipeline, dir, step, serde_json::json!({ "next_epoch": epoch + 1 }))?;
         }
     }
     let secs = start.elapsed().as_secs_f64();
+    let mean_bubble = bubbles.iter().sum::<f64>() / bubbles.len().max(1) as f64;
     println!(
-        "{stages} stages, {} micro-batches ({:?}, theoretical bubble {:.0}%): {:.0} samples/s; held-out accuracy {:.1}% → {:.1}%",
+        "{stages} stages, {} micro-batches ({:?}, bubble measured {:.0}%, theoretical {:.0}%): {:.0} samples/s; held-out accuracy {:.1}% → {:.1}%",
         s.micro_batches,
         s.schedule,
+        mean_bubble * 100.0,
         schedule::theoretical_bubble(stages, s.micro_batches as usize) * 100.0,
         samples as f64 / secs.max(1e-9),
         before * 100.0,

@@ -310,3 +310,62 @@ fn a_worker_killed_mid_save_leaves_the_previous_checkpoint() {
         },
     );
 }
+
+worker_test!(
+    remote_modules_train_through_forward_and_their_rrefs,
+    3,
+    |env: WorkerEnv| {
+        use sluice_autograd::dist::{self, Context};
+        use sluice_autograd::{DistributedOptimizer, UpdateMode};
+        use sluice_pipeline::RemoteModule;
+
+        let agent = env.agent(registry());
+        if env.rank == 0 {
+            let first = vec![nn::Layer::Linear { inputs: 8, outputs: 6 }, nn::Layer::Tanh];
+            let second = vec![nn::Layer::Linear { inputs: 6, outputs: 3 }];
+            let m1 = RemoteModule::new(&agent, "worker1/cpu", first.clone(), 1, DType::F64).unwrap();
+            let m2 = RemoteModule::new(&agent, "worker2/cpu", second.clone(), 2, DType::F64).unwrap();
+            let m2_ref = m2.rref().unwrap();
+            let mut params = m1.parameter_rrefs().unwrap();
+            params.extend(m2.parameter_rrefs().unwrap());
+            assert_eq!(params.len(), 4);
+            let opt = DistributedOptimizer::new(&agent, OptimizerKind::sgd(0.1), &params, UpdateMode::Locked).unwrap();
+            let x = Tensor::randn(&[5, 8], 1.0, 3, DType::F64).unwrap();
+            // Forward through the module, then through the other module's RRef: both recorded.
+            let ctx = Context::new(&agent).unwrap();
+            let h = m1.forward(&x).unwrap();
+            let y: Tensor = dist::rref_rpc_sync(&agent, &m2_ref, sluice_pipeline::stage::FORWARD, &h).unwrap();
+            let loss = y.mul(&y).unwrap().mean().unwrap();
+            ctx.backward(std::slice::from_ref(&loss), false).unwrap();
+            opt.step(ctx.id()).unwrap();
+            // The same locally: one SGD step by hand.
+            let l1 = nn::build(&first, 0..2, 1, DType::F64).unwrap();
+            let l2 = nn::build(&second, 0..1, 2, DType::F64).unwrap();
+            let yl = nn::forward(&second, &l2, &nn::forward(&first, &l1, &x).unwrap()).unwrap();
+            let ll = yl.mul(&yl).unwrap().mean().unwrap();
+            assert!((ll.item().unwrap() - loss.item().unwrap()).abs() < 1e-12);
+            ll.backward().unwrap();
+            let local: Vec<_> = l1.iter().chain(&l2).flatten().collect();
+            for (remote, p) in params.iter().zip(local) {
+                let now = remote.to_here().unwrap().data().to_f64_vec().unwrap();
+                let want: Vec<f64> = p
+                    .data()
+                    .to_f64_vec()
+                    .unwrap()
+                    .iter()
+                    .zip(p.grad().unwrap().to_f64_vec().unwrap())
+                    .map(|(w, g)| w - 0.1 * g)
+                    .collect();
+                let worst = now.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+                assert!(worst < 1e-12, "{}: off by {worst:e}", p.name());
+            }
+            // Placements name a worker and a device; CUDA is refused with the reason.
+            let e = RemoteModule::new(&agent, "worker1/cuda:0", second.clone(), 2, DType::F64)
+                .err()
+                .unwrap();
+            assert!(e.to_string().contains("only CPU"), "{e}");
+            assert!(RemoteModule::new(&agent, "worker1", second, 2, DType::F64).is_err());
+        }
+        agent.shutdown().unwrap();
+    }
+);

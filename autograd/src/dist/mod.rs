@@ -294,6 +294,14 @@ fn with_current<R>(id: Option<u64>, f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Time this process spent computing backward passes (local work only, not the waits for
+/// the parts they sent to other workers): how busy a pipeline stage was, for its bubble.
+pub fn backward_busy() -> Duration {
+    Duration::from_nanos(BACKWARD_BUSY_NS.load(Ordering::Relaxed))
+}
+
+static BACKWARD_BUSY_NS: AtomicU64 = AtomicU64::new(0);
+
 /// Ids of every context this worker currently holds (for tests and diagnostics).
 pub fn live_contexts() -> Vec<u64> {
     let mut v: Vec<u64> = container().contexts.lock().unwrap().keys().copied().collect();
@@ -507,7 +515,9 @@ fn run_pass(
         retain,
         pending: Mutex::new(Vec::new()),
     };
+    let started = Instant::now();
     let local = engine::run(starts, &sink, true);
+    BACKWARD_BUSY_NS.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
     // Wait for everything sent, even after a local error, so no part is left running unseen.
     let mut first: Option<Error> = local.err();
     for (_, fut) in sink.pending.into_inner().unwrap() {
