@@ -92,6 +92,41 @@ pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Runs `f` recording operations, even inside a backward function (where recording is off).
+pub fn enable_grad<R>(f: impl FnOnce() -> R) -> R {
+    let previous = GRAD_ENABLED.with(|g| g.replace(true));
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            GRAD_ENABLED.with(|g| g.set(self.0));
+        }
+    }
+    let _restore = Restore(previous);
+    f()
+}
+
+/// Rematerialization (gradient checkpointing): runs `f` on `inputs` without recording, so none
+/// of its intermediate tensors are kept, and records one node whose backward runs `f` again,
+/// with recording, on fresh leaves holding the same values, back-propagates the incoming
+/// gradient through that recomputation, and hands each input its gradient. Only the inputs
+/// are kept between forward and backward. Pass parameters among the inputs (as
+/// `Parameter::tensor()`): their gradients then reach wherever the pass accumulates (a
+/// distributed context included). `f` must compute the same thing both times.
+pub fn checkpoint(
+    inputs: &[Tensor],
+    f: impl Fn(&[Tensor]) -> Result<Tensor> + Send + Sync + 'static,
+) -> Result<Tensor> {
+    let out = no_grad(|| f(inputs))?;
+    let saved: Vec<Tensor> = inputs.iter().map(Tensor::detach).collect();
+    let refs: Vec<&Tensor> = inputs.iter().collect();
+    Ok(record1("Checkpoint", &refs, out, move |g| {
+        let leaves: Vec<Tensor> = saved.iter().map(|t| t.detach().requires_grad_()).collect();
+        let y = enable_grad(|| f(&leaves))?;
+        y.backward_with(Some(g.clone()), false)?;
+        Ok(leaves.iter().map(Tensor::grad).collect())
+    }))
+}
+
 /// Records `outputs` of an op on `inputs`: they become outputs of one new node whose backward
 /// is `backward`. Nothing is recorded under `no_grad` or when no input requires grad.
 pub(crate) fn record(

@@ -26,7 +26,7 @@ pub mod tensor;
 
 pub use dtype::DType;
 pub use error::{Error, Result};
-pub use graph::no_grad;
+pub use graph::{checkpoint, enable_grad, no_grad};
 pub use ops::{accuracy, cat, cross_entropy, embedding, linear, mse_loss, nll_loss};
 pub use optim::{DistributedOptimizer, Optimizer, OptimizerKind, ParamState, Parameter, UpdateMode};
 pub use tensor::{LeafId, Rng, Tensor};

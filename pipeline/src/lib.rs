@@ -12,7 +12,11 @@
 //! [`Pipeline::save`] writes a [`checkpoint`]: every stage writes its layers' shards, the
 //! driver commits the manifest; [`Pipeline::restore`] rebuilds on any placement and partition.
 //!
-//! Not yet: rematerialization, asynchronous 1F1B with weight stashing (PipeDream), CUDA stages.
+//! Rematerialization is a switch per pipeline or per stage ([`Remat`]): a stage keeps only its
+//! input per micro-batch and recomputes its activations in the backward
+//! (`sluice_autograd::checkpoint`).
+//!
+//! Not yet: asynchronous 1F1B with weight stashing (PipeDream), CUDA stages.
 
 #![forbid(unsafe_code)]
 
@@ -87,6 +91,29 @@ pub struct PipelineOptions {
     pub optimizer: OptimizerKind,
     pub schedule: Schedule,
     pub micro_batches: usize,
+    /// Stages that rematerialize (by index; empty: none): they keep only their input per
+    /// micro-batch and recompute activations in the backward.
+    pub remat: Remat,
+}
+
+/// Which stages rematerialize.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Remat {
+    #[default]
+    None,
+    All,
+    /// Stages whose bit is set (stage i: bit i).
+    Stages(u64),
+}
+
+impl Remat {
+    pub fn stage(self, i: usize) -> bool {
+        match self {
+            Remat::None => false,
+            Remat::All => true,
+            Remat::Stages(bits) => i < 64 && bits & (1 << i) != 0,
+        }
+    }
 }
 
 /// Stages live on the CPU so far: a CUDA placement is refused with the reason.
@@ -163,7 +190,7 @@ impl Pipeline {
             return Err(PipelineError::Unsupported("zero micro-batches".into()));
         }
         let mut route = Vec::new();
-        for (p, layers) in placements.iter().zip(&partition.stages) {
+        for (i, (p, layers)) in placements.iter().zip(&partition.stages).enumerate() {
             let id = next_stage_id(agent);
             let spec = stage::StageSpec {
                 id,
@@ -172,6 +199,7 @@ impl Pipeline {
                 seed: options.seed,
                 dtype: options.dtype,
                 optimizer: options.optimizer,
+                remat: options.remat.stage(i),
             };
             let _: usize = agent.call(p.worker.as_str(), stage::H_CREATE, &spec)?;
             route.push((agent.worker(p.worker.as_str())?.id, id));
@@ -363,6 +391,15 @@ impl Pipeline {
         for &(w, id) in &self.route {
             let (f, b): (u64, u64) = self.agent.call(w, stage::H_BUSY, &id)?;
             out.push((f as f64 * 1e-9, b as f64 * 1e-9));
+        }
+        Ok(out)
+    }
+
+    /// Each stage's worker process: (peak, current) resident memory in bytes.
+    pub fn memory(&self) -> Result<Vec<(u64, u64)>> {
+        let mut out = Vec::with_capacity(self.route.len());
+        for &(w, _) in &self.route {
+            out.push(self.agent.call(w, stage::H_MEMORY, &())?);
         }
         Ok(out)
     }

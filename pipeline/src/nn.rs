@@ -80,6 +80,31 @@ pub fn forward(layers: &[Layer], params: &[Vec<Parameter>], x: &Tensor) -> Resul
     Ok(h)
 }
 
+/// [`forward`] with the parameters given as tensors, in layer order (what a rematerialized
+/// stage recomputes from).
+pub fn forward_tensors(layers: &[Layer], params: &[Tensor], x: &Tensor) -> Result<Tensor> {
+    let mut h = x.clone();
+    let mut next = params.iter();
+    for layer in layers {
+        h = match layer {
+            Layer::Linear { .. } => {
+                let (w, b) = (next.next(), next.next());
+                match (w, b) {
+                    (Some(w), Some(b)) => linear(&h, w, Some(b))?,
+                    _ => {
+                        return Err(sluice_autograd::Error::Backward(
+                            "a linear layer without its parameters".into(),
+                        ))
+                    }
+                }
+            }
+            Layer::Relu => h.relu()?,
+            Layer::Tanh => h.tanh()?,
+        };
+    }
+    Ok(h)
+}
+
 /// An MLP: `widths[0]` inputs, ReLU between the linear layers.
 pub fn mlp(widths: &[usize]) -> Vec<Layer> {
     let mut out = Vec::new();

@@ -34,6 +34,7 @@ impl RemoteModule {
             dtype,
             // Unused: remote modules are trained by the caller's distributed optimizer.
             optimizer: OptimizerKind::sgd(0.0),
+            remat: false,
         };
         let _: usize = agent.call(placement.worker.as_str(), stage::H_CREATE, &spec)?;
         let worker = agent.worker(placement.worker.as_str())?.id;

@@ -29,6 +29,26 @@ pub(crate) const H_FAULT: &str = "sluice.pipeline.fault";
 pub(crate) const H_PID: &str = "sluice.pipeline.pid";
 pub(crate) const H_PARAMS: &str = "sluice.pipeline.params";
 pub(crate) const H_BUSY: &str = "sluice.pipeline.busy";
+pub(crate) const H_MEMORY: &str = "sluice.pipeline.memory";
+
+/// This process's peak and current resident memory, in bytes (`VmHWM`, `VmRSS`).
+fn memory() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(name)?
+                    .trim()
+                    .strip_suffix("kB")?
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+            })
+            .map_or(0, |kib| kib * 1024)
+    };
+    (field("VmHWM:"), field("VmRSS:"))
+}
 pub(crate) const H_MODULE: &str = "sluice.pipeline.module";
 /// The method remote modules answer through their RRef (`rref_rpc_sync(.., "forward", x)`).
 pub const FORWARD: &str = "forward";
@@ -48,6 +68,9 @@ pub struct StageSpec {
     pub seed: u64,
     pub dtype: DType,
     pub optimizer: OptimizerKind,
+    /// Rematerialization: keep only the stage's input per micro-batch and recompute its
+    /// activations in the backward.
+    pub remat: bool,
 }
 
 struct Stage {
@@ -113,7 +136,15 @@ fn hop(cx: &CallContext, (route, x): (Vec<(u32, u64)>, Tensor)) -> Result<Tensor
     let h = {
         let _device = stage.compute.lock().unwrap();
         let started = Instant::now();
-        let h = nn::forward(layers, &stage.params, &x).map_err(err)?;
+        let h = if stage.spec.remat {
+            let mut inputs = vec![x];
+            inputs.extend(stage.params.iter().flatten().map(Parameter::tensor));
+            let layers = layers.to_vec();
+            sluice_autograd::checkpoint(&inputs, move |t| nn::forward_tensors(&layers, &t[1..], &t[0]))
+        } else {
+            nn::forward(layers, &stage.params, &x)
+        }
+        .map_err(err)?;
         stage
             .forward_busy_ns
             .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -275,6 +306,7 @@ pub fn install(r: &mut Registry) {
         Ok(())
     });
     r.handler(H_PID, |_cx: &CallContext, (): ()| Ok(std::process::id()));
+    r.handler(H_MEMORY, |_cx: &CallContext, (): ()| Ok(memory()));
     r.handler(H_BUSY, |_cx: &CallContext, id: u64| {
         let fwd = get(id)?.forward_busy_ns.load(Ordering::Relaxed);
         Ok((fwd, dist::backward_busy().as_nanos() as u64))

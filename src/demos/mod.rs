@@ -91,6 +91,13 @@ pub enum DemoCommand {
         /// only the initial model is saved and timed against the disk).
         #[arg(long, default_value_t = 128)]
         width: usize,
+        /// Mini-batch size.
+        #[arg(long, default_value_t = 64)]
+        batch: usize,
+        /// Rematerialize: stages keep only their inputs and recompute activations in the
+        /// backward.
+        #[arg(long)]
+        remat: bool,
     },
     /// An agent driving observers through RPC and RRefs (REINFORCE).
     Rl {
@@ -124,6 +131,8 @@ impl From<DemoCommand> for Demo {
                 checkpoint,
                 resume,
                 width,
+                batch,
+                remat,
             } => Demo::Pipeline(pipeline::Settings {
                 stages: stages.max(1),
                 micro_batches: micro_batches.max(1),
@@ -133,6 +142,8 @@ impl From<DemoCommand> for Demo {
                 checkpoint,
                 resume,
                 width: width.max(1),
+                batch: batch.max(1),
+                remat,
             }),
             DemoCommand::Rl { observers, rounds } => Demo::Rl {
                 observers: observers.max(1),

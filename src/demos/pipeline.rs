@@ -17,14 +17,13 @@ use sluice_agent::Agent;
 use sluice_autograd::{accuracy, DType, OptimizerKind, Rng, Tensor};
 use sluice_pipeline::partition::{self, Partition};
 use sluice_pipeline::schedule::{self, Schedule};
-use sluice_pipeline::{nn, Pipeline, PipelineOptions};
+use sluice_pipeline::{nn, Pipeline, PipelineOptions, Remat};
 
 use super::{agent_options, Demo};
 
 const DIGITS: &[u8] = include_bytes!("digits.bin");
 const PIXELS: usize = 64;
 const TRAIN: usize = 1500;
-const BATCH: usize = 64;
 
 /// Images (pixels scaled to 0..1, 64 per image) and their labels.
 type Images = (Vec<f32>, Vec<usize>);
@@ -77,6 +76,10 @@ pub struct Settings {
     /// Width of the hidden layers (128: the demo; ~16,000: a model of about 1 GiB, to measure
     /// checkpoint saves).
     pub width: usize,
+    /// Mini-batch size.
+    pub batch: usize,
+    /// Every stage rematerializes.
+    pub remat: bool,
 }
 
 pub fn world_size(s: &Settings) -> u32 {
@@ -88,7 +91,7 @@ fn choose_partition(agent: &Agent, s: &Settings, stages: usize) -> anyhow::Resul
     if !s.auto_partition {
         return Ok(partition::by_weights(model.len(), &vec![1.0; stages])?);
     }
-    let micro = BATCH.div_ceil(s.micro_batches as usize);
+    let micro = s.batch.div_ceil(s.micro_batches as usize);
     let costs = sluice_pipeline::profile(agent, "stage0", &model, micro, DType::F32)?;
     let in_flight = schedule::peak_in_flight(s.schedule, stages, s.micro_batches as usize);
     let auto = partition::auto(&costs, &vec![u64::MAX; stages], in_flight)?;
@@ -168,6 +171,7 @@ fn drive(agent: &Agent, s: &Settings) -> anyhow::Result<()> {
         },
         schedule: s.schedule,
         micro_batches: s.micro_batches as usize,
+        remat: if s.remat { Remat::All } else { Remat::None },
     };
     let partition = choose_partition(agent, s, stages)?;
     let (pipeline, first_epoch) = match (&s.checkpoint, s.resume) {
@@ -193,7 +197,8 @@ fn drive(agent: &Agent, s: &Settings) -> anyhow::Result<()> {
         Ok(accuracy(&p.predict(&x)?, &y)?)
     };
     let before = eval(&pipeline)?;
-    let batches = TRAIN / BATCH;
+    let batch = s.batch.clamp(1, TRAIN);
+    let batches = TRAIN / batch;
     let start = Instant::now();
     let mut samples = 0usize;
     let mut bubbles = Vec::new();
@@ -202,9 +207,9 @@ fn drive(agent: &Agent, s: &Settings) -> anyhow::Result<()> {
         let busy_before = pipeline.busy()?;
         let epoch_start = Instant::now();
         for b in 0..batches {
-            let (x, y) = tensors(&train, b * BATCH..(b + 1) * BATCH)?;
+            let (x, y) = tensors(&train, b * batch..(b + 1) * batch)?;
             total += pipeline.train_step(&x, &y)?.loss;
-            samples += BATCH;
+            samples += batch;
         }
         let bubble =
             sluice_pipeline::measured_bubble(&busy_before, &pipeline.busy()?, epoch_start.elapsed().as_secs_f64());
@@ -220,6 +225,16 @@ fn drive(agent: &Agent, s: &Settings) -> anyhow::Result<()> {
         }
     }
     let secs = start.elapsed().as_secs_f64();
+    let memory: Vec<String> = pipeline
+        .memory()?
+        .iter()
+        .map(|(peak, _)| format!("{:.1}", *peak as f64 / (1 << 20) as f64))
+        .collect();
+    println!(
+        "peak resident memory per stage process (MiB){}: {}",
+        if s.remat { ", rematerializing" } else { "" },
+        memory.join(" / ")
+    );
     let mean_bubble = bubbles.iter().sum::<f64>() / bubbles.len().max(1) as f64;
     println!(
         "{stages} stages, {} micro-batches ({:?}, bubble measured {:.0}%, theoretical {:.0}%): {:.0} samples/s; held-out accuracy {:.1}% → {:.1}%",

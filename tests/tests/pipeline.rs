@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use sluice_agent::{Agent, CallContext, Registry};
 use sluice_autograd::{cross_entropy, DType, OptimizerKind, Tensor};
 use sluice_pipeline::partition::{self, by_counts};
-use sluice_pipeline::{checkpoint, nn, Pipeline, PipelineOptions, Schedule};
+use sluice_pipeline::{checkpoint, nn, Pipeline, PipelineOptions, Remat, Schedule};
 use sluice_tests::worker_test;
 use sluice_tests::workers::{run_workers_with, Ending, WorkerEnv};
 
@@ -31,6 +31,7 @@ fn options(schedule: Schedule, micro_batches: usize) -> PipelineOptions {
         },
         schedule,
         micro_batches,
+        remat: Remat::None,
     }
 }
 
@@ -90,6 +91,20 @@ worker_test!(pipelined_gradients_equal_the_local_models, 5, |env: WorkerEnv| {
                     let worst = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
                     assert!(worst < 1e-9, "{schedule:?} m={micro} {gn}: off by {worst:e}");
                 }
+            }
+        }
+        // Rematerialized stages (all, or some) give the same gradients.
+        for remat in [Remat::All, Remat::Stages(0b0101)] {
+            let opts = PipelineOptions {
+                remat,
+                ..options(Schedule::OneFOneB, 4)
+            };
+            let p = pipeline(&agent, &[1, 2, 3, 4], &[3, 2, 2, 2], opts);
+            let (l, got) = p.gradients(&x, &y).unwrap();
+            assert!((l - loss.item().unwrap()).abs() < 1e-12, "{remat:?}: loss {l}");
+            for ((gn, g), (_, w)) in got.iter().zip(&want) {
+                let worst = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+                assert!(worst < 1e-9, "{remat:?} {gn}: off by {worst:e}");
             }
         }
         // The pipeline predicts what the local model does.
