@@ -395,6 +395,39 @@ impl Pipeline {
         Ok(out)
     }
 
+    /// What one mini-batch's activations hold on each stage: every forward runs first (as in
+    /// GPipe) and each stage's resident memory is read before them and again once all are done,
+    /// before any backward; then the backward runs and nothing is stepped. Large tensors are
+    /// mapped and unmapped as whole pages, so the difference is the saved tensors' bytes
+    /// (tensors of a few KiB may hide in the allocator's free lists).
+    pub fn activation_memory(&self, x: &Tensor, y: &Tensor) -> Result<Vec<i64>> {
+        let n = x.shape()[0];
+        let sizes = self.sizes(n);
+        let xs = x.split(&sizes, 0)?;
+        let ys = y.split(&sizes, 0)?;
+        let context = Context::new(&self.agent)?;
+        let before = self.memory()?;
+        let futures = xs.iter().map(|m| self.start(m)).collect::<Result<Vec<_>>>()?;
+        let outs = futures
+            .into_iter()
+            .map(|f| f.wait())
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let after = self.memory()?;
+        let losses = outs
+            .iter()
+            .zip(&ys)
+            .zip(&sizes)
+            .map(|((o, y), &k)| cross_entropy(o, y)?.mul_scalar(k as f64 / n as f64))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        context.backward(&losses, false)?;
+        context.release()?;
+        Ok(before
+            .iter()
+            .zip(&after)
+            .map(|(b, a)| a.1 as i64 - b.1 as i64)
+            .collect())
+    }
+
     /// Each stage's worker process: (peak, current) resident memory in bytes.
     pub fn memory(&self) -> Result<Vec<(u64, u64)>> {
         let mut out = Vec::with_capacity(self.route.len());

@@ -197,6 +197,20 @@ fn drive(agent: &Agent, s: &Settings) -> anyhow::Result<()> {
         Ok(accuracy(&p.predict(&x)?, &y)?)
     };
     let before = eval(&pipeline)?;
+    {
+        let (x, y) = tensors(&train, 0..s.batch.clamp(1, TRAIN))?;
+        let held: Vec<String> = pipeline
+            .activation_memory(&x, &y)?
+            .iter()
+            .map(|b| format!("{:.1}", *b as f64 / (1 << 20) as f64))
+            .collect();
+        println!(
+            "activations held per stage for one mini-batch of {} (MiB){}: {}",
+            s.batch,
+            if s.remat { ", rematerializing" } else { "" },
+            held.join(" / ")
+        );
+    }
     let batch = s.batch.clamp(1, TRAIN);
     let batches = TRAIN / batch;
     let start = Instant::now();
