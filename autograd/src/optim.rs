@@ -249,6 +249,8 @@ impl Optimizer {
     /// name; a length that does not match its parameter is an error).
     pub fn import_state(&self, saved: &[(String, ParamState)]) -> Result<()> {
         let mut state = self.state.lock().unwrap();
+        // Everything is checked before anything is applied.
+        let mut checked = Vec::with_capacity(saved.len());
         for (name, s) in saved {
             let p = self
                 .params
@@ -258,14 +260,18 @@ impl Optimizer {
             let n = p.data().numel();
             let lens = [
                 s.momentum.as_ref().map(Vec::len),
-                s.adam.as_ref().map(|a| a.0.len().min(a.1.len())),
+                s.adam.as_ref().map(|a| a.0.len()),
+                s.adam.as_ref().map(|a| a.1.len()),
             ];
             if lens.iter().flatten().any(|&l| l != n) {
                 return Err(Error::Optimizer(format!(
                     "{name}: saved state does not match its {n} elements"
                 )));
             }
-            let slot = state.entry(p.id()).or_default();
+            checked.push((p.id(), s));
+        }
+        for (id, s) in checked {
+            let slot = state.entry(id).or_default();
             slot.momentum = s.momentum.clone();
             slot.adam = s.adam.clone();
         }

@@ -716,7 +716,8 @@ fn check_allocation(d: &WireDescriptor, a: &Allocation, pooled: bool) -> std::re
         }
     }
     for (i, (b, t)) in a.tensors.iter().zip(&d.tensors).enumerate() {
-        if b.len() as u64 != t.length && !lent(t, pooled) {
+        // A lent tensor takes an empty buffer; any other buffer must be exactly its length.
+        if b.len() as u64 != t.length && !(b.is_empty() && lent(t, pooled)) {
             return Err(format!(
                 "tensor {i}: buffer of {} bytes for {} bytes",
                 b.len(),

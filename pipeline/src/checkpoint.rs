@@ -19,7 +19,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use sluice_autograd::{DType, ParamState, Parameter, Tensor};
+use sluice_autograd::{DType, OptimizerKind, ParamState, Parameter, Tensor};
 
 use crate::nn::Layer;
 
@@ -38,6 +38,8 @@ pub enum CheckpointError {
     },
     #[error("no complete checkpoint in {0}")]
     None(PathBuf),
+    #[error("{0} exists: a checkpoint of that step was already saved")]
+    Exists(PathBuf),
     #[error("{0}")]
     Tensor(String),
 }
@@ -88,6 +90,9 @@ pub struct Manifest {
     pub step: u64,
     pub model: Vec<Layer>,
     pub seed: u64,
+    /// The parameters' dtype and the update rule the saved optimizer state belongs to.
+    pub dtype: DType,
+    pub optimizer: OptimizerKind,
     pub shards: Vec<ShardEntry>,
     /// The driver's own state (data position, losses so far, ...).
     pub driver: serde_json::Value,
@@ -178,9 +183,30 @@ pub fn write_shard(dir: &Path, step: u64, shard: &Shard, worker: &str) -> Result
     })
 }
 
-/// Makes the checkpoint exist: the manifest, then `LATEST`.
+/// Makes the checkpoint exist: the manifest, then `LATEST`; only once every shard it lists is
+/// on disk here with the size the worker reported, one per layer.
 pub fn commit(dir: &Path, manifest: &Manifest) -> Result<PathBuf> {
     let sd = step_dir(dir, manifest.step);
+    let mut layers: Vec<usize> = manifest.shards.iter().map(|s| s.layer).collect();
+    layers.sort_unstable();
+    if layers != (0..manifest.model.len()).collect::<Vec<_>>() {
+        return Err(CheckpointError::Corrupt {
+            path: sd.clone(),
+            check: "shards",
+            detail: format!("layers {layers:?} for a model of {} layers", manifest.model.len()),
+        });
+    }
+    for s in &manifest.shards {
+        let path = sd.join(&s.file);
+        let len = fs::metadata(&path).map_err(io(&path))?.len();
+        if len != s.bytes {
+            return Err(CheckpointError::Corrupt {
+                path,
+                check: "size",
+                detail: format!("{len} bytes on disk, {} reported by {}", s.bytes, s.worker),
+            });
+        }
+    }
     sync_dir(&sd)?;
     let json = serde_json::to_vec_pretty(manifest).map_err(|e| CheckpointError::Tensor(e.to_string()))?;
     let path = sd.join("MANIFEST.json");

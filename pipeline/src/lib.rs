@@ -173,6 +173,18 @@ impl Pipeline {
             .iter()
             .map(|p| p.parse())
             .collect::<Result<Vec<Placement>>>()?;
+        check_devices(&placements)?;
+        // Contiguous, non-empty stages covering every layer once.
+        let mut next = 0;
+        for r in &partition.stages {
+            if r.start != next || r.is_empty() {
+                return Err(PipelineError::Unsupported(format!(
+                    "partition {:?}: stages must be non-empty and contiguous from layer 0",
+                    partition.stages
+                )));
+            }
+            next = r.end;
+        }
         if placements.len() != partition.stages.len() {
             return Err(PipelineError::Unsupported(format!(
                 "{} placements for {} stages",
@@ -318,11 +330,22 @@ impl Pipeline {
 
     /// Saves a checkpoint of step `step` into `dir`: every stage writes its shards (in
     /// parallel), then the manifest (with `driver`, the caller's own state) makes it exist.
+    /// A step that already has a checkpoint is refused (overwriting its shards under its
+    /// manifest could leave it torn). Workers write into the same directory: give a path they
+    /// all see (a relative one is made absolute here, for workers started elsewhere).
     pub fn save(&self, dir: &Path, step: u64, driver: serde_json::Value) -> Result<PathBuf> {
         std::fs::create_dir_all(dir).map_err(|source| CheckpointError::Io {
             path: dir.to_owned(),
             source,
         })?;
+        let dir = &std::path::absolute(dir).map_err(|source| CheckpointError::Io {
+            path: dir.to_owned(),
+            source,
+        })?;
+        let existing = checkpoint::step_dir(dir, step).join("MANIFEST.json");
+        if existing.exists() {
+            return Err(CheckpointError::Exists(existing).into());
+        }
         let dir_s = dir.to_string_lossy().into_owned();
         let writes: Vec<_> = self
             .route
@@ -347,6 +370,8 @@ impl Pipeline {
             step,
             model: self.model.clone(),
             seed: self.options.seed,
+            dtype: self.options.dtype,
+            optimizer: self.options.optimizer,
             shards,
             driver,
         };
@@ -362,16 +387,28 @@ impl Pipeline {
         partition: Partition,
         options: PipelineOptions,
     ) -> Result<(Pipeline, Manifest)> {
+        let dir = &std::path::absolute(dir).map_err(|source| CheckpointError::Io {
+            path: dir.to_owned(),
+            source,
+        })?;
         let manifest = checkpoint::latest(dir)?;
         checkpoint::verify(dir, &manifest)?;
+        if manifest.dtype != options.dtype || !same_optimizer(&manifest.optimizer, &options.optimizer) {
+            return Err(PipelineError::Unsupported(format!(
+                "the checkpoint was saved with {:?} and {:?}; restoring asks for {:?} and {:?}",
+                manifest.dtype, manifest.optimizer, options.dtype, options.optimizer
+            )));
+        }
         let options = PipelineOptions {
             seed: manifest.seed,
             ..options
         };
         let p = Pipeline::new(agent, manifest.model.clone(), placements, partition, options)?;
         let dir_s = dir.to_string_lossy().into_owned();
+        // Every stage loads what the driver verified: the manifest travels with the request.
+        let json = serde_json::to_string(&manifest).map_err(|e| CheckpointError::Tensor(e.to_string()))?;
         for &(w, id) in &p.route {
-            let () = agent.call(w, stage::H_LOAD, &(id, dir_s.clone(), manifest.step))?;
+            let () = agent.call(w, stage::H_LOAD, &(id, dir_s.clone(), json.clone()))?;
         }
         Ok((p, manifest))
     }
@@ -448,6 +485,17 @@ impl Drop for Pipeline {
         for &(w, id) in &self.route {
             drop(self.agent.call_async(w, stage::H_DROP, &id));
         }
+    }
+}
+
+/// Whether two optimizer settings are the same rule (the saved state means the same thing).
+fn same_optimizer(a: &OptimizerKind, b: &OptimizerKind) -> bool {
+    match (a, b) {
+        (OptimizerKind::Sgd { momentum: m1, .. }, OptimizerKind::Sgd { momentum: m2, .. }) => {
+            (m1 == &0.0) == (m2 == &0.0)
+        }
+        (OptimizerKind::Adam { .. }, OptimizerKind::Adam { .. }) => true,
+        _ => false,
     }
 }
 

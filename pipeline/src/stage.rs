@@ -182,10 +182,9 @@ fn save(id: u64, dir: &str, step: u64, worker: &str) -> Result<Vec<ShardEntry>, 
     Ok(entries)
 }
 
-fn load(id: u64, dir: &str, step: u64) -> Result<(), HandlerError> {
+fn load(id: u64, dir: &str, manifest: checkpoint::Manifest) -> Result<(), HandlerError> {
     let stage = get(id)?;
     let dir = Path::new(dir);
-    let manifest = checkpoint::manifest(dir, step).map_err(err)?;
     let mut state = Vec::new();
     for (i, layer) in stage.spec.layers.clone().enumerate() {
         let shard = checkpoint::read_shard(dir, &manifest, layer).map_err(err)?;
@@ -288,9 +287,15 @@ pub fn install(r: &mut Registry) {
     r.handler(H_SAVE, |cx: &CallContext, (id, dir, step): (u64, String, u64)| {
         save(id, &dir, step, &cx.agent.info().name)
     });
-    r.handler(H_LOAD, |_cx: &CallContext, (id, dir, step): (u64, String, u64)| {
-        load(id, &dir, step)
-    });
+    r.handler(
+        H_LOAD,
+        // The manifest travels as its JSON (its driver state is free-form JSON, which
+        // postcard cannot carry).
+        |_cx: &CallContext, (id, dir, manifest): (u64, String, String)| {
+            let manifest: checkpoint::Manifest = serde_json::from_str(&manifest).map_err(err)?;
+            load(id, &dir, manifest)
+        },
+    );
     r.handler(H_DROP, |_cx: &CallContext, id: u64| {
         stages().lock().unwrap().remove(&id);
         Ok(())

@@ -440,7 +440,15 @@ def _handler(func):
 
 
 def _timeout(timeout):
-    return None if timeout is None or timeout < 0 else float(timeout)
+    """Seconds, None for the default (negative too, as in PyTorch); 0 and inf mean none."""
+    if timeout is None:
+        return None
+    timeout = float(timeout)
+    if timeout != timeout:
+        raise ValueError("timeout is NaN")
+    if timeout < 0:
+        return None
+    return 0.0 if timeout == float("inf") else timeout
 
 
 def rpc_sync(to, func, args=None, kwargs=None, timeout: float = -1.0):

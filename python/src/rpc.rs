@@ -266,11 +266,17 @@ fn registry() -> Registry {
     r
 }
 
-fn timeout(agent: &Agent, seconds: Option<f64>) -> Duration {
-    match seconds {
+/// Seconds from Python as a duration, never a panic: infinite (or too large) means none
+/// (zero, as 0 does), and NaN or negative count as zero too (the Python layer rejects NaN first).
+fn seconds(s: f64) -> Duration {
+    Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::ZERO)
+}
+
+fn timeout(agent: &Agent, seconds_or_default: Option<f64>) -> Duration {
+    match seconds_or_default {
         None => agent.default_timeout(),
         Some(s) if s < 0.0 => agent.default_timeout(),
-        Some(s) => Duration::from_secs_f64(s),
+        Some(s) => seconds(s),
     }
 }
 
@@ -320,7 +326,7 @@ impl PyAgent {
         o.rank = rank;
         o.world_size = world_size;
         o.store_addr = store;
-        o.default_timeout = Duration::from_secs_f64(timeout.max(0.0));
+        o.default_timeout = seconds(timeout);
         if let Some(t) = threads {
             o.pool_threads = t.max(1);
         }
@@ -406,9 +412,8 @@ impl PyAgent {
         self.agent.default_timeout().as_secs_f64()
     }
 
-    fn set_default_timeout(&self, seconds: f64) {
-        self.agent
-            .set_default_timeout(Duration::from_secs_f64(seconds.max(0.0)));
+    fn set_default_timeout(&self, s: f64) {
+        self.agent.set_default_timeout(seconds(s));
     }
 
     /// Graceful: waits for every worker's outstanding work (a barrier), then stops.
@@ -419,7 +424,7 @@ impl PyAgent {
             return Ok(());
         }
         let r = py.detach(|| match timeout {
-            Some(t) => self.agent.shutdown_timeout(Duration::from_secs_f64(t.max(0.0))),
+            Some(t) => self.agent.shutdown_timeout(seconds(t)),
             None => self.agent.shutdown(),
         });
         r.map_err(|e| RpcErrorPy::new_err(format!("shutdown: {e}")))
@@ -471,9 +476,11 @@ impl PyFuture {
     #[pyo3(signature = (timeout=None))]
     fn wait<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyTuple>> {
         let r = match timeout {
+            // No deadline, or one that never comes.
             None => py.detach(|| self.fut.wait()),
+            Some(t) if !t.is_finite() => py.detach(|| self.fut.wait()),
             Some(t) => py
-                .detach(|| self.fut.wait_timeout(Duration::from_secs_f64(t.max(0.0))))
+                .detach(|| self.fut.wait_timeout(seconds(t)))
                 .ok_or_else(|| RpcTimeout::new_err(format!("no result within {t} s (the call goes on)")))?,
         };
         unpack(py, r.map_err(|e| rpc_err(py, e))?)
@@ -532,7 +539,7 @@ impl PyRRef {
     #[pyo3(signature = (timeout))]
     fn fetch(&self, timeout: f64) -> PyFuture {
         PyFuture {
-            fut: self.rref.fetch(Duration::from_secs_f64(timeout.max(0.0))),
+            fut: self.rref.fetch(seconds(timeout)),
         }
     }
 
@@ -554,7 +561,7 @@ impl PyRRef {
         timeout: f64,
     ) -> PyResult<PyFuture> {
         let p = payload(key, data, tensors, rrefs)?;
-        let t = Duration::from_secs_f64(timeout.max(0.0));
+        let t = seconds(timeout);
         let fut = py.detach(|| self.rref.rpc_async_raw("py.method", p, t));
         Ok(PyFuture { fut })
     }
@@ -570,7 +577,7 @@ impl PyRRef {
         timeout: f64,
     ) -> PyResult<PyRRef> {
         let p = payload(key, data, tensors, rrefs)?;
-        let t = Duration::from_secs_f64(timeout.max(0.0));
+        let t = seconds(timeout);
         let rref = py
             .detach(|| self.rref.remote_raw::<()>("py.method", p, t))
             .map_err(|e| rpc_err(py, e))?;

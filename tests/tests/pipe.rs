@@ -181,6 +181,25 @@ async fn rdma_reads_land_in_a_recycled_registered_pool() {
         }
         // Each tensor was dropped before the next arrived: one chunk served them all.
         assert_eq!(addresses.len(), 1, "chunks: {addresses:x?}");
+        // A buffer of the wrong length is refused (not filled short), and the message can then
+        // be read properly.
+        let m = Message {
+            tensors: vec![Tensor::cpu(vec![7u8; 1 << 20])],
+            ..Message::default()
+        };
+        let read = async {
+            let d = b.read_descriptor().await.unwrap();
+            let short = Allocation {
+                payloads: Vec::new(),
+                tensors: vec![RecvBuffer::cpu(1000)],
+            };
+            let e = b.read(short).await.unwrap_err();
+            assert!(matches!(e.error, PipeError::Misuse(_)), "{}", e.error);
+            b.read(Allocation::for_descriptor(&d)).await.unwrap()
+        };
+        let (w, r) = tokio::join!(a.write(&m), read);
+        w.unwrap();
+        assert!(r.tensors[0].as_cpu().unwrap().iter().all(|&x| x == 7));
         let v = sluice_transport::ibv::model::ModelFabric::global().violations();
         assert!(v.is_empty(), "verbs rules broken: {v:?}");
     })

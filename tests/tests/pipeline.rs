@@ -112,6 +112,19 @@ worker_test!(pipelined_gradients_equal_the_local_models, 5, |env: WorkerEnv| {
         let out = p.predict(&x).unwrap().to_f64_vec().unwrap();
         let want = nn::forward(&model(), &local, &x).unwrap().to_f64_vec().unwrap();
         assert!(out.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-12));
+        // Partitions must cover every layer once, in order.
+        let overlapping = partition::Partition {
+            stages: vec![0..4, 3..9],
+            predicted: Vec::new(),
+        };
+        let e = Pipeline::new(
+            &agent,
+            model(),
+            &["worker1/cpu", "worker2/cpu"],
+            overlapping,
+            options(Schedule::GPipe, 1),
+        );
+        assert!(e.err().unwrap().to_string().contains("contiguous"));
         // Placement errors are clear.
         let bad = Pipeline::new(
             &agent,
@@ -193,6 +206,9 @@ worker_test!(
                 );
             }
             first.save(&dir, 3, serde_json::json!({ "next_step": 3 })).unwrap();
+            // A step is saved once: overwriting its shards under its manifest could tear it.
+            let e = first.save(&dir, 3, serde_json::json!({})).unwrap_err().to_string();
+            assert!(e.contains("already saved"), "{e}");
             drop(first);
             let placements = ["worker3/cpu", "worker4/cpu"];
             let (second, manifest) = Pipeline::restore(
@@ -204,6 +220,22 @@ worker_test!(
             )
             .unwrap();
             assert_eq!(manifest.step, 3);
+            // The saved state belongs to one update rule and dtype: another is refused.
+            let adam = PipelineOptions {
+                optimizer: OptimizerKind::adam(0.01),
+                ..options(Schedule::GPipe, 4)
+            };
+            let e = Pipeline::restore(
+                &agent,
+                &dir,
+                &placements,
+                by_counts(model().len(), &[5, 4]).unwrap(),
+                adam,
+            )
+            .err()
+            .unwrap()
+            .to_string();
+            assert!(e.contains("saved with"), "{e}");
             assert_eq!(manifest.driver["next_step"], 3);
             for s in 3..6 {
                 let (x, y) = batch(s);

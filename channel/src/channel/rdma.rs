@@ -254,6 +254,12 @@ impl RecvPool {
         if let Some(chunk) = st.free.get_mut(&class).and_then(Vec::pop) {
             return Ok(Some(Landing::new(chunk, len, self)));
         }
+        // What is lent out stays; if even evicting every free chunk could not make room,
+        // evict nothing (a pool of mixed sizes must not thrash).
+        let free: usize = st.free.iter().map(|(&c, v)| c * v.len()).sum();
+        if (st.bytes - free).saturating_add(class) > st.max_bytes {
+            return Ok(None);
+        }
         while st.bytes + class > st.max_bytes {
             let Some((&other, _)) = st.free.iter().find(|(_, v)| !v.is_empty()) else {
                 return Ok(None);
@@ -270,8 +276,11 @@ impl RecvPool {
         let mr = match unsafe { self.device.register(mem.as_mut_ptr(), class, Access::LOCAL) } {
             Ok(mr) => mr,
             Err(e) => {
+                // Refused (the locked-memory limit, most likely): this read registers a buffer
+                // of its own instead, as without a pool.
                 self.state.lock().expect("receive pool").bytes -= class;
-                return Err(e);
+                tracing::debug!("receive pool: registering {class} bytes failed ({e}); reading without the pool");
+                return Ok(None);
             }
         };
         self.registrations.fetch_add(1, Ordering::Relaxed);

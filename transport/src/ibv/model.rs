@@ -307,8 +307,22 @@ impl ModelDevice {
             .filter(|(_, q)| q.dev == self.id)
             .map(|(&n, _)| n)
             .collect();
-        for n in mine {
-            st.qps.remove(&n);
+        for n in &mine {
+            st.qps.remove(n);
+        }
+        // Their peers' requests now find nobody: revisit them (one waiting for a receive
+        // the dead side will never post included), so they run into the retry timeout.
+        let orphans: Vec<u32> = st
+            .qps
+            .iter()
+            .filter(|(_, q)| q.remote.is_some_and(|r| mine.contains(&r)))
+            .map(|(&n, _)| n)
+            .collect();
+        for n in orphans {
+            if let Some(q) = st.qps.get_mut(&n) {
+                q.rnr_waiting = false;
+            }
+            st.ready.push_back(n);
         }
         for cq in st.cqs.values().filter(|c| c.dev == self.id) {
             cq.signal.raise();
