@@ -81,20 +81,18 @@ pub fn is_grad_enabled() -> bool {
 
 /// Runs `f` without recording operations (as the backward functions themselves run).
 pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
-    let previous = GRAD_ENABLED.with(|g| g.replace(false));
-    struct Restore(bool);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            GRAD_ENABLED.with(|g| g.set(self.0));
-        }
-    }
-    let _restore = Restore(previous);
-    f()
+    with_grad_mode(false, f)
 }
 
 /// Runs `f` recording operations, even inside a backward function (where recording is off).
 pub fn enable_grad<R>(f: impl FnOnce() -> R) -> R {
-    let previous = GRAD_ENABLED.with(|g| g.replace(true));
+    with_grad_mode(true, f)
+}
+
+/// Runs `f` with recording switched `on` or off, restoring the previous mode after (even if
+/// `f` panics).
+fn with_grad_mode<R>(on: bool, f: impl FnOnce() -> R) -> R {
+    let previous = GRAD_ENABLED.with(|g| g.replace(on));
     struct Restore(bool);
     impl Drop for Restore {
         fn drop(&mut self) {
