@@ -19,7 +19,7 @@ use crate::error::PipeError;
 
 pub const MAGIC: [u8; 4] = *b"SLCE";
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 5;
+pub const VERSION: u16 = 6;
 const ENVELOPE: usize = 6;
 
 /// Largest setup frame accepted (hello or answer).
@@ -153,9 +153,15 @@ pub enum Source {
     /// acknowledges (rdma, cuda_gdr).
     Rdma { addr: u64, rkey: u32 },
     /// GPU memory of another process: the IPC handle of the allocation (64 bytes), the
-    /// tensor's offset in it, and the IPC handle of the event recorded on the sender's stream
-    /// once the data was ready (cuda_ipc, cuda_p2p).
-    CudaIpc { memory: Bytes, offset: u64, event: Bytes },
+    /// tensor's offset in it, the allocation's size (offsets are checked against it), and the
+    /// IPC handle of the event recorded on the sender's stream once the data was ready
+    /// (cuda_ipc, cuda_p2p).
+    CudaIpc {
+        memory: Bytes,
+        offset: u64,
+        size: u64,
+        event: Bytes,
+    },
     /// GPU memory of this very process (only accepted from a peer with this process's token):
     /// its address and ready event (cuda_ipc, cuda_p2p).
     CudaLocal { address: u64, event: u64 },
@@ -294,6 +300,7 @@ mod tests {
                 data: Source::CudaIpc {
                     memory: Bytes::from_static(&[1; 64]),
                     offset: 5,
+                    size: 4096,
                     event: Bytes::from_static(&[2; 64]),
                 },
             }],

@@ -34,11 +34,18 @@ fn search_dirs() -> Vec<String> {
     dirs
 }
 
-/// Candidate file names for `lib` (e.g. `cublas`): newest soname first, then the unversioned
-/// development link; each bare (the loader's path) and in every toolkit directory.
-fn candidates(lib: &str) -> Vec<String> {
-    let names: Vec<String> = ["13", "12", "11"]
+/// Library majors Sluice knows, newest first.
+const MAJORS: [i32; 3] = [13, 12, 11];
+
+/// Candidate file names for `lib` (e.g. `cublas`), for a driver of CUDA `driver` (e.g.
+/// `12080`) when known: only sonames whose major is no newer than the driver's (a CUDA 13
+/// library needs a CUDA 13 driver, and PTX from a newer NVRTC is refused by an older driver),
+/// newest first, then the unversioned development link (its version is checked once loaded);
+/// each bare (the loader's path) and in every toolkit directory.
+pub fn candidates(lib: &str, driver: Option<i32>) -> Vec<String> {
+    let names: Vec<String> = MAJORS
         .iter()
+        .filter(|&&m| driver.is_none_or(|d| m <= d / 1000))
         .map(|v| format!("lib{lib}.so.{v}"))
         .chain([format!("lib{lib}.so")])
         .collect();
@@ -49,8 +56,13 @@ fn candidates(lib: &str) -> Vec<String> {
     out
 }
 
+/// The driver's CUDA version when the driver is usable (libraries are then chosen for it).
+fn driver_version() -> Option<i32> {
+    runtime().ok().map(|c| c.driver_version)
+}
+
 fn open(lib: &str) -> Result<libloading::Library, Unavailable> {
-    let tried = candidates(lib);
+    let tried = candidates(lib, driver_version());
     for c in &tried {
         // SAFETY: loading a CUDA toolkit library runs only its own initializers, as every CUDA
         // program does when it links them.
@@ -60,8 +72,20 @@ fn open(lib: &str) -> Result<libloading::Library, Unavailable> {
         }
     }
     Err(Unavailable(format!(
-        "lib{lib} was not found (looked for lib{lib}.so.13/.12/.11 on the loader path, in $CUDA_HOME and /usr/local/cuda)"
+        "lib{lib} was not found (looked for lib{lib}.so.13/.12/.11, none newer than the driver, on the loader path, in $CUDA_HOME and /usr/local/cuda)"
     )))
+}
+
+/// A library's major version is newer than the driver's: it cannot be used with it.
+fn too_new(lib: &str, major: i32, minor: i32, driver: i32) -> Option<Unavailable> {
+    (major > driver / 1000).then(|| {
+        Unavailable(format!(
+            "{lib} {major}.{minor} is newer than the driver (CUDA {}.{}): install the CUDA {} build of {lib} or a newer driver",
+            driver / 1000,
+            driver % 1000 / 10,
+            driver / 1000
+        ))
+    })
 }
 
 /// Resolves `name` in `lib` as a function pointer of type `F`.
@@ -93,14 +117,42 @@ struct Nvrtc {
     ptx_size: unsafe extern "C" fn(NvrtcProgram, *mut usize) -> c_int,
     ptx: unsafe extern "C" fn(NvrtcProgram, *mut c_char) -> c_int,
     destroy: unsafe extern "C" fn(*mut NvrtcProgram) -> c_int,
+    /// CUBIN output (NVRTC 11.1 and newer).
+    cubin_size: Option<unsafe extern "C" fn(NvrtcProgram, *mut usize) -> c_int>,
+    cubin: Option<unsafe extern "C" fn(NvrtcProgram, *mut c_char) -> c_int>,
+    /// The real architectures this NVRTC compiles for (11.2 and newer).
+    archs: Option<Vec<i32>>,
+    /// `(major, minor)`.
+    version: (i32, i32),
 }
 
 fn nvrtc() -> Result<&'static Nvrtc, Unavailable> {
     static LIB: OnceLock<Result<Nvrtc, Unavailable>> = OnceLock::new();
     LIB.get_or_init(|| {
         let lib = open("nvrtc")?;
-        // SAFETY: each type below is the C signature from nvrtc.h.
+        type Version = unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int;
+        type Count = unsafe extern "C" fn(*mut c_int) -> c_int;
+        // SAFETY: each type below is the C signature from nvrtc.h; the optional entries are
+        // looked up the same way and are absent from older NVRTCs.
         unsafe {
+            let version_of: Version = symbol(&lib, "nvrtcVersion")?;
+            let (mut major, mut minor) = (0, 0);
+            version_of(&mut major, &mut minor);
+            let archs = match (
+                symbol::<Count>(&lib, "nvrtcGetNumSupportedArchs"),
+                symbol::<Count>(&lib, "nvrtcGetSupportedArchs"),
+            ) {
+                (Ok(count), Ok(list)) => {
+                    let mut n: c_int = 0;
+                    count(&mut n);
+                    let mut v = vec![0 as c_int; n.clamp(0, 256) as usize];
+                    if n > 0 && n <= 256 {
+                        list(v.as_mut_ptr());
+                    }
+                    Some(v)
+                }
+                _ => None,
+            };
             Ok(Nvrtc {
                 create: symbol(&lib, "nvrtcCreateProgram")?,
                 compile: symbol(&lib, "nvrtcCompileProgram")?,
@@ -109,6 +161,10 @@ fn nvrtc() -> Result<&'static Nvrtc, Unavailable> {
                 ptx_size: symbol(&lib, "nvrtcGetPTXSize")?,
                 ptx: symbol(&lib, "nvrtcGetPTX")?,
                 destroy: symbol(&lib, "nvrtcDestroyProgram")?,
+                cubin_size: symbol(&lib, "nvrtcGetCUBINSize").ok(),
+                cubin: symbol(&lib, "nvrtcGetCUBIN").ok(),
+                archs,
+                version: (major, minor),
                 _lib: lib,
             })
         }
@@ -137,6 +193,8 @@ type Gemm<T> = unsafe extern "C" fn(
 
 struct Cublas {
     _lib: libloading::Library,
+    /// `(major, minor)`.
+    version: (i32, i32),
     create: unsafe extern "C" fn(*mut CublasHandle) -> c_int,
     set_stream: unsafe extern "C" fn(CublasHandle, *mut c_void) -> c_int,
     sgemm: Gemm<f32>,
@@ -148,9 +206,18 @@ fn cublas() -> Result<&'static Cublas, Unavailable> {
     LIB.get_or_init(|| {
         let lib = open("cublas")?;
         // SAFETY: each type below is the C signature from cublas_api.h (the `_v2` entry points,
-        // exported by every cuBLAS from 10 to 13).
+        // exported by every cuBLAS from 10 to 13; `cublasGetProperty` since 8.0, taking
+        // `libraryPropertyType` as an int: 0 major, 1 minor).
         unsafe {
+            let property: unsafe extern "C" fn(c_int, *mut c_int) -> c_int = symbol(&lib, "cublasGetProperty")?;
+            let (mut major, mut minor) = (0, 0);
+            property(0, &mut major);
+            property(1, &mut minor);
+            if let Some(e) = driver_version().and_then(|d| too_new("cuBLAS", major, minor, d)) {
+                return Err(e);
+            }
             Ok(Cublas {
+                version: (major, minor),
                 create: symbol(&lib, "cublasCreate_v2")?,
                 set_stream: symbol(&lib, "cublasSetStream_v2")?,
                 sgemm: symbol(&lib, "cublasSgemm_v2")?,
@@ -172,23 +239,133 @@ pub fn available() -> Result<(), Unavailable> {
     Ok(())
 }
 
-/// Compiles CUDA C++ `source` to PTX for `device`'s architecture. Errors carry NVRTC's log.
-fn compile_ptx(device: u32, source: &str, name: &str) -> Result<CString, CudaError> {
+/// What NVRTC produces for a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// Machine code for `sm_XY` (loaded without a JIT; valid on a driver of NVRTC's major or
+    /// newer, by CUDA's minor-version compatibility).
+    Cubin(i32),
+    /// PTX for `compute_XY`, compiled by the driver's JIT: only when NVRTC is no newer than
+    /// the driver (a newer PTX ISA is refused with `CUDA_ERROR_UNSUPPORTED_PTX_VERSION`, and
+    /// minor-version compatibility does not cover the JIT).
+    Ptx(i32),
+}
+
+/// Chooses what to compile for a device of compute capability `device` with NVRTC `nvrtc`
+/// under driver `driver` (e.g. `12040`): CUBIN for the device's own architecture whenever
+/// NVRTC can produce it (no JIT, so nothing depends on the driver's PTX ISA); PTX for the
+/// newest architecture NVRTC knows when the device is newer than NVRTC, provided NVRTC is no
+/// newer than the driver. `archs` lists the real architectures NVRTC supports (unknown before
+/// NVRTC 11.2); `cubin` says whether it can emit CUBIN (11.1 and newer).
+pub fn choose_target(
+    nvrtc: (i32, i32),
+    driver: i32,
+    device: (i32, i32),
+    archs: Option<&[i32]>,
+    cubin: bool,
+) -> Result<Target, String> {
+    let arch = device.0 * 10 + device.1;
+    let nvrtc_version = nvrtc.0 * 1000 + nvrtc.1 * 10;
+    if nvrtc.0 > driver / 1000 {
+        return Err(format!(
+            "NVRTC {}.{} is newer than the driver (CUDA {}.{}): its output needs a CUDA {} driver; install the CUDA {} NVRTC",
+            nvrtc.0,
+            nvrtc.1,
+            driver / 1000,
+            driver % 1000 / 10,
+            nvrtc.0,
+            driver / 1000
+        ));
+    }
+    let ptx_ok = nvrtc_version <= driver;
+    let knows = archs.is_none_or(|a| a.contains(&arch));
+    if cubin && knows {
+        return Ok(Target::Cubin(arch));
+    }
+    if !knows {
+        // A device newer than NVRTC: PTX for the newest architecture it knows, JIT-compiled.
+        let best = archs.and_then(|a| a.iter().copied().filter(|&x| x < arch).max());
+        return match best {
+            Some(b) if ptx_ok => Ok(Target::Ptx(b)),
+            Some(_) => Err(format!(
+                "NVRTC {}.{} does not know sm_{arch}, and its PTX is newer than the driver (CUDA {}.{}) can load",
+                nvrtc.0,
+                nvrtc.1,
+                driver / 1000,
+                driver % 1000 / 10
+            )),
+            None => Err(format!(
+                "NVRTC {}.{} knows no architecture up to sm_{arch}",
+                nvrtc.0, nvrtc.1
+            )),
+        };
+    }
+    if ptx_ok {
+        Ok(Target::Ptx(arch))
+    } else {
+        Err(format!(
+            "NVRTC {}.{} emits no CUBIN and its PTX is newer than the driver (CUDA {}.{})",
+            nvrtc.0,
+            nvrtc.1,
+            driver / 1000,
+            driver % 1000 / 10
+        ))
+    }
+}
+
+/// A library's `(major, minor)` version.
+pub type Version = (i32, i32);
+
+/// The versions of the libraries found (NVRTC, cuBLAS), for reports.
+pub fn versions() -> (Option<Version>, Option<Version>) {
+    (nvrtc().ok().map(|n| n.version), cublas().ok().map(|c| c.version))
+}
+
+/// Compiles `source` for `device` into a module image (CUBIN, or PTX with its NUL).
+fn compile_image(device: u32, source: &str, name: &str) -> Result<Vec<u8>, CudaError> {
     let cuda = runtime()?;
-    let dev = driver::device(cuda.gpu(device)?.index as i32)?;
-    ptx_for(source, name, driver::compute_capability(dev)?)
+    let gpu = cuda.gpu(device)?;
+    let cc = driver::compute_capability(gpu.handle)?;
+    let nv = nvrtc()?;
+    let target = choose_target(
+        nv.version,
+        cuda.driver_version,
+        cc,
+        nv.archs.as_deref(),
+        nv.cubin.is_some() && nv.cubin_size.is_some(),
+    )
+    .map_err(|e| CudaError::Unavailable(Unavailable(e)))?;
+    tracing::debug!(?target, nvrtc = ?nv.version, driver = cuda.driver_version, "compiling {name}");
+    compile(source, name, target)
 }
 
 /// Compiles CUDA C++ `source` to PTX for compute capability `(major, minor)` with NVRTC alone
 /// (no driver or GPU needed: CI uses it to check kernel sources).
 pub fn ptx_for(source: &str, name: &str, (major, minor): (i32, i32)) -> Result<CString, CudaError> {
+    let image = compile(source, name, Target::Ptx(major * 10 + minor))?;
+    CStr::from_bytes_until_nul(&image)
+        .map(CStr::to_owned)
+        .map_err(|_| CudaError::Invalid("NVRTC returned PTX without a NUL".into()))
+}
+
+/// Compiles CUDA C++ `source` to CUBIN for `sm_XY` with NVRTC alone (no driver needed).
+pub fn cubin_for(source: &str, name: &str, (major, minor): (i32, i32)) -> Result<Vec<u8>, CudaError> {
+    compile(source, name, Target::Cubin(major * 10 + minor))
+}
+
+/// Runs NVRTC on `source` for `target`; errors carry NVRTC's log.
+fn compile(source: &str, name: &str, target: Target) -> Result<Vec<u8>, CudaError> {
     let nv = nvrtc()?;
     let src = CString::new(source).map_err(|_| CudaError::Invalid("kernel source holds a NUL".into()))?;
     let cname = CString::new(name).map_err(|_| CudaError::Invalid("program name holds a NUL".into()))?;
+    let arch = match target {
+        Target::Cubin(a) => format!("sm_{a}"),
+        Target::Ptx(a) => format!("compute_{a}"),
+    };
     let options: Vec<CString> = [
         // NVRTC's default C++ standard (17 in CUDA 12 and 13) suits the kernels; naming an
         // older one risks a toolkit that dropped it.
-        format!("--gpu-architecture=compute_{major}{minor}"),
+        format!("--gpu-architecture={arch}"),
         "-default-device".into(),
     ]
     .into_iter()
@@ -218,7 +395,7 @@ pub fn ptx_for(source: &str, name: &str, (major, minor): (i32, i32)) -> Result<C
             unsafe { (self.0.destroy)(&mut self.1) };
         }
     }
-    let guard = Destroy(nv, prog);
+    let _guard = Destroy(nv, prog);
     // SAFETY: `prog` is live; the option strings outlive the call.
     let r = unsafe { (nv.compile)(prog, option_ptrs.len() as c_int, option_ptrs.as_ptr()) };
     if r != 0 {
@@ -230,25 +407,29 @@ pub fn ptx_for(source: &str, name: &str, (major, minor): (i32, i32)) -> Result<C
         unsafe { (nv.log)(prog, log.as_mut_ptr() as *mut c_char) };
         let log = String::from_utf8_lossy(&log).trim_end_matches('\0').to_string();
         return Err(CudaError::Invalid(format!(
-            "compiling {name} for compute_{major}{minor} failed (NVRTC error {r}):\n{log}"
+            "compiling {name} for {arch} failed (NVRTC error {r}):\n{log}"
         )));
     }
+    let (size_of, get, what) = match target {
+        Target::Ptx(_) => (nv.ptx_size, nv.ptx, "PTX"),
+        Target::Cubin(_) => match (nv.cubin_size, nv.cubin) {
+            (Some(s), Some(g)) => (s, g, "CUBIN"),
+            _ => return Err(CudaError::Invalid("this NVRTC cannot emit CUBIN (needs 11.1)".into())),
+        },
+    };
     let mut len = 0usize;
     // SAFETY: writes one size through a valid pointer.
-    let r = unsafe { (nv.ptx_size)(prog, &mut len) };
+    let r = unsafe { size_of(prog, &mut len) };
     if r != 0 || len == 0 {
-        return Err(nvrtc_err("nvrtcGetPTXSize", r));
+        return Err(nvrtc_err(&format!("getting the {what} size"), r));
     }
-    let mut ptx = vec![0u8; len];
-    // SAFETY: the buffer holds the `len` bytes (NUL included) NVRTC reported.
-    let r = unsafe { (nv.ptx)(prog, ptx.as_mut_ptr() as *mut c_char) };
-    drop(guard);
+    let mut image = vec![0u8; len];
+    // SAFETY: the buffer holds the `len` bytes NVRTC reported (a PTX image its NUL included).
+    let r = unsafe { get(prog, image.as_mut_ptr() as *mut c_char) };
     if r != 0 {
-        return Err(nvrtc_err("nvrtcGetPTX", r));
+        return Err(nvrtc_err(&format!("getting the {what}"), r));
     }
-    CStr::from_bytes_until_nul(&ptx)
-        .map(CStr::to_owned)
-        .map_err(|_| CudaError::Invalid("NVRTC returned PTX without a NUL".into()))
+    Ok(image)
 }
 
 /// Kernels compiled for one device, loaded into its primary context (never unloaded: a
@@ -282,9 +463,9 @@ pub enum Arg {
 impl Program {
     /// Compiles `source` for `device` and loads it.
     pub fn compile(device: u32, source: &str, name: &str) -> Result<Program, CudaError> {
-        let ptx = compile_ptx(device, source, name)?;
-        runtime()?.bind(device)?;
-        let module = driver::module_load_ptx(&ptx)?;
+        let image = compile_image(device, source, name)?;
+        let bound = runtime()?.bind(device)?;
+        let module = driver::module_load(&bound, &image)?;
         Ok(Program {
             device,
             module,
@@ -302,8 +483,9 @@ impl Program {
             return Ok(k);
         }
         let cname = CString::new(name).map_err(|_| CudaError::Invalid("kernel name holds a NUL".into()))?;
-        // SAFETY: the module is loaded and never unloaded.
-        let k = unsafe { driver::module_function(self.module, &cname) }?;
+        let bound = runtime()?.bind(self.device)?;
+        // SAFETY: the module is loaded into this device's context and never unloaded.
+        let k = unsafe { driver::module_function(&bound, self.module, &cname) }?;
         f.insert(name.to_owned(), k);
         Ok(k)
     }
@@ -341,10 +523,10 @@ impl Program {
                 Arg::Dims(v) => v.as_ptr() as *mut c_void,
             })
             .collect();
-        runtime()?.bind(self.device)?;
+        let bound = runtime()?.bind(self.device)?;
         // SAFETY: each pointer points into `args`, borrowed for the call (the driver copies the
         // values at launch); the caller vouches for the kernel's contract.
-        unsafe { driver::launch(f, grid, BLOCK as u32, stream.handle(), &mut params) }?;
+        unsafe { driver::launch(&bound, f, grid, BLOCK as u32, stream.handle(), &mut params) }?;
         Ok(())
     }
 }
@@ -366,7 +548,7 @@ fn handle(device: u32) -> Result<&'static Mutex<usize>, CudaError> {
     if let Some(h) = map.get(&device) {
         return Ok(h);
     }
-    runtime()?.bind(device)?;
+    let _bound = runtime()?.bind(device)?;
     let mut h: CublasHandle = std::ptr::null_mut();
     // SAFETY: writes one handle; the device's primary context is current, so the handle
     // belongs to it.
@@ -418,7 +600,7 @@ pub unsafe fn gemm(
     let h = handle(stream.device())?;
     let guard = h.lock().expect("cublas handle");
     let handle = *guard as CublasHandle;
-    runtime()?.bind(stream.device())?;
+    let _bound = runtime()?.bind(stream.device())?;
     // SAFETY: the handle is ours, used under its lock; the stream is held.
     let r = unsafe { (blas.set_stream)(handle, stream.raw() as *mut c_void) };
     if r != 0 {
@@ -477,10 +659,71 @@ mod tests {
 
     #[test]
     fn candidates_cover_cuda_13_and_the_toolkit_directory() {
-        let c = candidates("cublas");
+        let c = candidates("cublas", None);
         assert_eq!(c[0], "libcublas.so.13");
         assert!(c.contains(&"/usr/local/cuda/lib64/libcublas.so.12".to_string()));
         assert!(c.contains(&"libcublas.so".to_string()));
+    }
+
+    #[test]
+    fn libraries_newer_than_the_driver_are_not_tried() {
+        let c = candidates("nvrtc", Some(12040));
+        assert_eq!(c[0], "libnvrtc.so.12", "a CUDA 12 driver gets CUDA 12 libraries first");
+        assert!(!c.iter().any(|n| n.ends_with(".so.13")), "{c:?}");
+        assert!(candidates("cublas", Some(13000))[0].ends_with(".so.13"));
+        assert!(too_new("cuBLAS", 13, 0, 12080)
+            .unwrap()
+            .to_string()
+            .contains("newer than the driver"));
+        assert!(too_new("cuBLAS", 12, 9, 12040).is_none(), "minor-version compatibility");
+        assert!(
+            too_new("cuBLAS", 12, 9, 13000).is_none(),
+            "an older major on a newer driver"
+        );
+    }
+
+    #[test]
+    fn the_compile_target_never_needs_a_jit_newer_than_the_driver() {
+        let hopper = (9, 0);
+        let archs: &[i32] = &[50, 60, 70, 75, 80, 86, 89, 90];
+        // NVRTC 12.9 under a 12.4 driver: CUBIN (its PTX would be refused).
+        assert_eq!(
+            choose_target((12, 9), 12040, hopper, Some(archs), true),
+            Ok(Target::Cubin(90))
+        );
+        // Same versions: CUBIN too (no JIT at all).
+        assert_eq!(
+            choose_target((12, 4), 12040, hopper, Some(archs), true),
+            Ok(Target::Cubin(90))
+        );
+        // An NVRTC without CUBIN output and not newer than the driver: PTX.
+        assert_eq!(choose_target((11, 0), 11040, (8, 0), None, false), Ok(Target::Ptx(80)));
+        // ... but newer than the driver: refused with the reason.
+        assert!(choose_target((11, 6), 11040, (8, 0), None, false)
+            .unwrap_err()
+            .contains("newer"));
+        // A device newer than NVRTC: PTX of the newest architecture it knows, JIT-compiled.
+        assert_eq!(
+            choose_target((12, 4), 12080, (10, 0), Some(archs), true),
+            Ok(Target::Ptx(90))
+        );
+        // ... unless that PTX is newer than the driver.
+        assert!(choose_target((12, 8), 12040, (10, 0), Some(archs), true).is_err());
+        // A newer major than the driver: refused.
+        let e = choose_target((13, 0), 12080, hopper, Some(archs), true).unwrap_err();
+        assert!(e.contains("install the CUDA 12 NVRTC"), "{e}");
+        // Unknown architecture list (NVRTC 11.1): CUBIN for the device.
+        assert_eq!(choose_target((11, 1), 11040, (8, 6), None, true), Ok(Target::Cubin(86)));
+    }
+
+    #[test]
+    fn nvrtc_emits_cubin_without_a_driver() {
+        let src = "extern \"C\" __global__ void k(float* x) { x[threadIdx.x] *= 2.0f; }";
+        match cubin_for(src, "k.cu", (9, 0)) {
+            Ok(image) => assert_eq!(&image[..4], b"\x7fELF", "a CUBIN is an ELF image"),
+            Err(e) if e.to_string().contains("was not found") => eprintln!("SKIPPED: {e}"),
+            Err(e) => panic!("{e}"),
+        }
     }
 
     #[test]

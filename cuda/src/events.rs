@@ -9,7 +9,7 @@
 
 use std::sync::{Arc, Mutex, OnceLock};
 
-use super::driver::{self, RawEvent, IPC_HANDLE_BYTES};
+use super::driver::{self, Bound, EventKind, RawEvent, RawStream, IPC_HANDLE_BYTES};
 use super::{runtime, CudaError, Stream};
 
 struct Pooled {
@@ -59,10 +59,10 @@ impl EventSlot {
         let item = match reused {
             Some(item) => item,
             None => {
-                runtime()?.bind(device)?;
-                let event = driver::event_create(true)?;
-                // SAFETY: just created as an interprocess event.
-                let handle = unsafe { driver::ipc_event_handle(event) }?;
+                let bound = runtime()?.bind(device)?;
+                let event = driver::event_create(&bound, EventKind::Interprocess)?;
+                // SAFETY: just created as an interprocess event of the bound context.
+                let handle = unsafe { driver::ipc_event_handle(&bound, event) }?;
                 Pooled { event, handle }
             }
         };
@@ -84,9 +84,9 @@ impl EventSlot {
     /// Records the work queued so far on `stream` (which must be of this pool's device).
     pub fn record(&self, stream: &Stream) -> Result<(), CudaError> {
         debug_assert_eq!(stream.device(), self.pool.device);
-        runtime()?.bind(self.pool.device)?;
+        let bound = runtime()?.bind(self.pool.device)?;
         // SAFETY: both handles are alive (the pool never destroys events; the stream is held).
-        unsafe { driver::event_record(self.raw(), stream.handle()) }?;
+        unsafe { driver::event_record(&bound, self.raw(), stream.handle()) }?;
         Ok(())
     }
 
@@ -99,25 +99,28 @@ impl EventSlot {
 /// Makes work queued later on `stream` wait for `event`'s last record (an event of this
 /// process, or one opened from a peer's handle).
 pub fn stream_wait(stream: &Stream, event: RawEvent) -> Result<(), CudaError> {
-    runtime()?.bind(stream.device())?;
+    let bound = runtime()?.bind(stream.device())?;
     // SAFETY: the stream is held; events are never destroyed while a pipe can name them
-    // (pooled events live forever, opened ones stay in the cache while in use).
-    unsafe { driver::stream_wait_event(stream.handle(), event) }?;
+    // (pooled events live forever, opened ones are held by whoever is using them).
+    unsafe { driver::stream_wait_event(&bound, stream.handle(), event) }?;
     Ok(())
 }
 
 /// Waits for `event` (of `device`): a query first, then a blocking wait on a blocking thread.
 pub async fn wait_raw(device: u32, event: RawEvent) -> Result<(), CudaError> {
     let cuda = runtime()?;
-    cuda.bind(device)?;
-    // SAFETY: the event is alive (see `stream_wait`).
-    if unsafe { driver::event_query(event) }? {
-        return Ok(());
+    {
+        let bound = cuda.bind(device)?;
+        // SAFETY: the event is alive (see `stream_wait`).
+        if unsafe { driver::event_query(&bound, event) }? {
+            return Ok(());
+        }
     }
     tokio::task::spawn_blocking(move || {
-        cuda.bind(device)?;
-        // SAFETY: as above.
-        unsafe { driver::event_synchronize(event) }?;
+        let bound = cuda.bind(device)?;
+        // SAFETY: as above. Events Sluice waits on this way are created with blocking sync,
+        // so this thread sleeps rather than spins.
+        unsafe { driver::event_synchronize(&bound, event) }?;
         Ok(())
     })
     .await
@@ -140,10 +143,10 @@ struct EventInner {
 impl Drop for EventInner {
     fn drop(&mut self) {
         if let Ok(cuda) = runtime() {
-            if cuda.bind(self.device).is_ok() {
+            if let Ok(bound) = cuda.bind(self.device) {
                 // SAFETY: created by `Event::record`, destroyed once (last clone); queued
                 // waits on it keep their meaning after destruction.
-                let _ = unsafe { driver::event_destroy(self.raw) };
+                let _ = unsafe { driver::event_destroy(&bound, self.raw) };
             }
         }
     }
@@ -158,16 +161,22 @@ impl std::fmt::Debug for Event {
 impl Event {
     /// A new event recording the work queued so far on `stream`.
     pub fn record(stream: &Stream) -> Result<Event, CudaError> {
-        runtime()?.bind(stream.device())?;
-        let raw = driver::event_create(false)?;
+        let bound = runtime()?.bind(stream.device())?;
+        Event::record_raw(&bound, stream.handle())
+    }
+
+    /// As [`record`](Self::record), on a raw stream of the bound device (a stream being
+    /// dropped records its last fence this way).
+    pub(crate) fn record_raw(bound: &Bound, stream: RawStream) -> Result<Event, CudaError> {
+        let raw = driver::event_create(bound, EventKind::Local)?;
         let event = Event {
             inner: Arc::new(EventInner {
-                device: stream.device(),
+                device: bound.device(),
                 raw,
             }),
         };
-        // SAFETY: both handles are alive (the event is ours, the stream is held).
-        unsafe { driver::event_record(raw, stream.handle()) }?;
+        // SAFETY: both handles are alive (the event is ours; the caller holds the stream).
+        unsafe { driver::event_record(bound, raw, stream) }?;
         Ok(event)
     }
 
@@ -183,16 +192,16 @@ impl Event {
 
     /// Whether the recorded work has finished.
     pub fn is_done(&self) -> Result<bool, CudaError> {
-        runtime()?.bind(self.inner.device)?;
+        let bound = runtime()?.bind(self.inner.device)?;
         // SAFETY: the event is alive while `self` is.
-        Ok(unsafe { driver::event_query(self.inner.raw) }?)
+        Ok(unsafe { driver::event_query(&bound, self.inner.raw) }?)
     }
 
     /// Blocks this thread until the recorded work has finished.
     pub fn synchronize(&self) -> Result<(), CudaError> {
-        runtime()?.bind(self.inner.device)?;
-        // SAFETY: as above.
-        unsafe { driver::event_synchronize(self.inner.raw) }?;
+        let bound = runtime()?.bind(self.inner.device)?;
+        // SAFETY: as above; a blocking-sync event, so this thread sleeps.
+        unsafe { driver::event_synchronize(&bound, self.inner.raw) }?;
         Ok(())
     }
 

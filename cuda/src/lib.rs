@@ -19,6 +19,7 @@
 //! denies `unsafe` at its root; each of those modules allows it for itself.
 #![deny(unsafe_code)]
 
+mod alloc;
 pub mod compute;
 pub mod driver;
 pub mod events;
@@ -26,11 +27,13 @@ mod memory;
 
 use std::sync::OnceLock;
 
-pub use driver::{DevicePtr, DriverError};
+pub use alloc::{kept, Kept};
+pub use driver::{Bound, DevicePtr, DriverError};
 pub use events::Event;
-pub use memory::{time_raw_copies, CudaBuffer, DeviceMemory, PinnedMemory, RawCopy, Stream};
+pub use memory::{time_raw_copies, CudaBuffer, DeviceMemory, IpcExport, PinnedMemory, RawCopy, Stream};
 
 use driver::RawContext;
+use std::sync::Mutex;
 
 /// The oldest driver Sluice uses (`cuDeviceGetUuid_v2` and the IPC calls are all there).
 pub const MIN_DRIVER_VERSION: i32 = 11040;
@@ -81,7 +84,34 @@ pub struct Gpu {
     pub peers: Vec<u32>,
     /// Its PCI address (`0000:3b:00.0`), to find the NIC nearest to it.
     pub pci: Option<String>,
-    pub(crate) context: RawContext,
+    /// The driver's handle of the device.
+    pub(crate) handle: i32,
+    /// Its primary context, retained on first use: retaining creates the context, which
+    /// costs hundreds of MiB of device memory, so a process pays only for the GPUs it uses.
+    context: std::sync::OnceLock<RawContext>,
+}
+
+impl Gpu {
+    /// The device's primary context, retained now if this is its first use.
+    pub fn context(&self) -> Result<RawContext, DriverError> {
+        if let Some(&c) = self.context.get() {
+            return Ok(c);
+        }
+        // Two threads may race here: retaining twice only raises the driver's count, and the
+        // context is never released either way.
+        let c = driver::primary_context(self.handle)?;
+        Ok(*self.context.get_or_init(|| c))
+    }
+
+    /// The driver's handle of the device (for attribute queries).
+    pub fn handle(&self) -> i32 {
+        self.handle
+    }
+
+    /// Whether the primary context was retained (the GPU has been used by this process).
+    pub fn context_retained(&self) -> bool {
+        self.context.get().is_some()
+    }
 }
 
 /// The process's CUDA state: the driver version and the visible GPUs.
@@ -102,11 +132,11 @@ impl Cuda {
         })
     }
 
-    /// Makes `index`'s primary context current on this thread (see [`driver`]'s rules).
-    pub fn bind(&self, index: u32) -> Result<&Gpu, CudaError> {
+    /// Makes `index`'s primary context current on this thread (retaining it on first use)
+    /// and returns the proof every context-bound driver call takes (see [`driver`]'s rules).
+    pub fn bind(&self, index: u32) -> Result<Bound, CudaError> {
         let gpu = self.gpu(index)?;
-        driver::set_current(gpu.context)?;
-        Ok(gpu)
+        Ok(driver::bind(index, gpu.context()?)?)
     }
 }
 
@@ -138,10 +168,11 @@ fn probe() -> Result<Cuda, Unavailable> {
     if matches!(std::env::var("SLUICE_CUDA").as_deref(), Ok("off" | "0" | "false")) {
         return Err(Unavailable("disabled by SLUICE_CUDA".into()));
     }
-    if !driver::library_present() {
-        return Err(Unavailable(
-            "the CUDA driver library (libcuda.so.1) was not found".into(),
-        ));
+    if let Err(e) = driver::library() {
+        return Err(Unavailable(format!(
+            "the CUDA driver library (libcuda.so.1) was not found or is incomplete: {}",
+            e.name
+        )));
     }
     let failed = |e: DriverError| Unavailable(e.to_string());
     let version = driver::driver_version().map_err(failed)?;
@@ -170,7 +201,8 @@ fn probe() -> Result<Cuda, Unavailable> {
             name: driver::device_name(dev).unwrap_or_default(),
             peers: Vec::new(),
             pci: driver::pci_bus_id(dev).ok(),
-            context: driver::primary_context(dev).map_err(failed)?,
+            handle: dev,
+            context: std::sync::OnceLock::new(),
         });
     }
     for (i, &a) in handles.iter().enumerate() {
@@ -188,15 +220,15 @@ fn probe() -> Result<Cuda, Unavailable> {
 
 /// Enables direct access from `from`'s context to `to`'s memory, once per ordered pair.
 pub fn enable_peer(cuda: &Cuda, from: u32, to: u32) -> Result<(), CudaError> {
-    static DONE: OnceLock<std::sync::Mutex<std::collections::HashSet<(u32, u32)>>> = OnceLock::new();
+    static DONE: OnceLock<Mutex<std::collections::HashSet<(u32, u32)>>> = OnceLock::new();
     let done = DONE.get_or_init(Default::default);
     let mut done = done.lock().expect("peer table");
     if from == to || done.contains(&(from, to)) {
         return Ok(());
     }
-    let target = cuda.gpu(to)?.context;
-    cuda.bind(from)?;
-    driver::enable_peer_access(target)?;
+    let target = cuda.gpu(to)?.context()?;
+    let bound = cuda.bind(from)?;
+    driver::enable_peer_access(&bound, target)?;
     done.insert((from, to));
     Ok(())
 }

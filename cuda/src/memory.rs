@@ -3,20 +3,39 @@
 //!
 //! Memory safety: device memory is never dereferenced by the host, so the Rust-level promise
 //! these types keep is that every address handed to the driver lies inside an allocation that
-//! is alive until the work using it has finished. Owned allocations are freed only on drop, and
-//! a buffer keeps its allocation alive (`keep`). Pinned memory is touched by the host only
+//! is alive until the work using it has finished. A buffer keeps its allocation alive (`keep`),
+//! and a dropped allocation is freed only once events recorded on the streams that used it
+//! have completed (`alloc`). Pinned memory is touched by the host only
 //! through `&mut`, and the staging code waits for the device's copies out of a slot before it
 //! hands the slot out again.
 #![allow(unsafe_code)]
 
 use std::any::Any;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use super::driver::{self, DevicePtr, RawStream};
-use super::{runtime, CudaError};
+use super::{alloc, runtime, CudaError, Event};
 
-struct StreamInner {
+/// What a peer needs to map a buffer exported with [`CudaBuffer::ipc_export`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IpcExport {
+    /// The allocation's IPC handle.
+    pub handle: [u8; driver::IPC_HANDLE_BYTES],
+    /// The buffer's offset from the allocation's start.
+    pub offset: u64,
+    /// The allocation's size: the importer checks offsets against it rather than asking the
+    /// driver about the mapped pointer.
+    pub size: u64,
+}
+
+/// Gives every stream an identity of its own: a driver handle can be reused by a new stream
+/// once the old one is destroyed, so caches key by this, never by the handle.
+static NEXT_STREAM: AtomicU64 = AtomicU64::new(1);
+
+pub(crate) struct StreamInner {
+    id: u64,
     device: u32,
     raw: RawStream,
     owned: bool,
@@ -24,14 +43,17 @@ struct StreamInner {
 
 impl Drop for StreamInner {
     fn drop(&mut self) {
-        if !self.owned {
-            return;
-        }
-        if let Ok(cuda) = runtime() {
-            if cuda.bind(self.device).is_ok() {
+        let Ok(cuda) = runtime() else { return };
+        let Ok(bound) = cuda.bind(self.device) else { return };
+        // Everything queued on the stream so far: memory it used is freed only after this.
+        let fence = Event::record_raw(&bound, self.raw).ok();
+        alloc::stream_gone(self.id, fence);
+        if self.owned {
+            // Dropping the cached blocks may have bound the same device again; bind anew.
+            if let Ok(bound) = cuda.bind(self.device) {
                 // SAFETY: created by `Stream::new`, destroyed once (last clone); work already
                 // queued on it still completes.
-                let _ = unsafe { driver::stream_destroy(self.raw) };
+                let _ = unsafe { driver::stream_destroy(&bound, self.raw) };
             }
         }
     }
@@ -51,22 +73,31 @@ impl std::fmt::Debug for Stream {
 }
 
 impl Stream {
-    /// A new non-blocking stream on `device`.
-    pub fn new(device: u32) -> Result<Stream, CudaError> {
-        let cuda = runtime()?;
-        cuda.bind(device)?;
-        let raw = driver::stream_create()?;
-        Ok(Stream {
+    pub(crate) fn from_inner(inner: Arc<StreamInner>) -> Stream {
+        Stream { inner }
+    }
+
+    fn wrap(device: u32, raw: RawStream, owned: bool) -> Stream {
+        Stream {
             inner: Arc::new(StreamInner {
+                id: NEXT_STREAM.fetch_add(1, Ordering::Relaxed),
                 device,
                 raw,
-                owned: true,
+                owned,
             }),
-        })
+        }
+    }
+
+    /// A new non-blocking stream on `device`.
+    pub fn new(device: u32) -> Result<Stream, CudaError> {
+        let bound = runtime()?.bind(device)?;
+        let raw = driver::stream_create(&bound)?;
+        Ok(Stream::wrap(device, raw, true))
     }
 
     /// Wraps a stream made elsewhere (for example PyTorch's current stream). Sluice never
-    /// destroys it.
+    /// destroys it. Each wrapper is a stream of its own to Sluice's caches: blocks cached for
+    /// it are released (after the work queued so far) when its last clone is dropped.
     ///
     /// # Safety
     /// `raw` is a live stream handle of `device`'s primary context (or 0, that context's legacy
@@ -83,13 +114,7 @@ impl Stream {
                 )));
             }
         }
-        Ok(Stream {
-            inner: Arc::new(StreamInner {
-                device,
-                raw: RawStream(raw),
-                owned: false,
-            }),
-        })
+        Ok(Stream::wrap(device, RawStream(raw), false))
     }
 
     pub fn device(&self) -> u32 {
@@ -105,41 +130,77 @@ impl Stream {
         self.inner.raw
     }
 
+    /// This stream's identity in this process (never reused, unlike its handle).
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
     /// Blocks until everything queued so far has finished.
     pub fn synchronize(&self) -> Result<(), CudaError> {
-        runtime()?.bind(self.inner.device)?;
+        let bound = runtime()?.bind(self.inner.device)?;
         // SAFETY: the stream is alive while `self` is.
-        unsafe { driver::stream_synchronize(self.inner.raw) }?;
+        unsafe { driver::stream_synchronize(&bound, self.inner.raw) }?;
         Ok(())
     }
 }
 
-/// Device memory owned by Sluice (`cuMemAlloc`, so it can be shared with CUDA IPC). Freed on
-/// drop; freeing synchronizes the device, so allocate once and reuse.
-#[derive(Debug)]
+/// Device memory owned by Sluice (`cuMemAlloc`, so it can be shared with CUDA IPC).
+///
+/// Dropping it never frees at once: the driver only says `cuMemFree` *may* wait for the work
+/// using the memory. Instead an event is recorded on every stream its buffers were ordered on
+/// (see [`alloc`]) and the memory is freed once those events have completed. Memory that was
+/// exported to another process is never freed at all (an importer may still map it; freeing
+/// it first is undefined): it is kept for reuse by later allocations of its size.
 pub struct DeviceMemory {
     device: u32,
     ptr: DevicePtr,
     len: usize,
+    /// Its IPC handle, once exported (exported memory is never freed).
+    exported: OnceLock<[u8; driver::IPC_HANDLE_BYTES]>,
+    /// Streams that buffers over this memory were ordered on, by identity.
+    uses: Mutex<Vec<(u64, Weak<StreamInner>)>>,
+}
+
+impl std::fmt::Debug for DeviceMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceMemory")
+            .field("device", &self.device)
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .field("exported", &self.exported.get().is_some())
+            .finish()
+    }
 }
 
 impl Drop for DeviceMemory {
     fn drop(&mut self) {
-        if let Ok(cuda) = runtime() {
-            if cuda.bind(self.device).is_ok() {
-                // SAFETY: allocated by `new`, freed once; cuMemFree waits for queued work.
-                let _ = unsafe { driver::mem_free(self.ptr) };
-            }
-        }
+        let uses = std::mem::take(self.uses.get_mut().unwrap_or_else(|e| e.into_inner()));
+        alloc::retire(
+            alloc::Block {
+                device: self.device,
+                ptr: self.ptr,
+                len: self.len,
+                exported: self.exported.get().copied(),
+            },
+            uses,
+        );
     }
 }
 
 impl DeviceMemory {
-    /// `len` bytes on `device` (contents undefined).
+    /// At least `len` bytes on `device` (contents undefined): exported memory of a fitting
+    /// size whose last users are done, or a fresh allocation. When the device is out of
+    /// memory, blocks cached for reuse and memory waiting to be freed are released first and
+    /// the allocation is tried again.
     pub fn new(device: u32, len: usize) -> Result<Arc<DeviceMemory>, CudaError> {
-        runtime()?.bind(device)?;
-        let ptr = driver::mem_alloc(len)?;
-        Ok(Arc::new(DeviceMemory { device, ptr, len }))
+        let block = alloc::allocate(device, len)?;
+        Ok(Arc::new(DeviceMemory {
+            device,
+            ptr: block.ptr,
+            len: block.len,
+            exported: block.exported.map(OnceLock::from).unwrap_or_default(),
+            uses: Mutex::default(),
+        }))
     }
 
     pub fn device(&self) -> u32 {
@@ -158,6 +219,31 @@ impl DeviceMemory {
         self.len == 0
     }
 
+    /// Whether this memory was ever exported to another process (it will never be freed).
+    pub fn is_exported(&self) -> bool {
+        self.exported.get().is_some()
+    }
+
+    /// Notes that work on `stream` may use this memory.
+    fn used_on(&self, stream: &Stream) {
+        let mut uses = self.uses.lock().unwrap_or_else(|e| e.into_inner());
+        if !uses.iter().any(|(id, _)| *id == stream.inner.id) {
+            uses.retain(|(_, w)| w.strong_count() > 0);
+            uses.push((stream.inner.id, Arc::downgrade(&stream.inner)));
+        }
+    }
+
+    /// The IPC handle of this allocation, made once; the memory is never freed from then on.
+    fn export(&self) -> Result<[u8; driver::IPC_HANDLE_BYTES], CudaError> {
+        if let Some(h) = self.exported.get() {
+            return Ok(*h);
+        }
+        let bound = runtime()?.bind(self.device)?;
+        // SAFETY: `ptr` is the start of this live `cuMemAlloc` allocation.
+        let handle = unsafe { driver::ipc_mem_handle(&bound, self.ptr) }?;
+        Ok(*self.exported.get_or_init(|| handle))
+    }
+
     /// A buffer over `range` of this memory, ordered by `stream`.
     pub fn buffer(self: &Arc<Self>, range: Range<usize>, stream: &Stream) -> Result<CudaBuffer, CudaError> {
         if range.start > range.end || range.end > self.len {
@@ -173,6 +259,7 @@ impl DeviceMemory {
                 stream.device()
             )));
         }
+        self.used_on(stream);
         Ok(CudaBuffer {
             _keep: self.clone(),
             ptr: self.ptr + range.start as u64,
@@ -183,12 +270,15 @@ impl DeviceMemory {
     }
 }
 
-/// Pinned (page-locked) host memory, usable by every device. Freed on drop (which
-/// synchronizes), so the staging pool allocates it once.
+/// Pinned (page-locked) host memory, usable by every device. Freed on drop (which may
+/// synchronize), so the staging pool allocates it once and its users wait for their copies
+/// before letting it go.
 #[derive(Debug)]
 pub struct PinnedMemory {
     ptr: *mut u8,
     len: usize,
+    /// The device whose context allocated it (and frees it).
+    device: u32,
 }
 
 // SAFETY: the allocation is process-wide and owned by this value alone; access to its bytes
@@ -199,23 +289,24 @@ unsafe impl Sync for PinnedMemory {}
 
 impl Drop for PinnedMemory {
     fn drop(&mut self) {
-        if runtime().is_ok() {
-            // SAFETY: allocated by `new`, freed once; its users waited for their copies.
-            let _ = unsafe { driver::host_free(self.ptr) };
+        let Ok(cuda) = runtime() else { return };
+        if let Ok(bound) = cuda.bind(self.device) {
+            // SAFETY: allocated by `new` in this context, freed once; its users waited for
+            // their copies.
+            let _ = unsafe { driver::host_free(&bound, self.ptr) };
         }
     }
 }
 
 impl PinnedMemory {
     pub fn new(len: usize) -> Result<PinnedMemory, CudaError> {
-        let cuda = runtime()?;
-        cuda.bind(0)?;
-        let ptr = driver::host_alloc(len)?;
+        let bound = runtime()?.bind(0)?;
+        let ptr = driver::host_alloc(&bound, len)?;
         // Touch it once so the first transfer does not pay for page faults; also makes every
         // byte initialized for the slice accessors.
         // SAFETY: `ptr` is a fresh allocation of `len` bytes (at least 1) owned by us.
         unsafe { std::ptr::write_bytes(ptr, 0, len) };
-        Ok(PinnedMemory { ptr, len })
+        Ok(PinnedMemory { ptr, len, device: 0 })
     }
 
     pub fn len(&self) -> usize {
@@ -244,11 +335,11 @@ impl PinnedMemory {
         if len > self.len {
             return Err(CudaError::Invalid(format!("{len} bytes into a {}-byte slot", self.len)));
         }
-        runtime()?.bind(src.device)?;
+        let bound = runtime()?.bind(src.device)?;
         // SAFETY: the source range lies inside `src` (checked), kept alive by its `keep`; the
         // destination is ours, and the staging code does not read or reuse it before the
         // stream has passed the copy.
-        unsafe { driver::copy_dtoh_async(self.ptr, src.ptr + src_offset as u64, len, src.stream.handle()) }?;
+        unsafe { driver::copy_dtoh_async(&bound, self.ptr, src.ptr + src_offset as u64, len, src.stream.handle()) }?;
         Ok(())
     }
 
@@ -260,10 +351,10 @@ impl PinnedMemory {
         if len > self.len {
             return Err(CudaError::Invalid(format!("{len} bytes from a {}-byte slot", self.len)));
         }
-        runtime()?.bind(dst.device)?;
+        let bound = runtime()?.bind(dst.device)?;
         // SAFETY: the destination range lies inside `dst` (checked); the source is ours and is
         // not overwritten before the stream has passed the copy.
-        unsafe { driver::copy_htod_async(dst.ptr + dst_offset as u64, self.ptr, len, dst.stream.handle()) }?;
+        unsafe { driver::copy_htod_async(&bound, dst.ptr + dst_offset as u64, self.ptr, len, dst.stream.handle()) }?;
         Ok(())
     }
 }
@@ -311,33 +402,22 @@ impl CudaBuffer {
     }
 
     /// `len` bytes on the stream's device from a cache of blocks kept for reuse on *this
-    /// stream*: freeing device memory synchronizes the whole device, which would stall every
-    /// other stream, so hot paths (received tensors, autograd ops) reuse blocks instead.
+    /// stream* (by the stream's identity, never its reusable handle): freeing device memory
+    /// may synchronize the device, so hot paths (received tensors, autograd ops) reuse blocks
+    /// instead. A stream's blocks are released when its last clone is dropped, and every
+    /// stream's idle blocks when the device runs out of memory.
     ///
     /// A block is reused once nothing but the cache holds it, and only for the same stream, so
     /// the work its last users queued on that stream is ordered before its next user's. Work
     /// queued on *another* stream with this memory must finish before the last handle is
     /// dropped (the rule of PyTorch's caching allocator without `record_stream`).
     pub fn alloc_cached(len: usize, stream: &Stream) -> Result<CudaBuffer, CudaError> {
-        use std::collections::HashMap;
-        use std::sync::{Mutex, OnceLock};
-        /// Cached blocks per (device, stream), and the bytes they hold.
-        type Caches = HashMap<(u32, usize), (Vec<Arc<DeviceMemory>>, usize)>;
-        static CACHES: OnceLock<Mutex<Caches>> = OnceLock::new();
-        /// At most this much is kept per stream; beyond it blocks are plain allocations.
-        const CACHE_BYTES: usize = 4 << 30;
-        const CACHE_BLOCKS: usize = 4096;
         let class = len.max(256).next_power_of_two();
-        let mut caches = CACHES.get_or_init(Default::default).lock().expect("allocation cache");
-        let (blocks, bytes) = caches.entry((stream.device(), stream.raw())).or_default();
-        if let Some(b) = blocks.iter().find(|b| b.len == class && Arc::strong_count(b) == 1) {
-            return b.buffer(0..len, stream);
+        if let Some(mem) = alloc::cached(stream, class) {
+            return mem.buffer(0..len, stream);
         }
         let mem = DeviceMemory::new(stream.device(), class)?;
-        if *bytes + class <= CACHE_BYTES && blocks.len() < CACHE_BLOCKS {
-            *bytes += class;
-            blocks.push(mem.clone());
-        }
+        alloc::keep(stream, &mem);
         mem.buffer(0..len, stream)
     }
 
@@ -353,9 +433,8 @@ impl CudaBuffer {
         stream: &Stream,
         keep: Arc<dyn Any + Send + Sync>,
     ) -> Result<CudaBuffer, CudaError> {
-        let cuda = runtime()?;
-        cuda.bind(stream.device())?;
-        let info = driver::pointer_info(ptr)?;
+        let bound = runtime()?.bind(stream.device())?;
+        let info = driver::pointer_info(&bound, ptr)?;
         if !info.is_device_memory {
             return Err(CudaError::Invalid(format!("{ptr:#x} is not device memory")));
         }
@@ -409,10 +488,19 @@ impl CudaBuffer {
                 stream.device()
             )));
         }
+        if let Some(mem) = self.memory() {
+            mem.used_on(stream);
+        }
         Ok(CudaBuffer {
             stream: stream.clone(),
             ..self.clone()
         })
+    }
+
+    /// The Sluice allocation this buffer lies in (`None` for memory wrapped with
+    /// [`from_raw`](Self::from_raw)).
+    pub fn memory(&self) -> Option<&DeviceMemory> {
+        self._keep.downcast_ref::<DeviceMemory>()
     }
 
     /// The sub-buffer `range` (same stream, same allocation kept alive).
@@ -430,45 +518,52 @@ impl CudaBuffer {
         })
     }
 
-    /// The IPC handle of the allocation this buffer lies in, and the buffer's offset from its
-    /// start (handles name allocations, not addresses). Fails for memory legacy IPC cannot
-    /// export (stream-ordered pools, VMM).
-    pub fn ipc_export(&self) -> Result<([u8; driver::IPC_HANDLE_BYTES], u64), CudaError> {
-        runtime()?.bind(self.device)?;
-        let info = driver::pointer_info(self.ptr)?;
-        // SAFETY: `info.base` is the start of the live allocation this buffer lies in (the
-        // driver's own address-range query); `_keep` holds it alive.
-        let handle = unsafe { driver::ipc_mem_handle(info.base) }?;
-        Ok((handle, self.ptr - info.base))
+    /// Exports the allocation this buffer lies in to other processes: its IPC handle, the
+    /// allocation's size and the buffer's offset in it (handles name allocations, not
+    /// addresses). Only Sluice's own memory can be exported, because exported memory must
+    /// never be freed while an importer may map it, and Sluice keeps exported memory for good
+    /// (reusing it for later allocations). Memory wrapped from elsewhere is refused: copy it
+    /// into a buffer of ours first.
+    pub fn ipc_export(&self) -> Result<IpcExport, CudaError> {
+        let mem = self.memory().ok_or_else(|| {
+            CudaError::Invalid(
+                "memory Sluice did not allocate is not exported (its owner could free it while a peer maps it)".into(),
+            )
+        })?;
+        Ok(IpcExport {
+            handle: mem.export()?,
+            offset: self.ptr - mem.ptr,
+            size: mem.len as u64,
+        })
     }
 
     /// Copies `data` in, in stream order, and waits for it (tests and examples).
     pub fn write_from_host(&self, data: &[u8]) -> Result<(), CudaError> {
         check_range(self, 0, data.len())?;
-        runtime()?.bind(self.device)?;
+        let bound = runtime()?.bind(self.device)?;
         // SAFETY: the destination lies inside this buffer; the pageable source is read before
         // the call returns or, at the latest, by the synchronize below, while `data` is
         // borrowed.
-        unsafe { driver::copy_htod_async(self.ptr, data.as_ptr(), data.len(), self.stream.handle()) }?;
+        unsafe { driver::copy_htod_async(&bound, self.ptr, data.as_ptr(), data.len(), self.stream.handle()) }?;
         self.stream.synchronize()
     }
 
     /// The bytes, after everything queued on the stream (tests and examples).
     pub fn read_to_host(&self) -> Result<Vec<u8>, CudaError> {
         let mut out = vec![0u8; self.len];
-        runtime()?.bind(self.device)?;
+        let bound = runtime()?.bind(self.device)?;
         // SAFETY: the source lies inside this buffer; `out` is written only by this copy and
         // read after the synchronize.
-        unsafe { driver::copy_dtoh_async(out.as_mut_ptr(), self.ptr, self.len, self.stream.handle()) }?;
+        unsafe { driver::copy_dtoh_async(&bound, out.as_mut_ptr(), self.ptr, self.len, self.stream.handle()) }?;
         self.stream.synchronize()?;
         Ok(out)
     }
 
     /// Queues a fill with `value` on the stream.
     pub fn fill(&self, value: u8) -> Result<(), CudaError> {
-        runtime()?.bind(self.device)?;
+        let bound = runtime()?.bind(self.device)?;
         // SAFETY: the range is this buffer's.
-        unsafe { driver::memset_async(self.ptr, value, self.len, self.stream.handle()) }?;
+        unsafe { driver::memset_async(&bound, self.ptr, value, self.len, self.stream.handle()) }?;
         Ok(())
     }
 
@@ -492,16 +587,27 @@ impl CudaBuffer {
     /// `src..src+len` is valid device memory until the stream has passed the copy.
     pub unsafe fn copy_from_address(&self, src_device: u32, src: DevicePtr) -> Result<(), CudaError> {
         let cuda = runtime()?;
-        let dst_gpu = cuda.bind(self.device)?;
-        if src_device == self.device {
-            // SAFETY: the destination is this buffer; the caller vouches for the source.
-            unsafe { driver::copy_dtod_async(self.ptr, src, self.len, self.stream.handle()) }?;
+        let src_ctx = if src_device == self.device {
+            None
         } else {
-            let src_ctx = cuda.gpu(src_device)?.context;
+            Some(cuda.gpu(src_device)?.context()?)
+        };
+        let bound = cuda.bind(self.device)?;
+        match src_ctx {
+            // SAFETY: the destination is this buffer; the caller vouches for the source.
+            None => unsafe { driver::copy_dtod_async(&bound, self.ptr, src, self.len, self.stream.handle()) }?,
             // SAFETY: as above, across two contexts of this process.
-            unsafe {
-                driver::copy_peer_async(self.ptr, dst_gpu.context, src, src_ctx, self.len, self.stream.handle())
-            }?;
+            Some(src_ctx) => unsafe {
+                driver::copy_peer_async(
+                    &bound,
+                    self.ptr,
+                    bound.context(),
+                    src,
+                    src_ctx,
+                    self.len,
+                    self.stream.handle(),
+                )
+            }?,
         }
         Ok(())
     }

@@ -110,6 +110,7 @@ fn main() {
         data: Source::CudaIpc {
             memory: vec![7; 64].into(),
             offset: 4096,
+            size: 8 << 20,
             event: vec![9; 64].into(),
         },
     };

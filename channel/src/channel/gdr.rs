@@ -137,14 +137,14 @@ pub fn register(
 ) -> Result<(Box<dyn VerbsMr>, &'static str), VerbsError> {
     let fail = |e: cuda::CudaError| VerbsError::failed("register GPU memory", e);
     let rt = cuda::runtime().map_err(|e| VerbsError::failed("register GPU memory", e))?;
-    rt.bind(buf.device()).map_err(fail)?;
-    let info = driver::pointer_info(buf.ptr()).map_err(|e| fail(e.into()))?;
+    let bound = rt.bind(buf.device()).map_err(fail)?;
+    let info = driver::pointer_info(&bound, buf.ptr()).map_err(|e| fail(e.into()))?;
     // `cuMemGetHandleForAddressRange` takes page-aligned ranges only: export the pages around
     // the allocation, addressed from the first page's start.
     let (start, len) = page_span(info.base, info.size, host_page());
     // SAFETY: the context of the buffer's device is current (bind above) and the range covers
     // the allocation around `buf`, which the caller keeps alive (a clone) while registered.
-    let dmabuf = unsafe { driver::dmabuf_fd(start, len) };
+    let dmabuf = unsafe { driver::dmabuf_fd(&bound, start, len) };
     if let Ok(fd) = dmabuf {
         use std::os::fd::AsRawFd;
         // SAFETY: the dma-buf exports the allocation, kept alive by the caller while the
@@ -178,7 +178,14 @@ pub fn page_span(base: u64, size: usize, page: u64) -> (u64, usize) {
 /// The registration of the allocation holding `buf`, from `cache` or made now (the cache then
 /// holds a clone of `buf`, keeping the allocation alive while registered).
 pub fn cached(cache: &mut RegCache, buf: &CudaBuffer, access: Access) -> Result<MrInfo, VerbsError> {
-    let info = driver::pointer_info(buf.ptr()).map_err(|e| VerbsError::failed("pointer info", e))?;
+    let fail = |e: cuda::CudaError| VerbsError::failed("pointer info", e);
+    // Pointer queries work on the current context: bind the buffer's device first (this can
+    // run on any runtime thread).
+    let bound = cuda::runtime()
+        .map_err(|e| fail(e.into()))?
+        .bind(buf.device())
+        .map_err(fail)?;
+    let info = driver::pointer_info(&bound, buf.ptr()).map_err(|e| fail(e.into()))?;
     let device = cache.device().clone();
     cache.get_or_register(info.base, info.size, Box::new(buf.clone()), || {
         register(device.as_ref(), buf, access).map(|(mr, _)| mr)
@@ -226,9 +233,11 @@ pub(crate) async fn recv(rx: &mut Rx, link: &Link<'_>, dst: &CudaBuffer, addr: u
 /// Makes the NIC's writes into `dst` visible to work queued on its stream afterwards, where the
 /// device does not order GPUDirect writes by itself (NCCL flushes the same way by default).
 fn flush_writes(dst: &CudaBuffer) -> Result<(), cuda::CudaError> {
-    cuda::runtime()?.bind(dst.device())?;
-    if !driver::gpudirect_writes_ordered(dst.device() as i32)? {
-        driver::flush_gpudirect_writes()?;
+    let cuda = cuda::runtime()?;
+    let handle = cuda.gpu(dst.device())?.handle();
+    let bound = cuda.bind(dst.device())?;
+    if !driver::gpudirect_writes_ordered(handle)? {
+        driver::flush_gpudirect_writes(&bound)?;
     }
     Ok(())
 }

@@ -155,11 +155,18 @@ pub(crate) struct Prepared {
     /// cuda_ipc/cuda_p2p: the event recorded on the sender's stream once the data was ready,
     /// which the receiver waits on; kept until acknowledged.
     pub ready: Option<EventSlot>,
+    /// cuda_ipc: the copy of a buffer Sluice did not allocate, exported in its place; kept
+    /// until acknowledged.
+    pub _keep: Option<crate::cuda::CudaBuffer>,
 }
 
 impl From<Source> for Prepared {
     fn from(source: Source) -> Self {
-        Prepared { source, ready: None }
+        Prepared {
+            source,
+            ready: None,
+            _keep: None,
+        }
     }
 }
 
@@ -335,6 +342,7 @@ mod tests {
             Source::CudaIpc {
                 memory: Bytes::from_static(&[0; 64]),
                 offset: 0,
+                size: 64,
                 event: Bytes::from_static(&[0; 64]),
             },
             Source::CudaLocal { address: 1, event: 2 },

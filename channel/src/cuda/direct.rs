@@ -3,8 +3,10 @@
 //!
 //! - Sender ([`prepare`]): records a *ready* event on the buffer's stream and describes the
 //!   bytes: a plain address and event within one process ([`Source::CudaLocal`]), IPC handles
-//!   of the allocation and the event otherwise ([`Source::CudaIpc`]). The buffer is kept until
-//!   the receiver acknowledges.
+//!   of the allocation (with its size) and the event otherwise ([`Source::CudaIpc`]). Only
+//!   Sluice's own memory is exported, because exported memory must outlive every importer's
+//!   mapping and Sluice keeps it for good; a buffer wrapped from elsewhere is first copied
+//!   (on its stream) into a block of ours. The buffer is kept until the receiver acknowledges.
 //! - Receiver ([`recv`]): makes its stream wait for the ready event, queues the copy, records a
 //!   *copied* event and sends it back in the acknowledgement. The read completes once the copy
 //!   is queued.
@@ -19,7 +21,7 @@
 use bytes::Bytes;
 
 use super::events::{self, EventSlot};
-use super::{driver, ipc, CudaBuffer, CudaError};
+use super::{driver, ipc, CudaBuffer, CudaError, Event};
 use crate::channel::path::{Link, Prepared, Rx};
 use crate::channel::ChannelKind;
 use crate::device::Device;
@@ -34,24 +36,40 @@ fn cuda_error(link: &Link<'_>, channel: ChannelKind, e: CudaError) -> PipeError 
 /// caller's mistake (reported without breaking the pipe).
 pub(crate) fn prepare(channel: ChannelKind, link: &Link<'_>, b: &CudaBuffer) -> Result<Prepared> {
     let export = || -> std::result::Result<Prepared, CudaError> {
-        let event = EventSlot::take(b.device())?;
-        event.record(b.stream())?;
-        let source = if link.same_process {
-            Source::CudaLocal {
-                address: b.ptr(),
-                event: event.raw().0 as u64,
-            }
-        } else {
-            let (memory, offset) = b.ipc_export()?;
-            Source::CudaIpc {
-                memory: Bytes::copy_from_slice(&memory),
-                offset,
-                event: Bytes::copy_from_slice(&event.ipc_handle()),
+        if link.same_process {
+            let event = EventSlot::take(b.device())?;
+            event.record(b.stream())?;
+            return Ok(Prepared {
+                source: Source::CudaLocal {
+                    address: b.ptr(),
+                    event: event.raw().0 as u64,
+                },
+                ready: Some(event),
+                _keep: None,
+            });
+        }
+        // Memory we did not allocate is copied into ours first: its owner could free it while
+        // the peer still maps it.
+        let staged = match b.memory() {
+            Some(_) => None,
+            None => {
+                let copy = CudaBuffer::alloc_cached(b.len(), b.stream())?;
+                copy.copy_from(b)?;
+                Some(copy)
             }
         };
+        let exported = staged.as_ref().unwrap_or(b).ipc_export()?;
+        let event = EventSlot::take(b.device())?;
+        event.record(b.stream())?;
         Ok(Prepared {
-            source,
+            source: Source::CudaIpc {
+                memory: Bytes::copy_from_slice(&exported.handle),
+                offset: exported.offset,
+                size: exported.size,
+                event: Bytes::copy_from_slice(&event.ipc_handle()),
+            },
             ready: Some(event),
+            _keep: staged,
         })
     };
     export().map_err(|e| PipeError::Misuse(format!("{channel} cannot send this buffer: {e}")))
@@ -92,7 +110,12 @@ pub(crate) fn recv(
             // ordered after its ready event.
             unsafe { dst.copy_from_address(from, *address) }.map_err(fail)?;
         }
-        Source::CudaIpc { memory, offset, event } => {
+        Source::CudaIpc {
+            memory,
+            offset,
+            size,
+            event,
+        } => {
             if link.same_process {
                 return Err(link.protocol("IPC handles from this very process"));
             }
@@ -100,19 +123,26 @@ pub(crate) fn recv(
                 (Some(m), Some(e)) => (m, e),
                 _ => return Err(link.protocol("malformed IPC handle")),
             };
-            let (base, size) = ipc::open_memory(link.process, device, &memory).map_err(fail)?;
-            if offset.checked_add(dst.len() as u64).is_none_or(|end| end > size as u64) {
+            // Checked against the size the exporter states (a handle names one allocation:
+            // the mapping refuses another size for it later), before anything is opened.
+            if offset.checked_add(dst.len() as u64).is_none_or(|end| end > *size) {
                 return Err(link.protocol(format!(
                     "{} bytes at offset {offset} of a {size}-byte allocation",
                     dst.len()
                 )));
             }
+            let mapping = ipc::open_memory(link.process, device, &memory, *size).map_err(|e| match e {
+                CudaError::Invalid(detail) => link.protocol(detail),
+                e => fail(e),
+            })?;
             let ready = ipc::open_event(link.process, device, &event).map_err(fail)?;
-            events::stream_wait(dst.stream(), ready).map_err(fail)?;
+            events::stream_wait(dst.stream(), ready.raw()).map_err(fail)?;
             // SAFETY: the range lies inside the peer's allocation (checked above), which the
-            // peer keeps alive until our acknowledgement, and the copy is ordered after its
-            // ready event.
-            unsafe { dst.copy_from_address(device, base + offset) }.map_err(fail)?;
+            // peer never frees (exported memory is kept for good), and the copy is ordered
+            // after its ready event.
+            unsafe { dst.copy_from_address(device, mapping.base() + offset) }.map_err(fail)?;
+            // The mapping is closed only after this copy (and any other that read it).
+            mapping.used(Event::record(dst.stream()).map_err(fail)?);
         }
         other => return Err(link.protocol(format!("{channel} cannot copy from a {} source", other.name()))),
     }
@@ -133,15 +163,18 @@ pub(crate) fn recv(
 
 /// Sender, acknowledged: makes the buffer's stream wait for the receiver's copy.
 pub(crate) fn finish(channel: ChannelKind, link: &Link<'_>, buffer: &CudaBuffer, done: &CudaDone) -> Result<()> {
-    let event = match done {
-        CudaDone::Local { event } if link.same_process => driver::RawEvent(*event as usize),
+    let fail = |e| cuda_error(link, channel, e);
+    match done {
+        CudaDone::Local { event } if link.same_process => {
+            events::stream_wait(buffer.stream(), driver::RawEvent(*event as usize)).map_err(fail)
+        }
         CudaDone::Ipc { event } if !link.same_process => {
             let handle = ipc_handle(event).ok_or_else(|| link.protocol("malformed IPC event handle"))?;
-            ipc::open_event(link.process, buffer.device(), &handle).map_err(|e| cuda_error(link, channel, e))?
+            let copied = ipc::open_event(link.process, buffer.device(), &handle).map_err(fail)?;
+            events::stream_wait(buffer.stream(), copied.raw()).map_err(fail)
         }
-        _ => return Err(link.protocol("acknowledgement of the wrong kind for this peer")),
-    };
-    events::stream_wait(buffer.stream(), event).map_err(|e| cuda_error(link, channel, e))
+        _ => Err(link.protocol("acknowledgement of the wrong kind for this peer")),
+    }
 }
 
 /// A 64-byte IPC handle from the wire.

@@ -26,8 +26,7 @@ use sluice_transport::any::{AnyReader, AnyWriter};
 use sluice_transport::{FrameReader, FrameWriter};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::events::EventSlot;
-use super::{CudaBuffer, CudaError, PinnedMemory};
+use super::{CudaBuffer, CudaError, Event, PinnedMemory};
 use crate::channel::path::{Link, Rx, Tx};
 use crate::device::{RecvBuffer, SendBuffer};
 use crate::error::PipeError;
@@ -46,8 +45,9 @@ pub fn chunks(len: usize) -> impl Iterator<Item = Range<usize>> {
 
 struct Slot {
     memory: PinnedMemory,
-    /// Recorded after the last device copy that used the slot.
-    fence: Option<EventSlot>,
+    /// Recorded after the last device copy that used the slot (a plain event: staging works
+    /// where CUDA IPC does not).
+    fence: Option<Event>,
 }
 
 impl Slot {
@@ -137,9 +137,7 @@ async fn send_gpu(w: &mut AnyWriter, src: &CudaBuffer, peer: &str) -> Result<(),
     let mut lease = lease(true, depth).await.map_err(|e| channel_error(peer, e))?;
     let queue = |slot: &mut Slot, range: &Range<usize>| -> Result<(), CudaError> {
         slot.memory.fill_from_device(src, range.start, range.len())?;
-        let fence = EventSlot::take(src.device())?;
-        fence.record(src.stream())?;
-        slot.fence = Some(fence);
+        slot.fence = Some(Event::record(src.stream())?);
         Ok(())
     };
     for (k, range) in plan.iter().enumerate().take(depth) {
@@ -190,9 +188,7 @@ async fn recv_gpu(r: &mut AnyReader, dst: &CudaBuffer, peer: &str) -> Result<(),
         read_exact(r, &mut slot.memory.as_mut_slice()[..range.len()], peer).await?;
         let queued = (|| {
             slot.memory.drain_to_device(dst, range.start, range.len())?;
-            let fence = EventSlot::take(dst.device())?;
-            fence.record(dst.stream())?;
-            slot.fence = Some(fence);
+            slot.fence = Some(Event::record(dst.stream())?);
             Ok::<_, CudaError>(())
         })();
         queued.map_err(|e| channel_error(peer, e))?;
