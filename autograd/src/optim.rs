@@ -71,6 +71,13 @@ impl Parameter {
         self.data().with_leaf(self.0.leaf.clone())
     }
 
+    /// An earlier value of this parameter (one [`data`](Self::data) returned) as a leaf of
+    /// *this* parameter: gradients through it accumulate for this parameter. What weight
+    /// stashing uses to run a forward on the version a micro-batch started with.
+    pub fn tensor_of(&self, value: &Tensor) -> Tensor {
+        value.detach().with_leaf(self.0.leaf.clone())
+    }
+
     /// The current value, detached.
     pub fn data(&self) -> Tensor {
         (**self.0.data.load()).clone()

@@ -156,6 +156,9 @@ pub struct Pipeline {
     /// (worker id, stage id) in order.
     route: Vec<(u32, u64)>,
     options: PipelineOptions,
+    /// The stages' weight version (optimizer steps taken), which forwards of the
+    /// asynchronous schedule are issued on.
+    version: AtomicU64,
 }
 
 static NEXT_STAGE: AtomicU64 = AtomicU64::new(1);
@@ -201,7 +204,13 @@ impl Pipeline {
         if options.micro_batches == 0 {
             return Err(PipelineError::Unsupported("zero micro-batches".into()));
         }
-        let mut route = Vec::new();
+        let mut route: Vec<(u32, u64)> = Vec::new();
+        // Stages already built are dropped again if a later one fails.
+        let undo = |route: &[(u32, u64)]| {
+            for &(w, id) in route {
+                drop(agent.call_async(w, stage::H_DROP, &id));
+            }
+        };
         for (i, (p, layers)) in placements.iter().zip(&partition.stages).enumerate() {
             let id = next_stage_id(agent);
             let spec = stage::StageSpec {
@@ -213,8 +222,17 @@ impl Pipeline {
                 optimizer: options.optimizer,
                 remat: options.remat.stage(i),
             };
-            let _: usize = agent.call(p.worker.as_str(), stage::H_CREATE, &spec)?;
-            route.push((agent.worker(p.worker.as_str())?.id, id));
+            let built = agent
+                .call::<_, usize>(p.worker.as_str(), stage::H_CREATE, &spec)
+                .map_err(PipelineError::from)
+                .and_then(|_| Ok(agent.worker(p.worker.as_str())?.id));
+            match built {
+                Ok(w) => route.push((w, id)),
+                Err(e) => {
+                    undo(&route);
+                    return Err(e);
+                }
+            }
         }
         Ok(Pipeline {
             agent: agent.clone(),
@@ -223,6 +241,7 @@ impl Pipeline {
             placements,
             route,
             options,
+            version: AtomicU64::new(0),
         })
     }
 
@@ -240,13 +259,33 @@ impl Pipeline {
         (0..m).map(|i| n / m + usize::from(i < n % m)).collect()
     }
 
-    fn start(&self, x: &Tensor) -> Result<DistFuture<Tensor>> {
-        Ok(dist::rpc_async(
-            &self.agent,
-            self.route[0].0,
-            stage::H_HOP,
-            &(self.route.clone(), x.clone()),
-        )?)
+    /// Starts a micro-batch's forward through every stage, on the current weights or on
+    /// weight version `version`.
+    fn start(&self, x: &Tensor, version: Option<u64>) -> Result<DistFuture<Tensor>> {
+        let args: stage::HopArgs = (self.route.clone(), x.clone(), version);
+        Ok(dist::rpc_async(&self.agent, self.route[0].0, stage::H_HOP, &args)?)
+    }
+
+    /// Every stage's optimizer step with `context`'s gradients (in parallel); see
+    /// `Stage::step` for `keep_from`. Returns the stages' new weight version.
+    fn step_all(&self, context: u64, keep_from: Option<u64>) -> Result<u64> {
+        let steps: Vec<_> = self
+            .route
+            .iter()
+            .map(|&(w, id)| self.agent.call_async(w, stage::H_STEP, &(id, context, keep_from)))
+            .collect();
+        let mut versions = Vec::new();
+        for s in steps {
+            versions.push(s.wait()?.decode::<u64>()?);
+        }
+        let v = versions[0];
+        if versions.iter().any(|&x| x != v) {
+            return Err(PipelineError::Unsupported(format!(
+                "stages disagree on their weight version: {versions:?}"
+            )));
+        }
+        self.version.store(v, Ordering::SeqCst);
+        Ok(v)
     }
 
     /// Forward and backward of one mini-batch in `context`, micro-batch by micro-batch in the
@@ -262,7 +301,7 @@ impl Pipeline {
         let mut backwards_left = sizes.len();
         for op in order {
             match op {
-                Op::Forward(m) => pending[m] = Some(self.start(&xs[m])?),
+                Op::Forward(m) => pending[m] = Some(self.start(&xs[m], None)?),
                 Op::Backward(m) => {
                     let out = pending[m].take().expect("forward before backward").wait()?;
                     let loss = cross_entropy(&out, &ys[m])?.mul_scalar(sizes[m] as f64 / n as f64)?;
@@ -279,25 +318,74 @@ impl Pipeline {
         Ok(total)
     }
 
-    /// One training step: forward and backward over the micro-batches, then every stage's
-    /// optimizer step with the gradients.
+    /// One training step over a mini-batch.
+    ///
+    /// GPipe and 1F1B: forward and backward over the micro-batches in one context, then every
+    /// stage's optimizer step with the mini-batch's gradients (the same update as the
+    /// unpipelined model).
+    ///
+    /// Asynchronous 1F1B (PipeDream): every micro-batch is an update of its own. Each has its
+    /// own context; as soon as its backward is done every stage steps with its gradients
+    /// (mean loss over the micro-batch) and the next forward is issued on the new weights,
+    /// while the forwards already in flight keep running on the weights they were issued on
+    /// (weight stashing: each stage keeps those versions, and a backward always differentiates
+    /// the values its forward used). So in the steady state a micro-batch's gradient is
+    /// computed on weights `stages − 1` updates older than those it is applied to
+    /// ([`schedule::async_versions`]), the same on every stage (one version per forward
+    /// throughout, PipeDream's "vertical sync"). The pipeline drains at the end of each call;
+    /// the reported loss is the mini-batch's mean.
     pub fn train_step(&self, x: &Tensor, y: &Tensor) -> Result<StepReport> {
         let start = std::time::Instant::now();
-        let context = Context::new(&self.agent)?;
-        let loss = self.forward_backward(&context, x, y)?;
-        let steps: Vec<_> = self
-            .route
-            .iter()
-            .map(|&(w, id)| self.agent.call_async(w, stage::H_STEP, &(id, context.id())))
-            .collect();
-        for s in steps {
-            s.wait()?;
-        }
-        context.release()?;
+        let loss = if self.options.schedule == Schedule::AsyncOneFOneB {
+            self.async_steps(x, y)?
+        } else {
+            let context = Context::new(&self.agent)?;
+            let loss = self.forward_backward(&context, x, y)?;
+            self.step_all(context.id(), None)?;
+            context.release()?;
+            loss
+        };
         Ok(StepReport {
             loss,
             seconds: start.elapsed().as_secs_f64(),
         })
+    }
+
+    /// The asynchronous schedule's mini-batch: one context and one update per micro-batch.
+    fn async_steps(&self, x: &Tensor, y: &Tensor) -> Result<f64> {
+        let n = x.shape()[0];
+        let sizes = self.sizes(n);
+        let xs = x.split(&sizes, 0)?;
+        let ys = y.split(&sizes, 0)?;
+        let m = sizes.len();
+        let mut version = self.version.load(Ordering::SeqCst);
+        let mut contexts: Vec<Option<Context>> = (0..m).map(|_| None).collect();
+        let mut pending: Vec<Option<DistFuture<Tensor>>> = (0..m).map(|_| None).collect();
+        let mut issued_on: Vec<Option<u64>> = vec![None; m];
+        let mut total = 0.0;
+        for op in schedule::driver_order(Schedule::AsyncOneFOneB, self.route.len(), m) {
+            match op {
+                Op::Forward(k) => {
+                    let context = Context::detached(&self.agent)?;
+                    pending[k] = Some(context.run(|| self.start(&xs[k], Some(version)))?);
+                    contexts[k] = Some(context);
+                    issued_on[k] = Some(version);
+                }
+                Op::Backward(k) => {
+                    let context = contexts[k].take().expect("forward before backward");
+                    let out = pending[k].take().expect("forward before backward").wait()?;
+                    let loss = context.run(|| cross_entropy(&out, &ys[k]))?;
+                    total += loss.item()? * sizes[k] as f64 / n as f64;
+                    context.backward(&[loss], false)?;
+                    issued_on[k] = None;
+                    // The oldest version a forward still in flight was issued on.
+                    let keep_from = issued_on.iter().flatten().min().copied().unwrap_or(version + 1);
+                    version = self.step_all(context.id(), Some(keep_from))?;
+                    context.release()?;
+                }
+            }
+        }
+        Ok(total)
     }
 
     /// The gradients one mini-batch gives every parameter (by name), without stepping.
@@ -313,13 +401,23 @@ impl Pipeline {
         Ok((loss, out))
     }
 
+    /// Every parameter's current value (by name, in model order), as `f64`s.
+    pub fn parameters(&self) -> Result<Gradients> {
+        let mut out = Vec::new();
+        for &(w, id) in &self.route {
+            let v: Vec<(String, Vec<f64>)> = self.agent.call(w, stage::H_VALUES, &id)?;
+            out.extend(v);
+        }
+        Ok(out)
+    }
+
     /// The model's output (no gradients), micro-batches pipelined.
     pub fn predict(&self, x: &Tensor) -> Result<Tensor> {
         let sizes = self.sizes(x.shape()[0]);
         let futures = x
             .split(&sizes, 0)?
             .iter()
-            .map(|m| self.start(m))
+            .map(|m| self.start(m, None))
             .collect::<Result<Vec<_>>>()?;
         let outs = futures
             .into_iter()
@@ -444,7 +542,7 @@ impl Pipeline {
         let ys = y.split(&sizes, 0)?;
         let context = Context::new(&self.agent)?;
         let before = self.memory()?;
-        let futures = xs.iter().map(|m| self.start(m)).collect::<Result<Vec<_>>>()?;
+        let futures = xs.iter().map(|m| self.start(m, None)).collect::<Result<Vec<_>>>()?;
         let outs = futures
             .into_iter()
             .map(|f| f.wait())

@@ -60,7 +60,7 @@ impl RemoteModule {
             &self.agent,
             self.worker,
             stage::H_HOP,
-            &(vec![(self.worker, self.id)], x.clone()),
+            &(vec![(self.worker, self.id)], x.clone(), None::<u64>),
         )?)
     }
 

@@ -8,6 +8,11 @@ use serde::{Deserialize, Serialize};
 pub enum Schedule {
     GPipe,
     OneFOneB,
+    /// PipeDream's asynchronous 1F1B with weight stashing: the 1F1B order, but every
+    /// micro-batch is its own step (its own context, an optimizer step at each stage as soon
+    /// as its backward is done) instead of one step per mini-batch. See
+    /// [`crate::Pipeline::train_step`] for the staleness it brings.
+    AsyncOneFOneB,
 }
 
 impl std::str::FromStr for Schedule {
@@ -16,7 +21,8 @@ impl std::str::FromStr for Schedule {
         match s {
             "gpipe" => Ok(Schedule::GPipe),
             "1f1b" => Ok(Schedule::OneFOneB),
-            other => Err(format!("unknown schedule {other:?} (gpipe, 1f1b)")),
+            "async-1f1b" | "pipedream" => Ok(Schedule::AsyncOneFOneB),
+            other => Err(format!("unknown schedule {other:?} (gpipe, 1f1b, async-1f1b)")),
         }
     }
 }
@@ -41,7 +47,7 @@ pub fn driver_order(schedule: Schedule, stages: usize, micro_batches: usize) -> 
     let m = micro_batches;
     match schedule {
         Schedule::GPipe => (0..m).map(Op::Forward).chain((0..m).map(Op::Backward)).collect(),
-        Schedule::OneFOneB => {
+        Schedule::OneFOneB | Schedule::AsyncOneFOneB => {
             let warm = stages.min(m);
             let mut ops: Vec<Op> = (0..warm).map(Op::Forward).collect();
             for b in 0..m {
@@ -69,13 +75,35 @@ pub fn peak_in_flight(schedule: Schedule, stages: usize, micro_batches: usize) -
     peak
 }
 
+/// Under [`Schedule::AsyncOneFOneB`]: the weight version each micro-batch's forward runs on
+/// (the number of updates made before the driver issued it) and its staleness (how many
+/// updates its gradient lands behind: the updates made between its forward and its own).
+/// In the steady state every micro-batch is `stages − 1` updates stale, on every stage: the
+/// driver steps all stages together and each forward runs on one version throughout (the
+/// stages keep, "stash", every version an in-flight forward still needs).
+pub fn async_versions(stages: usize, micro_batches: usize) -> Vec<(u64, u64)> {
+    let mut done = 0u64;
+    let mut version = vec![0u64; micro_batches];
+    let mut out = vec![(0, 0); micro_batches];
+    for op in driver_order(Schedule::AsyncOneFOneB, stages, micro_batches) {
+        match op {
+            Op::Forward(m) => version[m] = done,
+            Op::Backward(m) => {
+                out[m] = (version[m], done - version[m]);
+                done += 1;
+            }
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn every_micro_batch_runs_forward_then_backward_once() {
-        for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+        for schedule in [Schedule::GPipe, Schedule::OneFOneB, Schedule::AsyncOneFOneB] {
             for (p, m) in [(4, 1), (4, 4), (4, 8), (4, 16), (2, 3), (1, 5)] {
                 let ops = driver_order(schedule, p, m);
                 assert_eq!(ops.len(), 2 * m);
@@ -86,6 +114,18 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn asynchronous_1f1b_is_stages_minus_one_updates_stale() {
+        let v = async_versions(4, 8);
+        assert_eq!(v.iter().map(|x| x.0).collect::<Vec<_>>(), [0, 0, 0, 0, 1, 2, 3, 4]);
+        assert_eq!(v.iter().map(|x| x.1).collect::<Vec<_>>(), [0, 1, 2, 3, 3, 3, 3, 3]);
+        assert!(
+            async_versions(1, 5).iter().all(|&(_, stale)| stale == 0),
+            "one stage: no staleness"
+        );
+        assert_eq!(async_versions(4, 2), vec![(0, 0), (0, 1)]);
     }
 
     #[test]

@@ -30,6 +30,7 @@ pub(crate) const H_PID: &str = "sluice.pipeline.pid";
 pub(crate) const H_PARAMS: &str = "sluice.pipeline.params";
 pub(crate) const H_BUSY: &str = "sluice.pipeline.busy";
 pub(crate) const H_MEMORY: &str = "sluice.pipeline.memory";
+pub(crate) const H_VALUES: &str = "sluice.pipeline.values";
 
 /// This process's peak and current resident memory, in bytes (`VmHWM`, `VmRSS`).
 fn memory() -> (u64, u64) {
@@ -84,6 +85,62 @@ struct Stage {
     save_pause_ms: AtomicU64,
     /// Nanoseconds spent computing forwards.
     forward_busy_ns: AtomicU64,
+    /// Weight versions: the current one (steps taken) and, under the asynchronous schedule,
+    /// the earlier values forwards still in flight were issued on (weight stashing).
+    versions: Mutex<Versions>,
+}
+
+#[derive(Default)]
+struct Versions {
+    current: u64,
+    /// Version → every parameter's value then (flat, in parameter order).
+    stash: std::collections::BTreeMap<u64, Vec<Tensor>>,
+}
+
+impl Stage {
+    /// The stage's parameters as forward inputs: their current values, or those of
+    /// `version` (stashed) for a forward issued on it.
+    fn tensors(&self, version: Option<u64>) -> Result<Vec<Tensor>, HandlerError> {
+        let flat = self.params.iter().flatten();
+        let versions = self.versions.lock().unwrap();
+        match version {
+            None => Ok(flat.map(Parameter::tensor).collect()),
+            Some(v) if v == versions.current => Ok(flat.map(Parameter::tensor).collect()),
+            Some(v) => {
+                let values = versions.stash.get(&v).ok_or_else(|| {
+                    err(format!(
+                        "weight version {v} is not stashed (current {}, stashed {:?})",
+                        versions.current,
+                        versions.stash.keys().collect::<Vec<_>>()
+                    ))
+                })?;
+                Ok(flat.zip(values).map(|(p, t)| p.tensor_of(t)).collect())
+            }
+        }
+    }
+
+    /// One optimizer step with context `context`'s gradients. `keep_from`: the oldest version
+    /// a forward still in flight was issued on (asynchronous schedule: the current values are
+    /// stashed first, and versions older than it dropped); `None` keeps nothing. Returns the
+    /// new version.
+    fn step(&self, context: u64, keep_from: Option<u64>) -> Result<u64, HandlerError> {
+        let grads = dist::get_gradients(context).map_err(err)?;
+        // A stage's update is whole with respect to its forwards.
+        let _device = self.compute.lock().unwrap();
+        let mut v = self.versions.lock().unwrap();
+        if let Some(k) = keep_from {
+            if k <= v.current {
+                let values = self.params.iter().flatten().map(Parameter::data).collect();
+                let current = v.current;
+                v.stash.insert(current, values);
+            }
+        }
+        self.optimizer.step_with(&grads).map_err(err)?;
+        v.current += 1;
+        let keep = keep_from.unwrap_or(v.current);
+        v.stash.retain(|&version, _| version >= keep);
+        Ok(v.current)
+    }
 }
 
 fn stages() -> &'static Mutex<HashMap<u64, Arc<Stage>>> {
@@ -122,27 +179,33 @@ fn create(spec: StageSpec) -> Result<usize, HandlerError> {
         compute: Mutex::new(()),
         save_pause_ms: AtomicU64::new(0),
         forward_busy_ns: AtomicU64::new(0),
+        versions: Mutex::default(),
     };
     stages().lock().unwrap().insert(spec.id, Arc::new(stage));
     Ok(count)
 }
 
+/// What a forward hop carries: the stages left to run, the activation, and the weight version
+/// to run on (asynchronous schedule; `None`: the current weights).
+pub(crate) type HopArgs = (Vec<(u32, u64)>, Tensor, Option<u64>);
+
 /// This stage's layers on `x`, then the rest of `route` (nested: the next stage is called
 /// from here, so activations go stage to stage).
-fn hop(cx: &CallContext, (route, x): (Vec<(u32, u64)>, Tensor)) -> Result<Tensor, HandlerError> {
+fn hop(cx: &CallContext, (route, x, version): HopArgs) -> Result<Tensor, HandlerError> {
     let (&(_, id), rest) = route.split_first().ok_or_else(|| err("an empty route"))?;
     let stage = get(id)?;
     let layers = &stage.spec.model[stage.spec.layers.clone()];
     let h = {
         let _device = stage.compute.lock().unwrap();
         let started = Instant::now();
+        let params = stage.tensors(version)?;
         let h = if stage.spec.remat {
             let mut inputs = vec![x];
-            inputs.extend(stage.params.iter().flatten().map(Parameter::tensor));
+            inputs.extend(params);
             let layers = layers.to_vec();
             sluice_autograd::checkpoint(&inputs, move |t| nn::forward_tensors(&layers, &t[1..], &t[0]))
         } else {
-            nn::forward(layers, &stage.params, &x)
+            nn::forward_tensors(layers, &params, &x)
         }
         .map_err(err)?;
         stage
@@ -152,7 +215,7 @@ fn hop(cx: &CallContext, (route, x): (Vec<(u32, u64)>, Tensor)) -> Result<Tensor
     };
     match rest.first() {
         None => Ok(h),
-        Some(&(next, _)) => dist::rpc_sync(&cx.agent, next, H_HOP, &(rest.to_vec(), h)).map_err(err),
+        Some(&(next, _)) => dist::rpc_sync(&cx.agent, next, H_HOP, &(rest.to_vec(), h, version)).map_err(err),
     }
 }
 
@@ -264,10 +327,18 @@ pub(crate) fn profile(
 pub fn install(r: &mut Registry) {
     r.handler(H_CREATE, |_cx: &CallContext, spec: StageSpec| create(spec));
     dist::function(r, H_HOP, hop);
-    r.handler(H_STEP, |_cx: &CallContext, (id, context): (u64, u64)| {
+    r.handler(
+        H_STEP,
+        |_cx: &CallContext, (id, context, keep_from): (u64, u64, Option<u64>)| get(id)?.step(context, keep_from),
+    );
+    r.handler(H_VALUES, |_cx: &CallContext, id: u64| {
         let stage = get(id)?;
-        let grads = dist::get_gradients(context).map_err(err)?;
-        stage.optimizer.step_with(&grads).map_err(err)
+        stage
+            .params
+            .iter()
+            .flatten()
+            .map(|p| Ok((p.name().to_owned(), p.data().to_f64_vec().map_err(err)?)))
+            .collect::<Result<Vec<(String, Vec<f64>)>, HandlerError>>()
     });
     r.handler(H_GRADS, |_cx: &CallContext, (id, context): (u64, u64)| {
         let stage = get(id)?;
@@ -330,6 +401,6 @@ pub fn install(r: &mut Registry) {
         Ok(cx.agent.rref(ModuleRef { id }))
     });
     dist::method(r, FORWARD, |cx: &CallContext, m: &ModuleRef, x: Tensor| {
-        hop(cx, (vec![(cx.agent.info().id, m.id)], x))
+        hop(cx, (vec![(cx.agent.info().id, m.id)], x, None))
     });
 }

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use sluice_agent::{Agent, CallContext, Registry};
-use sluice_autograd::{cross_entropy, DType, OptimizerKind, Tensor};
+use sluice_autograd::{cross_entropy, DType, Optimizer, OptimizerKind, Parameter, Tensor, UpdateMode};
 use sluice_pipeline::partition::{self, by_counts};
 use sluice_pipeline::{checkpoint, nn, Pipeline, PipelineOptions, Remat, Schedule};
 use sluice_tests::worker_test;
@@ -168,6 +168,84 @@ worker_test!(
                 last = p.train_step(&x, &y).unwrap().loss;
             }
             assert!(last < first, "training did not reduce the loss: {first} → {last}");
+        }
+        agent.shutdown().unwrap();
+    }
+);
+
+/// The asynchronous schedule simulated in this process: micro-batch by micro-batch, each
+/// gradient computed on the weight version its forward was issued on
+/// (`schedule::async_versions`) and applied to the newest weights.
+fn simulate_async(stages: usize, micro: usize, steps: u64) -> Vec<(String, Vec<f64>)> {
+    let local = nn::build(&model(), 0..model().len(), SEED, DType::F64).unwrap();
+    let flat: Vec<Parameter> = local.iter().flatten().cloned().collect();
+    let opt = Optimizer::new(
+        options(Schedule::AsyncOneFOneB, micro).optimizer,
+        flat.clone(),
+        UpdateMode::Locked,
+    );
+    let mut stash: Vec<Vec<Tensor>> = vec![flat.iter().map(Parameter::data).collect()];
+    for step in 0..steps {
+        let (x, y) = batch(step);
+        let n = x.shape()[0];
+        let sizes: Vec<usize> = (0..micro).map(|i| n / micro + usize::from(i < n % micro)).collect();
+        let (xs, ys) = (x.split(&sizes, 0).unwrap(), y.split(&sizes, 0).unwrap());
+        let base = stash.len() - 1;
+        for (k, (version, _)) in sluice_pipeline::schedule::async_versions(stages, micro)
+            .into_iter()
+            .enumerate()
+        {
+            let weights = &stash[base + version as usize];
+            let tensors: Vec<Tensor> = flat.iter().zip(weights).map(|(p, w)| p.tensor_of(w)).collect();
+            let out = nn::forward_tensors(&model(), &tensors, &xs[k]).unwrap();
+            cross_entropy(&out, &ys[k]).unwrap().backward().unwrap();
+            opt.step().unwrap();
+            stash.push(flat.iter().map(Parameter::data).collect());
+        }
+    }
+    flat.iter()
+        .map(|p| (p.name().to_owned(), p.data().to_f64_vec().unwrap()))
+        .collect()
+}
+
+worker_test!(
+    asynchronous_1f1b_applies_each_gradient_to_newer_weights_as_simulated,
+    4,
+    |env: WorkerEnv| {
+        let agent = env.agent(registry());
+        if env.rank == 0 {
+            for (stages, counts, micro) in [
+                (&[1u32, 2, 3][..], &[3usize, 3, 3][..], 4usize),
+                (&[2][..], &[9][..], 3),
+            ] {
+                let p = pipeline(&agent, stages, counts, options(Schedule::AsyncOneFOneB, micro));
+                for step in 0..3 {
+                    let (x, y) = batch(step);
+                    p.train_step(&x, &y).unwrap();
+                }
+                let got = p.parameters().unwrap();
+                let want = simulate_async(stages.len(), micro, 3);
+                assert_eq!(got.len(), want.len());
+                for ((gn, g), (wn, w)) in got.iter().zip(&want) {
+                    assert_eq!(gn, wn);
+                    let worst = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+                    assert!(worst < 1e-9, "{} stages {gn}: off by {worst:e}", stages.len());
+                }
+                // Not the synchronous update: the schedules differ in what they compute.
+                let sync = pipeline(&agent, stages, counts, options(Schedule::OneFOneB, micro));
+                let (x, y) = batch(0);
+                sync.train_step(&x, &y).unwrap();
+                let one = simulate_async(stages.len(), micro, 1);
+                let s = sync.parameters().unwrap();
+                let differs = s
+                    .iter()
+                    .zip(&one)
+                    .any(|((_, a), (_, b))| a.iter().zip(b).any(|(u, v)| (u - v).abs() > 1e-9));
+                assert!(
+                    differs,
+                    "the synchronous step should differ from per-micro-batch updates"
+                );
+            }
         }
         agent.shutdown().unwrap();
     }

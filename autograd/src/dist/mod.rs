@@ -340,6 +340,29 @@ impl Context {
         })
     }
 
+    /// A new context that is not entered on this thread: several can be alive at once and
+    /// driven from one thread, each entered around its own work with [`run`](Self::run) (a
+    /// pipeline's micro-batches, each in its own context, for updates per micro-batch).
+    pub fn detached(agent: &Agent) -> Result<Context> {
+        let c = container();
+        let me = c.bind(agent);
+        let id = Container::next_id(&c.next_context, me);
+        let state = Arc::new(ContextState::new(id));
+        c.contexts.lock().unwrap().insert(id, state.clone());
+        Ok(Context {
+            state,
+            agent: agent.clone(),
+            released: false,
+            _not_send: std::marker::PhantomData,
+        })
+    }
+
+    /// Runs `f` with this context current on this thread (RPCs it makes are recorded here),
+    /// then restores whichever context was current before.
+    pub fn run<R>(&self, f: impl FnOnce() -> R) -> R {
+        with_current(Some(self.state.id), f)
+    }
+
     pub fn id(&self) -> u64 {
         self.state.id
     }
@@ -375,7 +398,11 @@ impl Context {
     /// Releases the context everywhere now, reporting workers that could not be told.
     pub fn release(mut self) -> Result<()> {
         self.released = true;
-        CURRENT.with(|c| c.set(None));
+        CURRENT.with(|c| {
+            if c.get() == Some(self.state.id) {
+                c.set(None)
+            }
+        });
         release_everywhere(&self.agent, self.state.id, None, true)
     }
 }
