@@ -3,8 +3,10 @@
 //!
 //! Rules (each from the driver documentation):
 //! - `cuMemFree` only *may* synchronize, so a dropped allocation is freed once an event
-//!   recorded after its last use on every stream its buffers were ordered on has completed.
-//!   A stream that is gone left such an event behind when it was dropped.
+//!   recorded after its last use on every stream its buffers were ordered on has completed
+//!   (memory holds those streams, so the event can always be recorded; a stream Sluice does
+//!   not own leaves its last event behind when its last wrapper goes). The free itself runs on
+//!   a thread of its own, since it may still synchronize.
 //! - Freeing an allocation another process has opened with CUDA IPC is undefined, and the
 //!   exporter cannot know when every importer has closed it: exported memory is never freed.
 //!   It is kept, and reused for a later allocation of a fitting size once its events are
@@ -12,17 +14,17 @@
 //! - Blocks cached per stream are keyed by the stream's identity (driver handles are reused
 //!   by new streams), released when the stream is dropped, and every idle block is released
 //!   (and memory waiting for its events freed after a host wait) when an allocation runs out
-//!   of memory, before it is tried once more.
+//!   of memory, before it is tried once more (then also on any exported block big enough).
 //!
 //! [`Ledger`] holds that bookkeeping with the fences and memory handles as type parameters,
 //! so every rule is tested without a GPU; the functions below drive it with real events.
 #![allow(unsafe_code)]
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
 
 use super::driver::{self, IPC_HANDLE_BYTES};
-use super::memory::{DeviceMemory, StreamInner};
+use super::memory::{DeviceMemory, StreamHandle};
 use super::{runtime, CudaError, Event, Stream};
 
 /// Most bytes cached per stream; beyond it blocks are plain allocations.
@@ -60,13 +62,12 @@ struct StreamCache<M> {
     bytes: usize,
 }
 
-/// The bookkeeping: per-stream caches, freed memory waiting for its fences, exported memory
-/// kept for reuse, and the last fence of each stream that is gone.
+/// The bookkeeping: per-stream caches, freed memory waiting for its fences, and exported
+/// memory kept for reuse.
 pub(crate) struct Ledger<F, M> {
     caches: HashMap<u64, StreamCache<M>>,
     pending: Vec<(Block, Vec<F>)>,
     exported: Vec<(Block, Vec<F>)>,
-    gone: HashMap<u64, F>,
 }
 
 impl<F: Fence + Clone, M: Cached + Clone> Ledger<F, M> {
@@ -75,13 +76,7 @@ impl<F: Fence + Clone, M: Cached + Clone> Ledger<F, M> {
             caches: HashMap::new(),
             pending: Vec::new(),
             exported: Vec::new(),
-            gone: HashMap::new(),
         }
-    }
-
-    /// The fence a stream left behind when it was dropped, if it may still be pending.
-    pub fn gone_fence(&self, stream: u64) -> Option<F> {
-        self.gone.get(&stream).cloned()
     }
 
     /// A block's owner is gone; `fences` follow its last uses. Returns what may be freed now.
@@ -94,10 +89,8 @@ impl<F: Fence + Clone, M: Cached + Clone> Ledger<F, M> {
         self.reap()
     }
 
-    /// Memory whose fences have all completed, taken out to be freed; fences of gone streams
-    /// that completed are forgotten.
+    /// Memory whose fences have all completed, taken out to be freed.
     pub fn reap(&mut self) -> Vec<Block> {
-        self.gone.retain(|_, f| !f.done());
         let mut free = Vec::new();
         self.pending.retain(|(b, fences)| {
             let done = fences.iter().all(Fence::done);
@@ -109,10 +102,10 @@ impl<F: Fence + Clone, M: Cached + Clone> Ledger<F, M> {
         free
     }
 
-    /// Exported memory on `device` that fits `len` bytes without wasting more than half of
-    /// it, and whose last uses are done.
-    pub fn reuse_exported(&mut self, device: u32, len: usize) -> Option<Block> {
-        let fits = |b: &Block| b.device == device && b.len >= len && b.len / 2 <= len.max(1);
+    /// Exported memory on `device` that fits `len` bytes (without wasting more than half of
+    /// it, unless `any_size`), and whose last uses are done.
+    pub fn reuse_exported(&mut self, device: u32, len: usize, any_size: bool) -> Option<Block> {
+        let fits = |b: &Block| b.device == device && b.len >= len && (any_size || b.len / 2 <= len.max(1));
         let i = self
             .exported
             .iter()
@@ -141,12 +134,9 @@ impl<F: Fence + Clone, M: Cached + Clone> Ledger<F, M> {
         }
     }
 
-    /// Stream `id` is gone, `fence` after its last work: its cached blocks are handed back
-    /// (to be dropped by the caller, outside any lock).
-    pub fn stream_gone(&mut self, id: u64, fence: Option<F>) -> Vec<M> {
-        if let Some(f) = fence {
-            self.gone.insert(id, f);
-        }
+    /// Stream `id` is gone: its cached blocks are handed back (to be dropped by the caller,
+    /// outside any lock, which retires them).
+    pub fn stream_gone(&mut self, id: u64) -> Vec<M> {
         self.caches.remove(&id).map(|c| c.blocks).unwrap_or_default()
     }
 
@@ -207,33 +197,54 @@ fn ledger() -> std::sync::MutexGuard<'static, Live> {
         .unwrap_or_else(|e| e.into_inner())
 }
 
-/// Frees blocks whose fences completed (no lock held).
-fn free(blocks: Vec<Block>) {
+/// Frees one block now, on this thread.
+fn free_now(b: Block) {
+    debug_assert!(b.exported.is_none(), "exported memory is never freed");
     let Ok(cuda) = runtime() else { return };
+    if let Ok(bound) = cuda.bind(b.device) {
+        // SAFETY: allocated by `allocate`, owned by no one (its `DeviceMemory` is gone), freed
+        // once (taken out of the ledger), and every fence after its uses completed.
+        let _ = unsafe { driver::mem_free(&bound, b.ptr) };
+    }
+}
+
+/// Frees blocks whose fences completed, on the freeing thread (`cuMemFree` may synchronize
+/// the device, which no caller's thread should wait for).
+fn free(blocks: Vec<Block>) {
+    if blocks.is_empty() {
+        return;
+    }
+    static TX: OnceLock<Mutex<Option<mpsc::Sender<Block>>>> = OnceLock::new();
+    let tx = TX.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<Block>();
+        let started = std::thread::Builder::new()
+            .name("sluice-cuda-free".into())
+            .spawn(move || rx.into_iter().for_each(free_now));
+        Mutex::new(started.ok().map(|_| tx))
+    });
+    let tx = tx.lock().unwrap_or_else(|e| e.into_inner());
     for b in blocks {
-        debug_assert!(b.exported.is_none(), "exported memory is never freed");
-        if let Ok(bound) = cuda.bind(b.device) {
-            // SAFETY: allocated by `allocate`, owned by no one (its `DeviceMemory` is gone),
-            // freed once (taken out of the ledger), and every fence after its uses completed.
-            let _ = unsafe { driver::mem_free(&bound, b.ptr) };
+        match tx.as_ref() {
+            Some(t) => {
+                let _ = t.send(b);
+            }
+            None => free_now(b),
         }
     }
 }
 
-/// A dropped allocation: fences recorded on the streams that used it, then into the ledger.
-pub(crate) fn retire(block: Block, uses: Vec<(u64, Weak<StreamInner>)>) {
+/// A dropped allocation: a fence recorded on each stream that used it, then into the ledger.
+pub(crate) fn retire(block: Block, uses: Vec<Arc<StreamHandle>>) {
     let mut fences = Vec::new();
-    for (id, stream) in uses {
-        match stream.upgrade() {
-            Some(s) => match Event::record(&Stream::from_inner(s)) {
-                Ok(e) => fences.push(e),
-                // Without a fence the memory cannot be known unused: keep it for ever.
-                Err(_) => return,
-            },
-            None => fences.extend(ledger().gone_fence(id)),
+    for stream in &uses {
+        match stream.fence() {
+            Some(e) => fences.push(e),
+            // Without a fence the memory cannot be known unused: keep it for ever.
+            None => return,
         }
     }
     let now = ledger().retire(block, fences);
+    drop(uses); // outside the lock: the last holder of an owned stream destroys it
     free(now);
 }
 
@@ -243,7 +254,7 @@ pub(crate) fn allocate(device: u32, len: usize) -> Result<Block, CudaError> {
     let (reused, done) = {
         let mut l = ledger();
         let done = l.reap();
-        (l.reuse_exported(device, len), done)
+        (l.reuse_exported(device, len, false), done)
     };
     free(done);
     if let Some(b) = reused {
@@ -267,11 +278,18 @@ pub(crate) fn allocate(device: u32, len: usize) -> Result<Block, CudaError> {
                 released,
                 "out of device memory: released cached blocks, retrying"
             );
-            fresh(len).map_err(|e| {
-                CudaError::Invalid(format!(
-                    "{e} for {len} bytes on cuda:{device}, after releasing {released} cached bytes"
-                ))
-            })?
+            match fresh(len) {
+                Ok(p) => p,
+                Err(e) => {
+                    // Last: exported memory of any size that fits (never freed, but reusable).
+                    let reused = ledger().reuse_exported(device, len, true);
+                    return reused.ok_or_else(|| {
+                        CudaError::Invalid(format!(
+                            "{e} for {len} bytes on cuda:{device}, after releasing {released} cached bytes"
+                        ))
+                    });
+                }
+            }
         }
         Err(e) => return Err(e.into()),
     };
@@ -286,16 +304,23 @@ pub(crate) fn allocate(device: u32, len: usize) -> Result<Block, CudaError> {
 /// Releases every idle cached block of `device` and frees what waits for its fences (waiting
 /// for them on this thread: only the out-of-memory path does this). Returns the bytes freed.
 fn trim(device: u32) -> usize {
-    let (idle, _) = ledger().trim(device);
-    drop(idle); // retires them (fences recorded on their streams)
-    let (_, pending) = ledger().trim(device);
-    let mut blocks = Vec::new();
-    for (b, fences) in pending {
-        fences.iter().for_each(Fence::wait);
-        blocks.push(b);
+    let mut waiting = Vec::new();
+    // Twice: the idle blocks handed back the first time are retired when dropped (outside
+    // the lock), which puts them among the pending ones the second time takes.
+    for _ in 0..2 {
+        let (idle, pending) = {
+            let mut l = ledger();
+            l.trim(device)
+        };
+        waiting.extend(pending);
+        drop(idle);
     }
-    let bytes = blocks.iter().map(|b| b.len).sum();
-    free(blocks);
+    let mut bytes = 0;
+    for (b, fences) in waiting {
+        fences.iter().for_each(Fence::wait);
+        bytes += b.len;
+        free_now(b);
+    }
     bytes
 }
 
@@ -309,9 +334,9 @@ pub(crate) fn keep(stream: &Stream, mem: &Arc<DeviceMemory>) {
     ledger().keep(stream.id(), mem);
 }
 
-/// A stream is being dropped; `fence` follows its last work.
-pub(crate) fn stream_gone(id: u64, fence: Option<Event>) {
-    let blocks = ledger().stream_gone(id, fence);
+/// A stream is being dropped: its cached blocks are retired.
+pub(crate) fn stream_gone(id: u64) {
+    let blocks = ledger().stream_gone(id);
     drop(blocks); // outside the lock: dropping retires them
 }
 
@@ -397,31 +422,26 @@ mod tests {
         let mut l: Ledger<Flag, Mem> = Ledger::new();
         let f = Flag::default();
         assert!(l.retire(block(1, 1 << 20, true), vec![f.clone()]).is_empty());
-        assert_eq!(l.reuse_exported(0, 1 << 20), None, "its last use is still running");
+        assert_eq!(
+            l.reuse_exported(0, 1 << 20, false),
+            None,
+            "its last use is still running"
+        );
         f.set();
         assert!(l.reap().is_empty(), "exported memory is not freed, even when idle");
-        assert_eq!(l.reuse_exported(0, 4 << 20), None, "too small");
-        assert_eq!(l.reuse_exported(0, 1000), None, "would waste more than half");
-        assert_eq!(l.reuse_exported(1, 1 << 20), None, "another device");
-        assert_eq!(l.reuse_exported(0, (1 << 20) - 5), Some(block(1, 1 << 20, true)));
+        assert_eq!(l.reuse_exported(0, 4 << 20, true), None, "too small");
+        assert_eq!(l.reuse_exported(0, 1000, false), None, "would waste more than half");
+        assert_eq!(l.reuse_exported(1, 1 << 20, false), None, "another device");
+        assert_eq!(l.reuse_exported(0, (1 << 20) - 5, false), Some(block(1, 1 << 20, true)));
+        // Out of memory, any exported block big enough will do.
+        assert!(l.retire(block(2, 1 << 20, true), vec![]).is_empty());
+        assert_eq!(l.reuse_exported(0, 1000, true), Some(block(2, 1 << 20, true)));
         assert_eq!(l.bytes().2, 0, "handed out");
         // Out of memory never frees exported memory either.
         assert!(l.retire(block(3, 64, true), vec![]).is_empty());
         let (_, pending) = l.trim(0);
         assert!(pending.is_empty());
         assert_eq!(l.bytes().2, 64);
-    }
-
-    #[test]
-    fn a_gone_stream_s_fence_covers_memory_dropped_after_it() {
-        let mut l: Ledger<Flag, Mem> = Ledger::new();
-        let last = Flag::default();
-        assert!(l.stream_gone(9, Some(last.clone())).is_empty());
-        let fence = l.gone_fence(9).expect("kept while pending");
-        assert!(l.retire(block(1, 64, false), vec![fence]).is_empty());
-        last.set();
-        assert_eq!(l.reap(), vec![block(1, 64, false)]);
-        assert!(l.gone_fence(9).is_none(), "forgotten once complete");
     }
 
     #[test]
@@ -437,7 +457,7 @@ mod tests {
         assert!(l.cached(2, 0, 256).is_none());
         l.keep(3, &Mem(Arc::new((0, 256))));
         assert_eq!(l.bytes().0, 256, "stream 3 never asked, so nothing is cached for it");
-        assert_eq!(l.stream_gone(1, None).len(), 1);
+        assert_eq!(l.stream_gone(1).len(), 1);
         assert!(l.cached(1, 0, 256).is_none());
         assert_eq!(l.bytes().0, 0);
     }

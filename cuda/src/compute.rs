@@ -34,8 +34,8 @@ fn search_dirs() -> Vec<String> {
     dirs
 }
 
-/// Library majors Sluice knows, newest first.
-const MAJORS: [i32; 3] = [13, 12, 11];
+/// Soname versions Sluice knows, newest first (CUDA 11.2 to 11.8 name NVRTC `.so.11.2`).
+const MAJORS: [&str; 4] = ["13", "12", "11.2", "11"];
 
 /// Candidate file names for `lib` (e.g. `cublas`), for a driver of CUDA `driver` (e.g.
 /// `12080`) when known: only sonames whose major is no newer than the driver's (a CUDA 13
@@ -45,7 +45,10 @@ const MAJORS: [i32; 3] = [13, 12, 11];
 pub fn candidates(lib: &str, driver: Option<i32>) -> Vec<String> {
     let names: Vec<String> = MAJORS
         .iter()
-        .filter(|&&m| driver.is_none_or(|d| m <= d / 1000))
+        .filter(|m| {
+            let major: i32 = m.split('.').next().and_then(|v| v.parse().ok()).unwrap_or(0);
+            driver.is_none_or(|d| major <= d / 1000)
+        })
         .map(|v| format!("lib{lib}.so.{v}"))
         .chain([format!("lib{lib}.so")])
         .collect();

@@ -107,16 +107,19 @@ pub fn stream_wait(stream: &Stream, event: RawEvent) -> Result<(), CudaError> {
 }
 
 /// Waits for `event` (of `device`): a query first, then a blocking wait on a blocking thread.
-pub async fn wait_raw(device: u32, event: RawEvent) -> Result<(), CudaError> {
+/// `keep` holds the event alive until the blocking wait has returned, even if this future is
+/// dropped first.
+async fn wait_kept(device: u32, event: RawEvent, keep: impl Send + 'static) -> Result<(), CudaError> {
     let cuda = runtime()?;
     {
         let bound = cuda.bind(device)?;
-        // SAFETY: the event is alive (see `stream_wait`).
+        // SAFETY: the event is alive (`keep`).
         if unsafe { driver::event_query(&bound, event) }? {
             return Ok(());
         }
     }
     tokio::task::spawn_blocking(move || {
+        let _keep = keep;
         let bound = cuda.bind(device)?;
         // SAFETY: as above. Events Sluice waits on this way are created with blocking sync,
         // so this thread sleeps rather than spins.
@@ -125,6 +128,11 @@ pub async fn wait_raw(device: u32, event: RawEvent) -> Result<(), CudaError> {
     })
     .await
     .map_err(|e| CudaError::Invalid(format!("event wait thread failed: {e}")))?
+}
+
+/// Waits for `event` (of `device`), an event that lives as long as the process (a pool's).
+pub async fn wait_raw(device: u32, event: RawEvent) -> Result<(), CudaError> {
+    wait_kept(device, event, ()).await
 }
 
 /// A plain (in-process) CUDA event of one device: what a future or an RRef keeps so that a
@@ -207,7 +215,6 @@ impl Event {
 
     /// As [`synchronize`](Self::synchronize), without blocking the async runtime.
     pub async fn wait(&self) -> Result<(), CudaError> {
-        let keep = self.clone();
-        wait_raw(keep.inner.device, keep.inner.raw).await
+        wait_kept(self.inner.device, self.inner.raw, self.clone()).await
     }
 }

@@ -13,7 +13,7 @@
 use std::any::Any;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use super::driver::{self, DevicePtr, RawStream};
 use super::{alloc, runtime, CudaError, Event};
@@ -34,33 +34,82 @@ pub struct IpcExport {
 /// once the old one is destroyed, so caches key by this, never by the handle.
 static NEXT_STREAM: AtomicU64 = AtomicU64::new(1);
 
-pub(crate) struct StreamInner {
-    id: u64,
+/// The driver's stream, shared by a [`Stream`]'s clones and by the memory its buffers used, so
+/// an event can always be recorded after that memory's last use. An owned stream is destroyed
+/// with the last of them.
+pub(crate) struct StreamHandle {
     device: u32,
     raw: RawStream,
     owned: bool,
+    end: Mutex<End>,
 }
 
-impl Drop for StreamInner {
-    fn drop(&mut self) {
-        let Ok(cuda) = runtime() else { return };
-        let Ok(bound) = cuda.bind(self.device) else { return };
-        // Everything queued on the stream so far: memory it used is freed only after this.
-        let fence = Event::record_raw(&bound, self.raw).ok();
-        alloc::stream_gone(self.id, fence);
-        if self.owned {
-            // Dropping the cached blocks may have bound the same device again; bind anew.
-            if let Ok(bound) = cuda.bind(self.device) {
-                // SAFETY: created by `Stream::new`, destroyed once (last clone); work already
-                // queued on it still completes.
-                let _ = unsafe { driver::stream_destroy(&bound, self.raw) };
+/// Whether events may still be recorded on a stream.
+enum End {
+    Live,
+    /// A stream Sluice does not own whose last wrapper is gone (its owner may destroy it):
+    /// the event recorded then stands for all of its work.
+    Ended(Event),
+    /// As `Ended`, but no event could be recorded: memory it used is never freed.
+    Unknown,
+}
+
+impl StreamHandle {
+    /// An event after everything queued on the stream so far (its last one, once it ended);
+    /// `None` when none can be had.
+    pub(crate) fn fence(&self) -> Option<Event> {
+        let end = self.end.lock().unwrap_or_else(|e| e.into_inner());
+        match &*end {
+            End::Ended(e) => Some(e.clone()),
+            End::Unknown => None,
+            End::Live => {
+                let bound = runtime().ok()?.bind(self.device).ok()?;
+                Event::record_raw(&bound, self.raw).ok()
             }
         }
     }
 }
 
-/// A CUDA stream of one device. Cheap to clone; an owned stream is destroyed with its last
-/// clone.
+impl Drop for StreamHandle {
+    fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
+        let Ok(cuda) = runtime() else { return };
+        if let Ok(bound) = cuda.bind(self.device) {
+            // SAFETY: created by `Stream::new`, destroyed once (its last holder); work already
+            // queued on it still completes.
+            let _ = unsafe { driver::stream_destroy(&bound, self.raw) };
+        }
+    }
+}
+
+/// A stream as Sluice's caches know it: an identity plus the driver's stream.
+pub(crate) struct StreamInner {
+    id: u64,
+    handle: Arc<StreamHandle>,
+}
+
+impl Drop for StreamInner {
+    fn drop(&mut self) {
+        if !self.handle.owned {
+            // The owner may destroy it once our last wrapper is gone: fence it now.
+            let mut end = self.handle.end.lock().unwrap_or_else(|e| e.into_inner());
+            if matches!(*end, End::Live) {
+                let fence = runtime()
+                    .ok()
+                    .and_then(|c| c.bind(self.handle.device).ok())
+                    .and_then(|b| Event::record_raw(&b, self.handle.raw).ok());
+                *end = fence.map_or(End::Unknown, End::Ended);
+            }
+        }
+        // Its cached blocks are retired (each fenced on the handle, which memory keeps).
+        alloc::stream_gone(self.id);
+    }
+}
+
+/// A CUDA stream of one device. Cheap to clone; an owned stream is destroyed once its last
+/// clone and the last memory its buffers used are gone.
 #[derive(Clone)]
 pub struct Stream {
     inner: Arc<StreamInner>,
@@ -68,22 +117,25 @@ pub struct Stream {
 
 impl std::fmt::Debug for Stream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Stream(cuda:{}, {:#x})", self.inner.device, self.inner.raw.0)
+        write!(
+            f,
+            "Stream(cuda:{}, {:#x})",
+            self.inner.handle.device, self.inner.handle.raw.0
+        )
     }
 }
 
 impl Stream {
-    pub(crate) fn from_inner(inner: Arc<StreamInner>) -> Stream {
-        Stream { inner }
-    }
-
     fn wrap(device: u32, raw: RawStream, owned: bool) -> Stream {
         Stream {
             inner: Arc::new(StreamInner {
                 id: NEXT_STREAM.fetch_add(1, Ordering::Relaxed),
-                device,
-                raw,
-                owned,
+                handle: Arc::new(StreamHandle {
+                    device,
+                    raw,
+                    owned,
+                    end: Mutex::new(End::Live),
+                }),
             }),
         }
     }
@@ -118,16 +170,16 @@ impl Stream {
     }
 
     pub fn device(&self) -> u32 {
-        self.inner.device
+        self.inner.handle.device
     }
 
     /// The driver's handle.
     pub fn raw(&self) -> usize {
-        self.inner.raw.0
+        self.inner.handle.raw.0
     }
 
     pub fn handle(&self) -> RawStream {
-        self.inner.raw
+        self.inner.handle.raw
     }
 
     /// This stream's identity in this process (never reused, unlike its handle).
@@ -137,9 +189,9 @@ impl Stream {
 
     /// Blocks until everything queued so far has finished.
     pub fn synchronize(&self) -> Result<(), CudaError> {
-        let bound = runtime()?.bind(self.inner.device)?;
+        let bound = runtime()?.bind(self.device())?;
         // SAFETY: the stream is alive while `self` is.
-        unsafe { driver::stream_synchronize(&bound, self.inner.raw) }?;
+        unsafe { driver::stream_synchronize(&bound, self.handle()) }?;
         Ok(())
     }
 }
@@ -157,8 +209,9 @@ pub struct DeviceMemory {
     len: usize,
     /// Its IPC handle, once exported (exported memory is never freed).
     exported: OnceLock<[u8; driver::IPC_HANDLE_BYTES]>,
-    /// Streams that buffers over this memory were ordered on, by identity.
-    uses: Mutex<Vec<(u64, Weak<StreamInner>)>>,
+    /// The streams buffers over this memory were ordered on (held, so an event can be recorded
+    /// on each when the memory is dropped).
+    uses: Mutex<Vec<Arc<StreamHandle>>>,
 }
 
 impl std::fmt::Debug for DeviceMemory {
@@ -225,11 +278,10 @@ impl DeviceMemory {
     }
 
     /// Notes that work on `stream` may use this memory.
-    fn used_on(&self, stream: &Stream) {
+    pub(crate) fn used_on(&self, stream: &Stream) {
         let mut uses = self.uses.lock().unwrap_or_else(|e| e.into_inner());
-        if !uses.iter().any(|(id, _)| *id == stream.inner.id) {
-            uses.retain(|(_, w)| w.strong_count() > 0);
-            uses.push((stream.inner.id, Arc::downgrade(&stream.inner)));
+        if !uses.iter().any(|h| Arc::ptr_eq(h, &stream.inner.handle)) {
+            uses.push(stream.inner.handle.clone());
         }
     }
 
@@ -300,13 +352,17 @@ impl Drop for PinnedMemory {
 
 impl PinnedMemory {
     pub fn new(len: usize) -> Result<PinnedMemory, CudaError> {
-        let bound = runtime()?.bind(0)?;
+        // Portable memory serves every device; allocate it in a context already in use
+        // rather than create one (contexts are retained on first use).
+        let cuda = runtime()?;
+        let device = cuda.gpus.iter().find(|g| g.context_retained()).map_or(0, |g| g.index);
+        let bound = cuda.bind(device)?;
         let ptr = driver::host_alloc(&bound, len)?;
         // Touch it once so the first transfer does not pay for page faults; also makes every
         // byte initialized for the slice accessors.
         // SAFETY: `ptr` is a fresh allocation of `len` bytes (at least 1) owned by us.
         unsafe { std::ptr::write_bytes(ptr, 0, len) };
-        Ok(PinnedMemory { ptr, len, device: 0 })
+        Ok(PinnedMemory { ptr, len, device })
     }
 
     pub fn len(&self) -> usize {
@@ -575,6 +631,10 @@ impl CudaBuffer {
                 "copy of {} bytes into {} bytes",
                 src.len, self.len
             )));
+        }
+        // The copy reads `src` on this buffer's stream: its memory is freed only after it.
+        if let Some(mem) = src.memory() {
+            mem.used_on(&self.stream);
         }
         // SAFETY: both ranges are live buffers of the stated length.
         unsafe { self.copy_from_address(src.device, src.ptr) }

@@ -141,8 +141,15 @@ pub(crate) fn recv(
             // peer never frees (exported memory is kept for good), and the copy is ordered
             // after its ready event.
             unsafe { dst.copy_from_address(device, mapping.base() + offset) }.map_err(fail)?;
-            // The mapping is closed only after this copy (and any other that read it).
-            mapping.used(Event::record(dst.stream()).map_err(fail)?);
+            // The mapping is closed only after this copy (and any other that read it). Without
+            // a fence it can never be known unread: it is then left open for good.
+            match Event::record(dst.stream()) {
+                Ok(fence) => mapping.used(fence),
+                Err(e) => {
+                    std::mem::forget(mapping);
+                    return Err(fail(e));
+                }
+            }
         }
         other => return Err(link.protocol(format!("{channel} cannot copy from a {} source", other.name()))),
     }

@@ -204,6 +204,19 @@ pub(crate) fn open_memory(peer: u64, device: u32, handle: &Handle, size: u64) ->
     let mapping = get(&caches().memory, key, || {
         let bound = runtime()?.bind(device)?;
         let base = driver::ipc_open_mem_handle(&bound, handle)?;
+        // The stated size is what offsets are checked against. Where the driver can tell the
+        // mapping's size, a peer that overstates it is refused; where it cannot (the query is
+        // not documented for imported memory), the statement stands.
+        if let Ok(info) = driver::pointer_info(&bound, base) {
+            if info.base == base && (info.size as u64) < size {
+                // SAFETY: just opened, never shared, nothing queued on it.
+                let _ = unsafe { driver::ipc_close_mem_handle(&bound, base) };
+                return Err(CudaError::Invalid(format!(
+                    "the peer states {size} bytes for an allocation of {} bytes",
+                    info.size
+                )));
+            }
+        }
         Ok(Mapping {
             device,
             base,

@@ -51,10 +51,13 @@ struct Slot {
 }
 
 impl Slot {
+    /// Waits for the slot's last device copy. The fence is cleared only once it has
+    /// completed: a slot whose wait was cancelled or failed goes back to its pool still fenced.
     async fn settle(&mut self) -> Result<(), CudaError> {
-        if let Some(f) = self.fence.take() {
+        if let Some(f) = &self.fence {
             f.wait().await?;
         }
+        self.fence = None;
         Ok(())
     }
 }
