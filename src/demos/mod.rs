@@ -67,7 +67,7 @@ pub enum DemoCommand {
         gpu: bool,
     },
     /// Pipeline parallelism: an MLP on handwritten digits split over stages, micro-batched
-    /// (GPipe or 1F1B), partitioned from a profile, checkpointed every epoch.
+    /// (GPipe, 1F1B or asynchronous 1F1B), partitioned from a profile, checkpointed every epoch.
     Pipeline {
         #[arg(long, default_value_t = 4)]
         stages: u32,
@@ -75,7 +75,7 @@ pub enum DemoCommand {
         micro_batches: u32,
         #[arg(long, default_value_t = 10)]
         epochs: u32,
-        /// gpipe or 1f1b.
+        /// gpipe, 1f1b or async-1f1b (PipeDream: an update per micro-batch, weight stashing).
         #[arg(long, default_value = "1f1b")]
         schedule: sluice_pipeline::Schedule,
         /// auto (from a profile of each layer) or hints (equal shares of the layers).

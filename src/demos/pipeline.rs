@@ -165,8 +165,13 @@ fn drive(agent: &Agent, s: &Settings) -> anyhow::Result<()> {
     let options = PipelineOptions {
         seed: 11,
         dtype: DType::F32,
+        // The asynchronous schedule updates once per micro-batch: the step is divided among
+        // them, so an epoch moves the weights about as far as under the synchronous ones.
         optimizer: OptimizerKind::Sgd {
-            lr: 0.05,
+            lr: match s.schedule {
+                Schedule::AsyncOneFOneB => 0.05 / s.micro_batches.max(1) as f64,
+                _ => 0.05,
+            },
             momentum: 0.9,
         },
         schedule: s.schedule,
