@@ -43,7 +43,7 @@ build() {
     # Test executables, by target name, from cargo's own report.
     cargo build --release --example parameter_server
     cargo test --release --no-run --message-format=json -p sluice-cuda -p sluice-channel -p sluice-autograd -p sluice-tests \
-        --lib --test cuda --test channel_conformance --test pipe --test cuda_autograd --test cuda_rpc 2>/dev/null |
+        --lib --test cuda --test channel_conformance --test pipe --test cuda_autograd --test cuda_rpc --test pipeline 2>/dev/null |
         python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -87,6 +87,8 @@ run() {
     "$bin/test-cuda_autograd" --test-threads=1 --nocapture
     echo "== CUDA tensors through RPC and distributed autograd (tests/tests/cuda_rpc.rs)"
     "$bin/test-cuda_rpc" --test-threads=1 --nocapture
+    echo "== pipelines with CUDA stages (tests/tests/pipeline.rs)"
+    "$bin/test-pipeline" --test-threads=1 --nocapture
     echo "== sluice bench rpc autograd (CUDA records included)"
     "$bin/sluice" bench rpc autograd --json "$out/rpc-autograd.jsonl"
     echo "== parameter server with its parameters on the GPU"

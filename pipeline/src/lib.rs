@@ -30,7 +30,7 @@ pub mod stage;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use sluice_agent::{Agent, Registry};
+use sluice_agent::{Agent, Device, Registry};
 use sluice_autograd::dist::{self, Context, DistFuture};
 use sluice_autograd::{cross_entropy, DType, OptimizerKind, Tensor};
 
@@ -84,6 +84,22 @@ impl std::str::FromStr for Placement {
     }
 }
 
+impl Placement {
+    /// The device named: `cpu` or `cuda:N`.
+    pub fn device(&self) -> Result<Device> {
+        match self.device.as_str() {
+            "cpu" => Ok(Device::Cpu),
+            d => d
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse::<u32>().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| {
+                    PipelineError::Unsupported(format!("{}/{d}: unknown device (cpu or cuda:N)", self.worker))
+                }),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct PipelineOptions {
     pub seed: u64,
@@ -116,15 +132,10 @@ impl Remat {
     }
 }
 
-/// Stages live on the CPU so far: a CUDA placement is refused with the reason.
+/// Every placement names a device Sluice knows (whether the worker has it is its own check,
+/// when the stage is built).
 pub(crate) fn check_devices(placements: &[Placement]) -> Result<()> {
-    match placements.iter().find(|p| p.device != "cpu") {
-        Some(p) => Err(PipelineError::Unsupported(format!(
-            "{}/{}: only CPU placements are supported so far (CUDA stages are not built yet)",
-            p.worker, p.device
-        ))),
-        None => Ok(()),
-    }
+    placements.iter().try_for_each(|p| p.device().map(|_| ()))
 }
 
 pub(crate) fn next_stage_id(agent: &Agent) -> u64 {
@@ -221,6 +232,7 @@ impl Pipeline {
                 dtype: options.dtype,
                 optimizer: options.optimizer,
                 remat: options.remat.stage(i),
+                device: p.device()?,
             };
             let built = agent
                 .call::<_, usize>(p.worker.as_str(), stage::H_CREATE, &spec)

@@ -35,6 +35,7 @@ impl RemoteModule {
             // Unused: remote modules are trained by the caller's distributed optimizer.
             optimizer: OptimizerKind::sgd(0.0),
             remat: false,
+            device: placement.device()?,
         };
         let _: usize = agent.call(placement.worker.as_str(), stage::H_CREATE, &spec)?;
         let worker = agent.worker(placement.worker.as_str())?.id;

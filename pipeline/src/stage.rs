@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use sluice_agent::{CallContext, HandlerError, Registry};
+use sluice_agent::{CallContext, Device, HandlerError, Registry};
 use sluice_autograd::{dist, DType, Optimizer, OptimizerKind, Parameter, Tensor, UpdateMode};
 
 use crate::checkpoint::{self, SavedTensor, Shard, ShardEntry};
@@ -72,6 +72,10 @@ pub struct StageSpec {
     /// Rematerialization: keep only the stage's input per micro-batch and recompute its
     /// activations in the backward.
     pub remat: bool,
+    /// Where the stage's parameters live and its layers run. A CUDA stage takes its input to
+    /// the GPU and hands its output on in host memory (recorded moves: gradients go back the
+    /// same way), so stages of any devices chain.
+    pub device: Device,
 }
 
 struct Stage {
@@ -170,6 +174,16 @@ fn create(spec: StageSpec) -> Result<usize, HandlerError> {
         )));
     }
     let params = nn::build(&spec.model, spec.layers.clone(), spec.seed, spec.dtype).map_err(err)?;
+    if spec.device != Device::Cpu {
+        // Initialised on the host (the same values whatever the device), then moved.
+        for p in params.iter().flatten() {
+            let moved = p
+                .data()
+                .to_device(spec.device)
+                .map_err(|e| err(format!("{} is not usable on this worker: {e}", spec.device)))?;
+            p.set(moved);
+        }
+    }
     let flat: Vec<Parameter> = params.iter().flatten().cloned().collect();
     let count = flat.len();
     let stage = Stage {
@@ -199,6 +213,7 @@ fn hop(cx: &CallContext, (route, x, version): HopArgs) -> Result<Tensor, Handler
         let _device = stage.compute.lock().unwrap();
         let started = Instant::now();
         let params = stage.tensors(version)?;
+        let x = x.to_device(stage.spec.device).map_err(err)?;
         let h = if stage.spec.remat {
             let mut inputs = vec![x];
             inputs.extend(params);
@@ -207,6 +222,7 @@ fn hop(cx: &CallContext, (route, x, version): HopArgs) -> Result<Tensor, Handler
         } else {
             nn::forward_tensors(layers, &params, &x)
         }
+        .and_then(|h| h.to_device(Device::Cpu))
         .map_err(err)?;
         stage
             .forward_busy_ns
@@ -270,7 +286,11 @@ fn load(id: u64, dir: &str, manifest: checkpoint::Manifest) -> Result<(), Handle
                     p.data().shape()
                 )));
             }
-            p.set(t.to_dtype(p.data().dtype()).map_err(err)?);
+            p.set(
+                t.to_dtype(p.data().dtype())
+                    .and_then(|t| t.to_device(stage.spec.device))
+                    .map_err(err)?,
+            );
         }
         state.extend(shard.optimizer);
     }

@@ -107,6 +107,21 @@ worker_test!(pipelined_gradients_equal_the_local_models, 5, |env: WorkerEnv| {
                 assert!(worst < 1e-9, "{remat:?} {gn}: off by {worst:e}");
             }
         }
+        // CUDA stages (where a GPU is): stages on the GPU and the CPU, the same gradients.
+        match sluice_autograd::cuda::available() {
+            Ok(()) => {
+                let refs = ["worker1/cuda:0", "worker2/cpu", "worker3/cuda:0", "worker4/cpu"];
+                let split = by_counts(model().len(), &[3, 2, 2, 2]).unwrap();
+                let p = Pipeline::new(&agent, model(), &refs, split, options(Schedule::OneFOneB, 4)).unwrap();
+                let (l, got) = p.gradients(&x, &y).unwrap();
+                assert!((l - loss.item().unwrap()).abs() < 1e-9, "CUDA stages: loss {l}");
+                for ((gn, g), (_, w)) in got.iter().zip(&want) {
+                    let worst = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+                    assert!(worst < 1e-9, "CUDA stages {gn}: off by {worst:e}");
+                }
+            }
+            Err(why) => eprintln!("SKIPPED: CUDA stages ({why})"),
+        }
         // The pipeline predicts what the local model does.
         let p = pipeline(&agent, &[4, 3, 2, 1], &[1, 4, 1, 3], options(Schedule::OneFOneB, 3));
         let out = p.predict(&x).unwrap().to_f64_vec().unwrap();
@@ -484,11 +499,18 @@ worker_test!(
                 let worst = now.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
                 assert!(worst < 1e-12, "{}: off by {worst:e}", p.name());
             }
-            // Placements name a worker and a device; CUDA is refused with the reason.
-            let e = RemoteModule::new(&agent, "worker1/cuda:0", second.clone(), 2, DType::F64)
+            // Placements name a worker and a device: an unknown device is refused, and a GPU
+            // the worker lacks is refused by the worker, with its reason.
+            let e = RemoteModule::new(&agent, "worker1/tpu:0", second.clone(), 2, DType::F64)
                 .err()
                 .unwrap();
-            assert!(e.to_string().contains("only CPU"), "{e}");
+            assert!(e.to_string().contains("unknown device"), "{e}");
+            if sluice_autograd::cuda::available().is_err() {
+                let e = RemoteModule::new(&agent, "worker1/cuda:0", second.clone(), 2, DType::F64)
+                    .err()
+                    .unwrap();
+                assert!(e.to_string().contains("cuda:0 is not usable on this worker"), "{e}");
+            }
             assert!(RemoteModule::new(&agent, "worker1", second, 2, DType::F64).is_err());
         }
         agent.shutdown().unwrap();
