@@ -196,8 +196,6 @@ type Gemm<T> = unsafe extern "C" fn(
 
 struct Cublas {
     _lib: libloading::Library,
-    /// `(major, minor)`.
-    version: (i32, i32),
     create: unsafe extern "C" fn(*mut CublasHandle) -> c_int,
     set_stream: unsafe extern "C" fn(CublasHandle, *mut c_void) -> c_int,
     sgemm: Gemm<f32>,
@@ -220,7 +218,6 @@ fn cublas() -> Result<&'static Cublas, Unavailable> {
                 return Err(e);
             }
             Ok(Cublas {
-                version: (major, minor),
                 create: symbol(&lib, "cublasCreate_v2")?,
                 set_stream: symbol(&lib, "cublasSetStream_v2")?,
                 sgemm: symbol(&lib, "cublasSgemm_v2")?,
@@ -314,14 +311,6 @@ pub fn choose_target(
             driver % 1000 / 10
         ))
     }
-}
-
-/// A library's `(major, minor)` version.
-pub type Version = (i32, i32);
-
-/// The versions of the libraries found (NVRTC, cuBLAS), for reports.
-pub fn versions() -> (Option<Version>, Option<Version>) {
-    (nvrtc().ok().map(|n| n.version), cublas().ok().map(|c| c.version))
 }
 
 /// Compiles `source` for `device` into a module image (CUBIN, or PTX with its NUL).

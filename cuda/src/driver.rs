@@ -149,7 +149,6 @@ entry_points! {
         cuDeviceCanAccessPeer(*mut c_int, c_int, c_int);
         cuDevicePrimaryCtxRetain(*mut Ptr, c_int);
         cuCtxSetCurrent(Ptr);
-        cuCtxSynchronize();
         cuCtxEnablePeerAccess(Ptr, c_uint);
         cuCtxPushCurrent_v2(Ptr);
         cuCtxPopCurrent_v2(*mut Ptr);
@@ -491,12 +490,6 @@ pub fn primary_context(dev: i32) -> Result<RawContext> {
         (api()?.cuDevicePrimaryCtxRetain)(&mut ctx, dev)
     })?;
     Ok(RawContext(ctx as usize))
-}
-
-/// Waits for everything queued in the bound context.
-pub fn ctx_synchronize(b: &Bound) -> Result<()> {
-    // SAFETY: no pointers; the context is current (`b`).
-    check("cuCtxSynchronize", unsafe { (b.api()?.cuCtxSynchronize)() })
 }
 
 /// Lets the bound context access `peer`'s memory. Already enabled is not an error.

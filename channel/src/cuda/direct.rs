@@ -36,38 +36,35 @@ fn cuda_error(link: &Link<'_>, channel: ChannelKind, e: CudaError) -> PipeError 
 /// caller's mistake (reported without breaking the pipe).
 pub(crate) fn prepare(channel: ChannelKind, link: &Link<'_>, b: &CudaBuffer) -> Result<Prepared> {
     let export = || -> std::result::Result<Prepared, CudaError> {
-        if link.same_process {
-            let event = EventSlot::take(b.device())?;
-            event.record(b.stream())?;
-            return Ok(Prepared {
-                source: Source::CudaLocal {
-                    address: b.ptr(),
-                    event: event.raw().0 as u64,
-                },
-                ready: Some(event),
-                _keep: None,
-            });
-        }
-        // Memory we did not allocate is copied into ours first: its owner could free it while
-        // the peer still maps it.
+        // Across processes, memory we did not allocate is copied into ours first: its owner
+        // could free it while the peer still maps it.
         let staged = match b.memory() {
-            Some(_) => None,
-            None => {
+            None if !link.same_process => {
                 let copy = CudaBuffer::alloc_cached(b.len(), b.stream())?;
                 copy.copy_from(b)?;
                 Some(copy)
             }
+            _ => None,
         };
-        let exported = staged.as_ref().unwrap_or(b).ipc_export()?;
+        // Recorded after everything queued on the stream, the staging copy included.
         let event = EventSlot::take(b.device())?;
         event.record(b.stream())?;
-        Ok(Prepared {
-            source: Source::CudaIpc {
+        let source = if link.same_process {
+            Source::CudaLocal {
+                address: b.ptr(),
+                event: event.raw().0 as u64,
+            }
+        } else {
+            let exported = staged.as_ref().unwrap_or(b).ipc_export()?;
+            Source::CudaIpc {
                 memory: Bytes::copy_from_slice(&exported.handle),
                 offset: exported.offset,
                 size: exported.size,
                 event: Bytes::copy_from_slice(&event.ipc_handle()),
-            },
+            }
+        };
+        Ok(Prepared {
+            source,
             ready: Some(event),
             _keep: staged,
         })
