@@ -138,15 +138,67 @@ struct Running {
     done: Option<ExitStatus>,
 }
 
+/// A group of worker processes to start and watch: what each runs, how it is named, and how
+/// its output is shown. `sluice launch` and the demos (`sluice demo …`) both run one.
+pub struct Job {
+    /// Prefix of the supervisor's own messages (`sluice launch`, `sluice demo`).
+    pub label: &'static str,
+    pub slots: Vec<Slot>,
+    /// The program and its arguments.
+    pub cmd: Vec<std::ffi::OsString>,
+    /// Set in every worker's environment besides the launcher's own variables.
+    pub env: Vec<(String, String)>,
+    /// Prefix each line a worker writes with `[name]` (otherwise output is inherited as is).
+    pub prefix_output: bool,
+    pub max_restarts: u32,
+    /// Between SIGTERM and SIGKILL when stopping workers.
+    pub grace: Duration,
+    /// A store to pass on (`None`: serve the embedded store here).
+    pub store: Option<String>,
+}
+
+/// How a supervised job ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every worker exited with status 0.
+    Finished,
+    /// The first failure (`worker NAME (rank R) failed: exit code 1`, or the signal that
+    /// interrupted the job); the other workers were stopped.
+    Failed(String),
+}
+
 /// Runs the job; returns the launcher's exit code.
 pub fn launch(args: LaunchArgs) -> anyhow::Result<i32> {
-    let slots = slots(&args)?;
-    let world = slots.len() as u32;
+    let job = Job {
+        label: "sluice launch",
+        slots: slots(&args)?,
+        cmd: args.cmd.iter().map(Into::into).collect(),
+        env: Vec::new(),
+        prefix_output: true,
+        max_restarts: args.max_restarts,
+        grace: Duration::from_secs_f64(args.grace.max(0.0)),
+        store: args.store.clone(),
+    };
+    Ok(match supervise(&job)? {
+        Outcome::Finished => 0,
+        Outcome::Failed(_) => 1,
+    })
+}
+
+/// Starts every worker of `job` and watches them until all have exited. The first worker to
+/// fail (with no restarts left) is reported with its exit status or signal and the others
+/// are stopped (SIGTERM, then SIGKILL after the grace period); SIGINT, SIGTERM and SIGHUP are
+/// forwarded to every worker. Workers die with the supervisor if it is killed (parent-death
+/// signal), so none outlives the store it serves. Call it from the thread that stays alive
+/// for the whole job (the parent-death signal follows the thread that started a worker).
+pub fn supervise(job: &Job) -> anyhow::Result<Outcome> {
+    let world = job.slots.len() as u32;
+    let label = job.label;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
         .build()?;
-    let (_server, store) = match &args.store {
+    let (_server, store) = match &job.store {
         Some(url) => (None, url.clone()),
         None => {
             // Workers inherit SLUICE_SECRET / SLUICE_SECRET_FILE, and so does this store.
@@ -164,41 +216,47 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<i32> {
     };
     let (tx, rx) = mpsc::channel::<Event>();
     forward_signals(tx.clone())?;
-    let mut workers: Vec<Running> = slots
-        .into_iter()
+    let mut workers: Vec<Running> = job
+        .slots
+        .iter()
         .map(|slot| Running {
-            slot,
+            slot: slot.clone(),
             child: None,
             generation: 0,
             restarts: 0,
             done: None,
         })
         .collect();
-    for (i, w) in workers.iter_mut().enumerate() {
-        start(&args, w, i, world, &store, &tx)?;
+    let mut failure: Option<String> = None;
+    let mut stopping: Option<Instant> = None;
+    for i in 0..workers.len() {
+        if let Err(e) = start(job, &mut workers[i], i, world, &store, &tx) {
+            // Stop the ones already started before reporting.
+            for w in workers.iter_mut() {
+                signal(w, nix::sys::signal::Signal::SIGKILL);
+            }
+            return Err(e);
+        }
     }
     eprintln!(
-        "sluice launch: {} workers ({}), store {store}",
+        "{label}: {} workers ({}), store {store}",
         world,
         workers
             .iter()
-            .map(|w| w.slot.name.as_str())
+            .map(|w| format!("{} pid {}", w.slot.name, w.child.as_ref().map_or(0, Child::id)))
             .collect::<Vec<_>>()
             .join(", ")
     );
-    let mut failure: Option<String> = None;
-    let mut stopping: Option<Instant> = None;
     loop {
         if workers.iter().all(|w| w.done.is_some()) {
             break;
         }
         let event = match stopping {
             Some(since) => {
-                let grace = Duration::from_secs_f64(args.grace.max(0.0));
-                match rx.recv_timeout(grace.saturating_sub(since.elapsed()).max(Duration::from_millis(10))) {
+                match rx.recv_timeout(job.grace.saturating_sub(since.elapsed()).max(Duration::from_millis(10))) {
                     Ok(e) => e,
                     Err(_) => {
-                        if since.elapsed() >= grace {
+                        if since.elapsed() >= job.grace {
                             for w in workers.iter_mut().filter(|w| w.done.is_none()) {
                                 signal(w, nix::sys::signal::Signal::SIGKILL);
                             }
@@ -212,7 +270,7 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<i32> {
         match event {
             Event::Signal(sig) => {
                 let s = nix::sys::signal::Signal::try_from(sig).unwrap_or(nix::sys::signal::Signal::SIGTERM);
-                eprintln!("sluice launch: got {s}; forwarding it to every worker");
+                eprintln!("{label}: got {s}; forwarding it to every worker");
                 for w in workers.iter_mut().filter(|w| w.done.is_none()) {
                     signal(w, s);
                 }
@@ -230,18 +288,18 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<i32> {
                     continue;
                 }
                 let why = describe(status);
-                if w.restarts < args.max_restarts {
+                if w.restarts < job.max_restarts {
                     w.restarts += 1;
                     eprintln!(
-                        "sluice launch: worker {} (rank {}) failed: {why}; restarting it ({}/{})",
-                        w.slot.name, w.slot.rank, w.restarts, args.max_restarts
+                        "{label}: worker {} (rank {}) failed: {why}; restarting it ({}/{})",
+                        w.slot.name, w.slot.rank, w.restarts, job.max_restarts
                     );
-                    start(&args, &mut workers[i], i, world, &store, &tx)?;
+                    start(job, &mut workers[i], i, world, &store, &tx)?;
                     continue;
                 }
                 w.done = Some(status);
                 let msg = format!("worker {} (rank {}) failed: {why}", w.slot.name, w.slot.rank);
-                eprintln!("sluice launch: {msg}; stopping the others");
+                eprintln!("{label}: {msg}; stopping the others");
                 failure.get_or_insert(msg);
                 stopping.get_or_insert_with(Instant::now);
                 for w in workers.iter_mut().filter(|w| w.done.is_none()) {
@@ -250,16 +308,20 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<i32> {
             }
         }
     }
-    match failure {
+    Ok(match failure {
         Some(f) => {
-            eprintln!("sluice launch: job failed: {f}");
-            Ok(1)
+            if job.prefix_output {
+                eprintln!("{label}: job failed: {f}");
+            }
+            Outcome::Failed(f)
         }
         None => {
-            eprintln!("sluice launch: all {world} workers finished");
-            Ok(0)
+            if job.prefix_output {
+                eprintln!("{label}: all {world} workers finished");
+            }
+            Outcome::Finished
         }
-    }
+    })
 }
 
 fn describe(status: ExitStatus) -> String {
@@ -281,32 +343,47 @@ fn signal(w: &mut Running, s: nix::sys::signal::Signal) {
 }
 
 fn start(
-    args: &LaunchArgs,
+    job: &Job,
     w: &mut Running,
     index: usize,
     world: u32,
     store: &str,
     tx: &mpsc::Sender<Event>,
 ) -> anyhow::Result<()> {
-    let (program, rest) = args.cmd.split_first().context("no command given")?;
-    let mut child = Command::new(program)
+    let (program, rest) = job.cmd.split_first().context("no command given")?;
+    let output = || {
+        if job.prefix_output {
+            Stdio::piped()
+        } else {
+            Stdio::inherit()
+        }
+    };
+    let mut command = Command::new(program);
+    command
         .args(rest)
+        .envs(job.env.iter().cloned())
         .envs(environment(&w.slot, world, store, w.restarts))
         .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("cannot start `{program}` for worker {}", w.slot.name))?;
+        .stdout(output())
+        .stderr(output());
+    crate::orphan::die_with_parent(&mut command);
+    let mut child = command.spawn().with_context(|| {
+        format!(
+            "cannot start `{}` for worker {}",
+            program.to_string_lossy(),
+            w.slot.name
+        )
+    })?;
     w.generation += 1;
     let prefix = format!("[{}]", w.slot.name);
-    let out = prefix_lines(child.stdout.take().unwrap(), prefix.clone(), false);
-    let err = prefix_lines(child.stderr.take().unwrap(), prefix, true);
+    let out = child.stdout.take().map(|o| prefix_lines(o, prefix.clone(), false));
+    let err = child.stderr.take().map(|e| prefix_lines(e, prefix, true));
     let pid = nix::unistd::Pid::from_raw(child.id() as i32);
     let (tx, generation) = (tx.clone(), w.generation);
     std::thread::spawn(move || {
         // Reap after the output is drained, so a worker's last lines come before its report.
-        let _ = out.join();
-        let _ = err.join();
+        out.map(|t| t.join());
+        err.map(|t| t.join());
         let status = loop {
             match nix::sys::wait::waitpid(pid, None) {
                 Ok(s) => break wait_to_status(s),

@@ -7,10 +7,11 @@
 //! - [`autograd`]: tensors, ops with backward, distributed autograd, the distributed optimizer.
 //! - [`demos`]: the training demos behind `sluice demo` and the examples.
 
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 pub mod demos;
 pub mod launch;
+mod orphan;
 
 pub use sluice_agent as agent;
 pub use sluice_autograd as autograd;

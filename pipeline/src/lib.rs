@@ -16,7 +16,11 @@
 //! input per micro-batch and recomputes its activations in the backward
 //! (`sluice_autograd::checkpoint`).
 //!
-//! Not yet: asynchronous 1F1B with weight stashing (PipeDream), CUDA stages.
+//! Asynchronous 1F1B with weight stashing (PipeDream, [`Schedule::AsyncOneFOneB`]) updates once
+//! per micro-batch; stages may live on `cuda:N` (placement strings name the device).
+//!
+//! Failures: every call returns an error, never hangs: a lost stage's worker fails the calls
+//! that need it with an error naming it, bad input with an error naming the shapes.
 
 #![forbid(unsafe_code)]
 

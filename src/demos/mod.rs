@@ -7,9 +7,11 @@ pub mod pipeline;
 pub mod ps;
 pub mod rl;
 
-use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
 use anyhow::Context as _;
+
+use crate::launch::{supervise, Job, Outcome, Slot};
 
 const ROLE_VAR: &str = "SLUICE_DEMO";
 const ARGS_VAR: &str = "SLUICE_DEMO_ARGS";
@@ -40,6 +42,39 @@ impl Demo {
         }
     }
 
+    /// The name rank `rank`'s worker joins the group under.
+    pub fn worker_name(&self, rank: u32) -> String {
+        match (self, rank) {
+            (Demo::Ps { .. }, 0) => "ps".to_owned(),
+            (Demo::Ps { .. }, r) => format!("trainer{r}"),
+            (Demo::Pipeline(_), r) => format!("stage{r}"),
+            (Demo::Rl { .. }, 0) => "agent".to_owned(),
+            (Demo::Rl { .. }, r) => format!("observer{r}"),
+        }
+    }
+
+    /// Checks the settings before any process starts (every rank checks them again).
+    pub fn check(&self) -> anyhow::Result<()> {
+        match self {
+            Demo::Ps { trainers, .. } => anyhow::ensure!(*trainers >= 1, "--trainers must be at least 1"),
+            Demo::Pipeline(s) => pipeline::check(s)?,
+            Demo::Rl { observers, rounds } => {
+                anyhow::ensure!(*observers >= 1, "--observers must be at least 1");
+                anyhow::ensure!(*rounds >= 1, "--rounds must be at least 1");
+            }
+        }
+        Ok(())
+    }
+
+    /// The checks that touch files (a checkpoint directory that can be written, a checkpoint to
+    /// resume from that is whole), made once by whoever starts the group.
+    pub fn check_files(&self) -> anyhow::Result<()> {
+        match self {
+            Demo::Pipeline(s) => pipeline::check_files(s),
+            _ => Ok(()),
+        }
+    }
+
     fn run_rank(&self, rank: u32) -> anyhow::Result<()> {
         match self {
             Demo::Ps { .. } => ps::run(self, rank),
@@ -54,7 +89,7 @@ impl Demo {
 pub enum DemoCommand {
     /// Parameter server: an MLP on rank 0, trainers driving it with distributed autograd.
     Ps {
-        #[arg(long, default_value_t = 2)]
+        #[arg(long, default_value_t = 2, value_parser = at_least_one())]
         trainers: u32,
         #[arg(long, default_value_t = 100)]
         epochs: u32,
@@ -69,9 +104,10 @@ pub enum DemoCommand {
     /// Pipeline parallelism: an MLP on handwritten digits split over stages, micro-batched
     /// (GPipe, 1F1B or asynchronous 1F1B), partitioned from a profile, checkpointed every epoch.
     Pipeline {
-        #[arg(long, default_value_t = 4)]
+        /// Stage processes (1 up to the model's layer count).
+        #[arg(long, default_value_t = 4, value_parser = at_least_one())]
         stages: u32,
-        #[arg(long, default_value_t = 8)]
+        #[arg(long, default_value_t = 8, value_parser = at_least_one())]
         micro_batches: u32,
         #[arg(long, default_value_t = 10)]
         epochs: u32,
@@ -89,23 +125,39 @@ pub enum DemoCommand {
         resume: bool,
         /// Hidden width (about 16000 makes a 1 GiB model; with --epochs 0 and --checkpoint,
         /// only the initial model is saved and timed against the disk).
-        #[arg(long, default_value_t = 128)]
+        #[arg(long, default_value_t = 128, value_parser = positive_size)]
         width: usize,
         /// Mini-batch size.
-        #[arg(long, default_value_t = 64)]
+        #[arg(long, default_value_t = 64, value_parser = positive_size)]
         batch: usize,
         /// Rematerialize: stages keep only their inputs and recompute activations in the
         /// backward.
         #[arg(long)]
         remat: bool,
+        /// Fault injection for the CLI tests: the last stage pauses this many milliseconds
+        /// before each checkpoint shard it writes.
+        #[arg(long, hide = true, default_value_t = 0)]
+        slow_saves_ms: u64,
     },
     /// An agent driving observers through RPC and RRefs (REINFORCE).
     Rl {
-        #[arg(long, default_value_t = 4)]
+        #[arg(long, default_value_t = 4, value_parser = at_least_one())]
         observers: u32,
-        #[arg(long, default_value_t = 60)]
+        #[arg(long, default_value_t = 60, value_parser = at_least_one())]
         rounds: u32,
     },
+}
+
+fn at_least_one() -> clap::builder::RangedI64ValueParser<u32> {
+    clap::value_parser!(u32).range(1..)
+}
+
+fn positive_size(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 impl From<DemoCommand> for Demo {
@@ -117,7 +169,7 @@ impl From<DemoCommand> for Demo {
                 sync,
                 gpu,
             } => Demo::Ps {
-                trainers: trainers.max(1),
+                trainers,
                 epochs,
                 reducer: sync,
                 gpu,
@@ -133,22 +185,21 @@ impl From<DemoCommand> for Demo {
                 width,
                 batch,
                 remat,
+                slow_saves_ms,
             } => Demo::Pipeline(pipeline::Settings {
-                stages: stages.max(1),
-                micro_batches: micro_batches.max(1),
+                stages,
+                micro_batches,
                 epochs,
                 schedule,
                 auto_partition: partition != "hints",
                 checkpoint,
                 resume,
-                width: width.max(1),
-                batch: batch.max(1),
+                width,
+                batch,
                 remat,
+                slow_saves_ms,
             }),
-            DemoCommand::Rl { observers, rounds } => Demo::Rl {
-                observers: observers.max(1),
-                rounds: rounds.max(1),
-            },
+            DemoCommand::Rl { observers, rounds } => Demo::Rl { observers, rounds },
         }
     }
 }
@@ -180,43 +231,56 @@ pub fn child_main() -> Option<anyhow::Result<()>> {
     })())
 }
 
-/// Runs `demo`: this process is rank 0; ranks 1.. are started as children. Under `sluice
-/// launch` (which names each worker) every process is already one of the group: it runs its
-/// own rank only.
+/// Runs `demo`: checks its settings, then starts every rank as a process of its own and
+/// watches them as `sluice launch` does: the first to fail (an error, a signal) is named and the
+/// others are stopped, and the error is this function's. Under `sluice launch` (which names
+/// each worker) every process is already one of the group: it runs its own rank only.
 pub fn launch(demo: Demo) -> anyhow::Result<()> {
+    demo.check()?;
     if std::env::var("SLUICE_WORKER_NAME").is_ok() {
         let rank: u32 = std::env::var("RANK")?.parse()?;
+        let world: u32 = std::env::var("WORLD_SIZE")?.parse()?;
+        anyhow::ensure!(
+            world == demo.world_size(),
+            "this demo needs {} workers and `sluice launch` started {world}",
+            demo.world_size()
+        );
+        if rank == 0 {
+            demo.check_files()?;
+        }
         return demo.run_rank(rank);
     }
     if let Demo::Ps { gpu: true, .. } = demo {
         // Say so before starting anyone, rather than through a failed rank.
         sluice_autograd::cuda::available().map_err(|e| anyhow::anyhow!("--gpu needs CUDA, NVRTC and cuBLAS: {e}"))?;
     }
+    demo.check_files()?;
     let n = demo.world_size();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let exe = std::env::current_exe()?;
-    let args = serde_json::to_string(&demo)?;
-    std::env::set_var("RANK", "0");
-    std::env::set_var("WORLD_SIZE", n.to_string());
-    std::env::set_var("MASTER_ADDR", "127.0.0.1");
-    std::env::set_var("MASTER_PORT", port.to_string());
-    let mut children: Vec<Child> = (1..n)
-        .map(|rank| {
-            Command::new(&exe)
-                .env(ROLE_VAR, "1")
-                .env(ARGS_VAR, &args)
-                .env("RANK", rank.to_string())
-                .stdin(Stdio::null())
-                .spawn()
-                .with_context(|| format!("starting rank {rank}"))
-        })
-        .collect::<anyhow::Result<_>>()?;
-    let result = demo.run_rank(0);
-    for (i, c) in children.iter_mut().enumerate() {
-        let status = c.wait()?;
-        anyhow::ensure!(status.success(), "rank {} failed: {status}", i + 1);
+    let job = Job {
+        label: "sluice demo",
+        slots: (0..n)
+            .map(|rank| Slot {
+                name: demo.worker_name(rank),
+                role: "worker".to_owned(),
+                rank,
+                role_rank: rank,
+                role_size: n,
+            })
+            .collect(),
+        cmd: vec![std::env::current_exe().context("this executable")?.into()],
+        env: vec![
+            (ROLE_VAR.to_owned(), "1".to_owned()),
+            (ARGS_VAR.to_owned(), serde_json::to_string(&demo)?),
+        ],
+        prefix_output: false,
+        max_restarts: 0,
+        grace: Duration::from_secs(2),
+        store: None,
+    };
+    match supervise(&job)? {
+        Outcome::Finished => Ok(()),
+        Outcome::Failed(why) => Err(anyhow::anyhow!(why)),
     }
-    result
 }
 
 pub(crate) fn agent_options(name: String) -> sluice_agent::AgentOptions {

@@ -13,6 +13,8 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use anyhow::Context as _;
+
 use sluice_agent::Agent;
 use sluice_autograd::{accuracy, DType, OptimizerKind, Rng, Tensor};
 use sluice_pipeline::partition::{self, Partition};
@@ -80,10 +82,51 @@ pub struct Settings {
     pub batch: usize,
     /// Every stage rematerializes.
     pub remat: bool,
+    /// Fault injection: the last stage pauses this long before each shard it writes.
+    #[serde(default)]
+    pub slow_saves_ms: u64,
 }
 
 pub fn world_size(s: &Settings) -> u32 {
     s.stages.max(1)
+}
+
+/// The settings make a pipeline: at least one stage and no more than the model has layers, at
+/// least one micro-batch, and a checkpoint directory to resume from.
+pub fn check(s: &Settings) -> anyhow::Result<()> {
+    let layers = model(s.width).len();
+    anyhow::ensure!(
+        (1..=layers as u32).contains(&s.stages),
+        "--stages {}: the model has {layers} layers, so 1 to {layers} stages",
+        s.stages
+    );
+    anyhow::ensure!(s.micro_batches >= 1, "--micro-batches must be at least 1");
+    anyhow::ensure!(s.width >= 1 && s.batch >= 1, "--width and --batch must be at least 1");
+    anyhow::ensure!(
+        !s.resume || s.checkpoint.is_some(),
+        "--resume needs --checkpoint DIR (where to find the checkpoint)"
+    );
+    Ok(())
+}
+
+/// The checkpoint directory exists or can be made, and can be written; with `--resume`, its
+/// newest complete checkpoint passes every check (sizes, CRC-32) before any stage starts.
+pub fn check_files(s: &Settings) -> anyhow::Result<()> {
+    let Some(dir) = &s.checkpoint else { return Ok(()) };
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("--checkpoint {}: cannot create the directory", dir.display()))?;
+    let probe = dir.join(format!(".sluice-write-test-{}", std::process::id()));
+    std::fs::write(&probe, b"")
+        .and_then(|()| std::fs::remove_file(&probe))
+        .with_context(|| format!("--checkpoint {}: cannot write there", dir.display()))?;
+    if s.resume {
+        let dir = std::path::absolute(dir)?;
+        let manifest = sluice_pipeline::checkpoint::latest(&dir)
+            .with_context(|| format!("--resume: no checkpoint to resume from in {}", dir.display()))?;
+        sluice_pipeline::checkpoint::verify(&dir, &manifest)
+            .with_context(|| format!("--resume: the checkpoint of step {} is damaged", manifest.step))?;
+    }
+    Ok(())
 }
 
 fn choose_partition(agent: &Agent, s: &Settings, stages: usize) -> anyhow::Result<Partition> {
@@ -150,7 +193,7 @@ pub fn run(demo: &Demo, rank: u32) -> anyhow::Result<()> {
     let Demo::Pipeline(s) = demo else { unreachable!() };
     let mut registry = sluice_agent::Registry::new();
     sluice_pipeline::install(&mut registry);
-    let agent = Agent::init(agent_options(format!("stage{rank}")), registry)?;
+    let agent = Agent::init(agent_options(demo.worker_name(rank)), registry)?;
     if rank == 0 {
         drive(&agent, s)?;
     }
@@ -189,6 +232,9 @@ fn drive(agent: &Agent, s: &Settings) -> anyhow::Result<()> {
         _ => (Pipeline::new(agent, model(s.width), &refs, partition, options)?, 0),
     };
     print!("{}", pipeline.partition());
+    if s.slow_saves_ms > 0 {
+        pipeline.pause_saves(stages - 1, s.slow_saves_ms)?;
+    }
     if s.epochs == 0 {
         // Only a checkpoint of the initial model, timed against the disk.
         if let Some(dir) = &s.checkpoint {

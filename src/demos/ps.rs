@@ -219,12 +219,7 @@ pub fn run(demo: &Demo, rank: u32) -> anyhow::Result<()> {
         sluice_autograd::cuda::available().map_err(|e| anyhow::anyhow!("--gpu needs CUDA, NVRTC and cuBLAS: {e}"))?;
         let _ = DEVICE.set(Device::Cuda(0));
     }
-    let name = if rank == 0 {
-        "ps".to_owned()
-    } else {
-        format!("trainer{rank}")
-    };
-    let agent = Agent::init(agent_options(name), registry(trainers as usize))?;
+    let agent = Agent::init(agent_options(demo.worker_name(rank)), registry(trainers as usize))?;
     if rank == 0 {
         let (_, test) = spirals(300, 1);
         let before = evaluate(&test)?;

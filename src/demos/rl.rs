@@ -131,12 +131,7 @@ pub fn run(demo: &Demo, rank: u32) -> anyhow::Result<()> {
     let Demo::Rl { observers, rounds } = *demo else {
         unreachable!()
     };
-    let name = if rank == 0 {
-        "agent".to_owned()
-    } else {
-        format!("observer{rank}")
-    };
-    let agent = Agent::init(agent_options(name), registry())?;
+    let agent = Agent::init(agent_options(demo.worker_name(rank)), registry())?;
     if rank == 0 {
         let envs: Vec<RRef<Observer>> = (1..=observers)
             .map(|o| agent.remote(o, "make_observer", Payload::encode(&())?))

@@ -387,13 +387,7 @@ fn a_worker_killed_mid_save_leaves_the_previous_checkpoint() {
         |env| {
             let agent = env.agent(registry());
             if env.rank != 0 {
-                // Serve until the driver says it is done (a barrier would wait for the dead).
-                let start = Instant::now();
-                while !DONE.load(Ordering::SeqCst) && start.elapsed() < Duration::from_secs(60) {
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-                agent.shutdown_now();
-                return;
+                return serve_until_done(agent);
             }
             let dir = scratch("killed");
             let p = pipeline(&agent, &[1, 2, 3, 4], &[3, 2, 2, 2], options(Schedule::GPipe, 2));
@@ -403,7 +397,6 @@ fn a_worker_killed_mid_save_leaves_the_previous_checkpoint() {
             p.train_step(&x, &y).unwrap();
             // Stage 2 (on worker3) writes slowly; kill it once it has begun.
             p.pause_saves(2, 400).unwrap();
-            let victim = sluice_pipeline::worker_pid(&agent, "worker3").unwrap();
             let saving = std::thread::scope(|s| {
                 let save = s.spawn(|| p.save(&dir, 2, serde_json::json!({})));
                 let step2 = checkpoint::step_dir(&dir, 2);
@@ -413,11 +406,7 @@ fn a_worker_killed_mid_save_leaves_the_previous_checkpoint() {
                     assert!(start.elapsed() < Duration::from_secs(30), "the save never started");
                     std::thread::sleep(Duration::from_millis(5));
                 }
-                nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(victim as i32),
-                    nix::sys::signal::Signal::SIGKILL,
-                )
-                .unwrap();
+                kill(&agent, "worker3");
                 save.join().unwrap()
             });
             let e = saving.unwrap_err().to_string();
@@ -516,3 +505,113 @@ worker_test!(
         agent.shutdown().unwrap();
     }
 );
+
+/// Serves a worker's stages until the driver says it is done (a barrier would wait for a worker
+/// the test killed), then stops.
+fn serve_until_done(agent: Agent) {
+    let start = Instant::now();
+    while !DONE.load(Ordering::SeqCst) && start.elapsed() < Duration::from_secs(90) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    agent.shutdown_now();
+}
+
+fn kill(agent: &Agent, worker: &str) {
+    let victim = sluice_pipeline::worker_pid(agent, worker).unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(victim as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+}
+
+/// Every pipeline call returns an error (never hangs) on bad input and once a stage's worker is
+/// gone, and the error names what failed: the input's shape, the checkpoint's path, the lost
+/// worker. Bad input leaves the pipeline usable.
+#[test]
+fn bad_input_and_a_lost_stage_fail_every_pipeline_call() {
+    const TEST: &str = "bad_input_and_a_lost_stage_fail_every_pipeline_call";
+    run_workers_with(
+        TEST,
+        4,
+        |rank| if rank == 3 { Ending::Killed } else { Ending::Success },
+        |env| {
+            let agent = env.agent(registry());
+            if env.rank != 0 {
+                return serve_until_done(agent);
+            }
+            let dir = scratch("lost-stage");
+            let p = pipeline(&agent, &[1, 2, 3], &[3, 3, 3], options(Schedule::OneFOneB, 2));
+            let (x, y) = batch(0);
+            p.train_step(&x, &y).unwrap();
+
+            // Bad input: each is refused by the stage or the driver that sees it, with the shapes.
+            let narrow = Tensor::randn(&[24, 15], 1.0, 1, DType::F64).unwrap();
+            let e = p.train_step(&narrow, &y).unwrap_err().to_string();
+            assert!(e.contains("15"), "a 15-feature input for a 16-feature model: {e}");
+            let e = p.predict(&narrow).unwrap_err().to_string();
+            assert!(e.contains("15"), "{e}");
+            let few = Tensor::indices(&[1, 2, 3], &[3]).unwrap();
+            assert!(p.train_step(&x, &few).is_err(), "24 inputs with 3 labels");
+            let out_of_range = Tensor::indices(&[12; 24], &[24]).unwrap();
+            assert!(p.train_step(&x, &out_of_range).is_err(), "label 12 of 10 classes");
+            // A save where nothing can be written names the path.
+            let e = p
+                .save(Path::new("/proc/sluice-cannot-write"), 1, serde_json::json!({}))
+                .unwrap_err();
+            assert!(e.to_string().contains("/proc/sluice-cannot-write"), "{e}");
+            // None of that broke the pipeline.
+            p.train_step(&x, &y).unwrap();
+            p.save(&dir, 1, serde_json::json!({})).unwrap();
+
+            // The last stage's worker is killed: everything that needs it fails naming it.
+            kill(&agent, "worker3");
+            let e = p.train_step(&x, &y).unwrap_err().to_string();
+            assert!(e.contains("worker3"), "train_step: {e}");
+            let e = p.predict(&x).unwrap_err().to_string();
+            assert!(e.contains("worker3"), "predict: {e}");
+            let e = p.save(&dir, 2, serde_json::json!({})).unwrap_err().to_string();
+            assert!(e.contains("worker3"), "save: {e}");
+            assert!(!checkpoint::step_dir(&dir, 2).join("MANIFEST.json").exists());
+            let e = Pipeline::restore(
+                &agent,
+                &dir,
+                &["worker1/cpu", "worker3/cpu"],
+                by_counts(model().len(), &[5, 4]).unwrap(),
+                options(Schedule::GPipe, 2),
+            )
+            .err()
+            .expect("a restore onto a lost worker")
+            .to_string();
+            assert!(e.contains("worker3"), "restore: {e}");
+            let e = Pipeline::new(
+                &agent,
+                model(),
+                &["worker1/cpu", "worker3/cpu"],
+                by_counts(model().len(), &[5, 4]).unwrap(),
+                options(Schedule::GPipe, 2),
+            )
+            .err()
+            .expect("a pipeline on a lost worker")
+            .to_string();
+            assert!(e.contains("worker3"), "new: {e}");
+            // The survivors restore the checkpoint and train.
+            let (q, m) = Pipeline::restore(
+                &agent,
+                &dir,
+                &["worker1/cpu", "worker2/cpu"],
+                by_counts(model().len(), &[5, 4]).unwrap(),
+                options(Schedule::GPipe, 2),
+            )
+            .unwrap();
+            assert_eq!(m.step, 1);
+            q.train_step(&x, &y).unwrap();
+            drop((p, q));
+            for w in [1u32, 2] {
+                let () = agent.call(w, "test.done", &()).unwrap();
+            }
+            let _ = std::fs::remove_dir_all(&dir);
+            agent.shutdown_now();
+        },
+    );
+}
