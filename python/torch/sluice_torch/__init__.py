@@ -1,0 +1,120 @@
+"""Sluice as a ``torch.distributed.rpc`` backend.
+
+Importing this package registers the backend ``SLUICE``; the rest of a program is unchanged::
+
+    import sluice_torch
+    rpc.init_rpc("worker0", rank=0, world_size=2, backend=sluice_torch.BACKEND)
+    # or backend=rpc.BackendType.SLUICE, or rpc.backend_registry.BackendType["SLUICE"]
+
+Options: ``sluice_torch.SluiceRpcBackendOptions`` (``rpc_timeout``, ``init_method``,
+``num_worker_threads``, plus Sluice's ``transports``, ``channels`` and ``host``). Static groups
+only (``world_size`` given); CPU tensors only so far (no device maps).
+"""
+
+import time
+
+import torch
+from torch.distributed import rpc
+from torch.distributed.rpc import api, backend_registry, constants
+
+from . import _build
+
+if torch.__version__ != _build.TORCH_VERSION:
+    raise ImportError(
+        f"sluice_torch was built against torch {_build.TORCH_VERSION} and this is torch "
+        f"{torch.__version__}: rebuild it (pip install --no-build-isolation ./python/torch)"
+    )
+
+from . import _C  # noqa: E402  (after the version check: a mismatched build may not load)
+
+__all__ = ["BACKEND", "SluiceRpcBackendOptions"]
+
+
+class SluiceRpcBackendOptions(rpc.RpcBackendOptions):
+    """Options of the SLUICE backend, shaped like ``TensorPipeRpcBackendOptions``.
+
+    ``transports`` and ``channels`` are Sluice's names in priority order (``["shm", "tcp"]``,
+    ``["cma", "multilane", "basic"]``); ``None`` offers everything viable on this host. ``host``
+    is the address this worker listens on (peers connect to it: routable for multi-host groups).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_worker_threads=constants.DEFAULT_NUM_WORKER_THREADS,
+        rpc_timeout=constants.DEFAULT_RPC_TIMEOUT_SEC,
+        init_method=constants.DEFAULT_INIT_METHOD,
+        transports=None,
+        channels=None,
+        host="127.0.0.1",
+        device_maps=None,
+        devices=None,
+    ):
+        super().__init__(rpc_timeout, init_method)
+        if num_worker_threads < 1:
+            raise ValueError(f"num_worker_threads must be at least 1, got {num_worker_threads}")
+        if device_maps or devices:
+            raise ValueError("the SLUICE backend carries CPU tensors only so far: device_maps and devices are not supported")
+        self.num_worker_threads = num_worker_threads
+        self.transports = list(transports) if transports else None
+        self.channels = list(channels) if channels else None
+        self.host = host
+        self.device_maps = {}
+        self.devices = []
+
+    def set_device_map(self, to, device_map):
+        raise ValueError("the SLUICE backend carries CPU tensors only so far: device maps are not supported")
+
+
+def _construct_options(rpc_timeout, init_method, num_worker_threads=constants.DEFAULT_NUM_WORKER_THREADS, **kwargs):
+    return SluiceRpcBackendOptions(
+        rpc_timeout=rpc_timeout, init_method=init_method, num_worker_threads=num_worker_threads, **kwargs
+    )
+
+
+def _barrier(store, world_size, timeout):
+    """Returns once every worker has reached it (a count in the store)."""
+    store.add("sluice/init_barrier", 1)
+    deadline = time.monotonic() + (timeout if timeout and timeout > 0 else 3600)
+    while store.add("sluice/init_barrier", 0) < world_size:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"sluice: not every worker reached init's barrier within {timeout} s")
+        time.sleep(0.005)
+
+
+def _init_backend(store, name, rank, world_size, rpc_backend_options):
+    if not world_size:
+        raise ValueError("the SLUICE backend supports static groups only: pass world_size to init_rpc")
+    opts = rpc_backend_options
+    if not isinstance(opts, SluiceRpcBackendOptions):
+        raise TypeError(f"rpc_backend_options must be a SluiceRpcBackendOptions, got {type(opts).__name__}")
+    agent = _C.SluiceAgent(
+        store,
+        name,
+        rank,
+        world_size,
+        opts.rpc_timeout,
+        opts.num_worker_threads,
+        ",".join(opts.transports or []),
+        ",".join(opts.channels or []),
+        opts.host,
+    )
+    api._init_rpc_states(agent)
+    # One round of calls through every pipe, then a barrier so that no worker leaves before the
+    # gather's leader is done (as TensorPipe's backend does).
+    api._all_gather(None, timeout=opts.rpc_timeout)
+    _barrier(store, world_size, opts.rpc_timeout)
+    return agent
+
+
+def _register():
+    if backend_registry.backend_registered("SLUICE"):
+        return backend_registry.BackendType["SLUICE"]
+    member = backend_registry.register_backend("SLUICE", _construct_options, _init_backend)
+    # register_backend makes a new enum: rebind the public name too, so that
+    # rpc.BackendType.SLUICE and rpc.BackendType.TENSORPIPE (a member of the new enum) both work.
+    rpc.BackendType = backend_registry.BackendType
+    return member
+
+
+BACKEND = _register()

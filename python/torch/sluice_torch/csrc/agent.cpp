@@ -1,0 +1,768 @@
+// Sluice under PyTorch: a `torch::distributed::rpc::RpcAgent` whose messages travel over Sluice
+// pipes (libsluice_c), registered with torch.distributed.rpc as backend "SLUICE".
+//
+// Shape (after TensorPipe's agent, which this replaces):
+// - One pipe per ordered pair of workers: worker A's requests to B go on the pipe A opened to
+//   B's listener, and B answers on the same pipe. So a client pipe carries requests out and
+//   responses in, an accepted (server) pipe requests in and responses out, and a failed pipe
+//   fails exactly the calls that used it.
+// - Every Sluice message is one RPC message: metadata = a fixed header (magic, version, the
+//   message type, the sender's worker id, the message id), one payload (Message::payload),
+//   and one CPU tensor per Message tensor (borrowed by the write, compact row-major).
+// - Threads: one accept thread, one reader per pipe (blocking sluice_pipe_read), a timeout
+//   thread, and a pool (num_worker_threads) that runs request callbacks and completes every
+//   future: user callbacks never run on a reader or on Sluice's own threads.
+// - Every pending call completes exactly once: whoever removes it from `pending` (the reply,
+//   the timeout, a failed write, a lost pipe, shutdown) completes it.
+// - Bytes from a peer are parsed, never trusted: a header of the wrong size, magic or version,
+//   a message that is not a request on a server pipe (or not a response on a client pipe), or
+//   a tensor whose description does not match its bytes closes that pipe and fails its calls
+//   with an error naming the worker.
+
+#include <ATen/DLConvertor.h>
+#include <c10/core/thread_pool.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/rpc/agent_utils.h>
+#include <torch/csrc/distributed/rpc/request_callback_impl.h>
+#include <torch/csrc/distributed/rpc/rpc_agent.h>
+#include <torch/csrc/distributed/rpc/utils.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "sluice.h"
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <thread>
+#include <unordered_map>
+#include <variant>
+#include <vector>
+
+namespace sluice_torch {
+
+using namespace torch::distributed::rpc;
+using Clock = std::chrono::steady_clock;
+
+constexpr uint32_t kMagic = 0x52544c53;  // "SLTR"
+constexpr uint32_t kVersion = 1;
+
+struct Header {
+  uint32_t magic;
+  uint32_t version;
+  int32_t type;
+  int32_t from;
+  int64_t id;
+};
+static_assert(sizeof(Header) == 24, "header layout");
+
+std::string lastError(int status) {
+  const char* e = sluice_last_error();
+  std::string s = (e && *e) ? e : "";
+  return std::string(sluice_status_name(status)) + (s.empty() ? "" : ": " + s);
+}
+
+// A pipe shared by its reader and by the writes still answering on it; freed with the last.
+struct Pipe {
+  sluice_pipe* raw;
+  explicit Pipe(sluice_pipe* p) : raw(p) {}
+  ~Pipe() { sluice_pipe_free(raw); }
+  void close() { sluice_pipe_close(raw); }
+};
+
+struct Pending {
+  c10::intrusive_ptr<JitFuture> future;
+  worker_id_t to;
+  Clock::time_point started;
+};
+
+struct Stats {
+  std::atomic<uint64_t> sent{0}, received{0}, bytesSent{0}, bytesReceived{0};
+};
+
+// What outlives the agent object: everything a library callback or a future's callback may
+// touch after the agent started shutting down.
+struct Core : std::enable_shared_from_this<Core> {
+  explicit Core(const WorkerInfo& me) : self(me.name_, me.id_) {}
+  WorkerInfo self;
+  std::unordered_map<worker_id_t, WorkerInfo> workers;
+  std::unique_ptr<c10::ThreadPool> pool;
+  std::mutex postMu;
+  bool stopped = false;  // under postMu: nothing is posted to the pool any more
+
+  std::mutex mu;  // pending, timeouts, counters below
+  std::condition_variable idle;
+  std::unordered_map<int64_t, Pending> pending;
+  std::multimap<Clock::time_point, int64_t> deadlines;
+  std::condition_variable timerCv;
+  bool timerStop = false;
+  int64_t clientActive = 0;
+  int64_t serverActive = 0;
+  bool ready = false;  // every client pipe is open: requests may be served (they may call out)
+  std::condition_variable readyCv;
+  std::unordered_map<worker_id_t, std::pair<uint64_t, double>> latency;  // calls, total seconds
+  Stats stats;
+
+  std::string name(worker_id_t id) const {
+    auto it = workers.find(id);
+    return it == workers.end() ? "worker id " + std::to_string(id) : it->second.name_;
+  }
+
+  // Runs `f` on the pool unless the agent has stopped (then it is dropped).
+  bool post(std::function<void()> f) {
+    std::lock_guard<std::mutex> l(postMu);
+    if (stopped) {
+      return false;
+    }
+    pool->run(std::move(f));
+    return true;
+  }
+
+  // Removes call `id` if it is still pending (exactly one caller gets it).
+  std::optional<Pending> take(int64_t id) {
+    std::lock_guard<std::mutex> l(mu);
+    auto it = pending.find(id);
+    if (it == pending.end()) {
+      return std::nullopt;
+    }
+    Pending p = std::move(it->second);
+    pending.erase(it);
+    return p;
+  }
+
+  void finished() {
+    std::lock_guard<std::mutex> l(mu);
+    if (--clientActive == 0) {
+      idle.notify_all();
+    }
+  }
+
+  // Completes a taken call with an error, on the pool (or here if the pool has stopped).
+  void fail(Pending p, std::string error) {
+    auto run = [self = shared_from_this(), p, error]() mutable {
+      p.future->setErrorIfNeeded(std::make_exception_ptr(std::runtime_error(error)));
+      self->finished();
+    };
+    if (!post(run)) {
+      run();
+    }
+  }
+
+  void failWhere(const std::function<bool(const Pending&)>& which, const std::string& error) {
+    std::vector<Pending> out;
+    {
+      std::lock_guard<std::mutex> l(mu);
+      for (auto it = pending.begin(); it != pending.end();) {
+        if (which(it->second)) {
+          out.push_back(std::move(it->second));
+          it = pending.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (auto& p : out) {
+      fail(std::move(p), error);
+    }
+  }
+
+  void complete(int64_t id, c10::intrusive_ptr<Message> response) {
+    auto p = take(id);
+    if (!p) {
+      return;  // timed out or failed already: a late reply is dropped
+    }
+    {
+      std::lock_guard<std::mutex> l(mu);
+      auto& [n, secs] = latency[p->to];
+      n += 1;
+      secs += std::chrono::duration<double>(Clock::now() - p->started).count();
+    }
+    auto run = [self = shared_from_this(), p = std::move(*p), response]() mutable {
+      if (response->type() == MessageType::EXCEPTION) {
+        auto& b = response->payload();
+        p.future->setErrorIfNeeded(std::make_exception_ptr(std::runtime_error(std::string(b.begin(), b.end()))));
+      } else {
+        auto storages = response->getStorages();
+        p.future->markCompleted(c10::IValue(response), std::move(storages));
+      }
+      self->finished();
+    };
+    if (!post(run)) {
+      run();
+    }
+  }
+};
+
+// Borrowed tensors stay alive until the library releases them.
+void releaseTensor(void* user) {
+  delete static_cast<at::Tensor*>(user);
+}
+
+// A Sluice message for `m`, sent as `type` with id `id` from worker `from`. Throws on a tensor
+// Sluice cannot carry.
+sluice_message* encode(const Message& m, int32_t from, Stats& stats) {
+  sluice_message* out = nullptr;
+  TORCH_CHECK(sluice_message_new(&out) == SLUICE_OK, "sluice: ", lastError(SLUICE_PANIC));
+  std::unique_ptr<sluice_message, void (*)(sluice_message*)> guard(out, sluice_message_free);
+  Header h{kMagic, kVersion, static_cast<int32_t>(m.type()), from, m.id()};
+  sluice_message_set_metadata(out, reinterpret_cast<const uint8_t*>(&h), sizeof(h));
+  const auto& payload = m.payload();
+  int s = sluice_message_add_payload(out, reinterpret_cast<const uint8_t*>(payload.data()), payload.size());
+  TORCH_CHECK(s == SLUICE_OK, "sluice: payload: ", lastError(s));
+  uint64_t bytes = payload.size();
+  static uint8_t empty = 0;
+  for (const auto& t : m.tensors()) {
+    TORCH_CHECK(
+        t.device().is_cpu(),
+        "the SLUICE RPC backend carries CPU tensors only so far (device maps are not supported yet); got a tensor on ",
+        t.device());
+    TORCH_CHECK(t.layout() == at::kStrided, "the SLUICE RPC backend carries strided tensors only; got ", t.layout());
+    auto* held = new at::Tensor(t.contiguous());
+    DLTensor dl{};
+    dl.data = held->numel() == 0 ? static_cast<void*>(&empty) : held->data_ptr();
+    dl.device = DLDevice{kDLCPU, 0};
+    dl.ndim = static_cast<int32_t>(held->dim());
+    try {
+      dl.dtype = at::getDLDataType(*held);
+    } catch (...) {
+      delete held;
+      throw;
+    }
+    dl.shape = const_cast<int64_t*>(held->sizes().data());
+    dl.strides = nullptr;
+    dl.byte_offset = 0;
+    bytes += held->nbytes();
+    s = sluice_message_add_tensor(out, &dl, releaseTensor, held);
+    if (s != SLUICE_OK) {
+      delete held;
+      TORCH_CHECK(false, "sluice: tensor of ", t.scalar_type(), ": ", lastError(s));
+    }
+  }
+  stats.sent += 1;
+  stats.bytesSent += bytes;
+  return guard.release();
+}
+
+// The RPC message a Sluice message carries, or an error saying why it is malformed.
+std::variant<c10::intrusive_ptr<Message>, std::string> decode(sluice_received* r, Header& h, Stats& stats) {
+  const uint8_t* data = nullptr;
+  size_t len = 0;
+  if (sluice_received_metadata(r, &data, &len) != SLUICE_OK || len != sizeof(Header)) {
+    return std::string("a message header of ") + std::to_string(len) + " bytes (expected 24)";
+  }
+  std::memcpy(&h, data, sizeof(h));
+  if (h.magic != kMagic) {
+    return std::string("a message that is not a Sluice RPC message (bad magic)");
+  }
+  if (h.version != kVersion) {
+    return "a message of wire version " + std::to_string(h.version) + " (this build speaks " +
+        std::to_string(kVersion) + ")";
+  }
+  if (sluice_received_payload_count(r) != 1) {
+    return std::string("a message with ") + std::to_string(sluice_received_payload_count(r)) + " payloads (expected 1)";
+  }
+  sluice_received_payload(r, 0, &data, &len);
+  std::vector<char> payload(reinterpret_cast<const char*>(data), reinterpret_cast<const char*>(data) + len);
+  uint64_t bytes = len;
+  std::vector<at::Tensor> tensors;
+  size_t n = sluice_received_tensor_count(r);
+  tensors.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    DLTensor dl{};
+    int s = sluice_received_tensor(r, i, &dl);
+    if (s != SLUICE_OK) {
+      return "tensor " + std::to_string(i) + ": " + lastError(s);
+    }
+    at::ScalarType type;
+    try {
+      type = at::toScalarType(dl.dtype);
+    } catch (const std::exception& e) {
+      return "tensor " + std::to_string(i) + ": " + e.what();
+    }
+    std::vector<int64_t> shape(dl.shape, dl.shape + dl.ndim);
+    // The library checked the description against the bytes; the copy makes the tensor the
+    // receiver's own (handlers may write into their arguments; received memory is read-only).
+    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(type));
+    auto view = at::from_blob(dl.data, shape, std::vector<int64_t>(dl.strides, dl.strides + dl.ndim),
+                              at::TensorOptions().dtype(type));
+    t.copy_(view);
+    bytes += t.nbytes();
+    tensors.push_back(std::move(t));
+  }
+  stats.received += 1;
+  stats.bytesReceived += bytes;
+  auto type = static_cast<MessageType>(h.type);
+  return c10::make_intrusive<Message>(std::move(payload), std::move(tensors), type, h.id);
+}
+
+// Sends `m` on `pipe`; `done(error)` runs on a library thread if the write fails.
+void write(const std::shared_ptr<Pipe>& pipe, const Message& m, int32_t from, Stats& stats,
+           std::function<void(std::string)> onError) {
+  sluice_message* msg = encode(m, from, stats);
+  struct Ctx {
+    std::shared_ptr<Pipe> pipe;
+    std::function<void(std::string)> onError;
+  };
+  auto* ctx = new Ctx{pipe, std::move(onError)};
+  int s = sluice_pipe_write(
+      pipe->raw, msg,
+      [](int status, void* user) {
+        std::unique_ptr<Ctx> c(static_cast<Ctx*>(user));
+        if (status != SLUICE_OK && c->onError) {
+          c->onError(lastError(status));
+        }
+      },
+      ctx);
+  if (s != SLUICE_OK) {
+    std::unique_ptr<Ctx> c(ctx);
+    if (c->onError) {
+      c->onError(lastError(s));
+    }
+  }
+}
+
+class SluiceAgent : public RpcAgent {
+ public:
+  SluiceAgent(const c10::intrusive_ptr<::c10d::Store>& store, std::string name, int64_t rank, int64_t worldSize,
+              float timeoutSeconds, int64_t numWorkerThreads, const std::string& transports,
+              const std::string& channels, const std::string& listenHost)
+      : RpcAgent(WorkerInfo(name, rank), std::make_unique<RequestCallbackImpl>(),
+                 std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000))),
+        store_(store),
+        worldSize_(worldSize),
+        core_(std::make_shared<Core>(workerInfo_)) {
+    TORCH_CHECK(worldSize > 0, "the SLUICE RPC backend needs a static group (world_size given)");
+    TORCH_CHECK(numWorkerThreads > 0, "num_worker_threads must be at least 1");
+    core_->pool = std::make_unique<c10::ThreadPool>(static_cast<int>(numWorkerThreads));
+    auto names = collectNames(::c10d::PrefixStore("names", store_), workerInfo_.id_, workerInfo_.name_,
+                              static_cast<int>(worldSize));
+    for (const auto& [n, id] : names) {
+      core_->workers.emplace(id, WorkerInfo(n, id));
+      byName_.emplace(n, id);
+    }
+    int s = sluice_context_new(transports.empty() ? nullptr : transports.c_str(),
+                               channels.empty() ? nullptr : channels.c_str(), &ctx_);
+    TORCH_CHECK(s == SLUICE_OK, "sluice: cannot make a context: ", lastError(s));
+    std::string at = listenHost + ":0";
+    s = sluice_listen(ctx_, at.c_str(), &listener_);
+    TORCH_CHECK(s == SLUICE_OK, "sluice: cannot listen on ", at, ": ", lastError(s));
+    address_ = sluice_listener_address(listener_);
+    store_->set("sluice/addr/" + std::to_string(workerInfo_.id_), address_);
+  }
+
+  ~SluiceAgent() override {
+    // The base destructor would call the pure shutdownImpl: shut down here.
+    if (rpcAgentRunning_.load()) {
+      shutdown();
+    }
+    release();
+  }
+
+  c10::intrusive_ptr<JitFuture> send(const WorkerInfo& to, c10::intrusive_ptr<Message> message,
+                                     const float rpcTimeoutSeconds, const DeviceMap& deviceMap) override {
+    TORCH_CHECK(rpcAgentRunning_.load(), "Node ", workerInfo_.id_, " tried to send() a message of type ",
+                message->type(), " but RPC is no longer running on this node.");
+    TORCH_CHECK(message->isRequest(), "the SLUICE agent sends requests only (got message type ", message->type(), ")");
+    TORCH_CHECK(deviceMap.empty(), "the SLUICE RPC backend does not support device maps yet");
+    auto client = clients_.find(to.id_);
+    TORCH_CHECK(client != clients_.end(), "sluice: no pipe to ", to.name_, " (id ", to.id_, ")");
+    auto future = c10::make_intrusive<JitFuture>(at::AnyClassType::get(), getDevices());
+    int64_t id = nextId_++;
+    message->setId(id);
+    float secs = rpcTimeoutSeconds == kUnsetRpcTimeout
+        ? std::chrono::duration<float>(getRpcTimeout()).count()
+        : rpcTimeoutSeconds;
+    auto now = Clock::now();
+    {
+      std::lock_guard<std::mutex> l(core_->mu);
+      core_->pending.emplace(id, Pending{future, to.id_, now});
+      core_->clientActive += 1;
+      if (secs > 0) {
+        auto deadline = now + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(secs));
+        bool first = core_->deadlines.empty() || deadline < core_->deadlines.begin()->first;
+        core_->deadlines.emplace(deadline, id);
+        if (first) {
+          core_->timerCv.notify_all();
+        }
+      }
+    }
+    std::weak_ptr<Core> weak = core_;
+    std::string peer = to.name_;
+    auto onError = [weak, id, peer](std::string e) {
+      if (auto core = weak.lock()) {
+        if (auto p = core->take(id)) {
+          core->fail(std::move(*p), "sluice: sending to " + peer + " failed: " + e);
+        }
+      }
+    };
+    try {
+      write(client->second.pipe, *message, workerInfo_.id_, core_->stats, onError);
+    } catch (...) {
+      if (auto p = core_->take(id)) {
+        core_->finished();
+      }
+      throw;
+    }
+    return future;
+  }
+
+  const WorkerInfo& getWorkerInfo(const std::string& workerName) const override {
+    auto it = byName_.find(workerName);
+    TORCH_CHECK(it != byName_.end(), "Unknown destination worker ", workerName);
+    return core_->workers.at(it->second);
+  }
+
+  const WorkerInfo& getWorkerInfo(worker_id_t id) const override {
+    auto it = core_->workers.find(id);
+    TORCH_CHECK(it != core_->workers.end(), "Unknown destination worker ", id);
+    return it->second;
+  }
+
+  std::vector<WorkerInfo> getWorkerInfos() const override {
+    std::vector<WorkerInfo> out;
+    for (const auto& [id, w] : core_->workers) {
+      out.push_back(w);
+    }
+    return out;
+  }
+
+  // A barrier over the group that returns once no worker has a call in flight (the same
+  // protocol as TensorPipe's agent: rounds of summed counts through the store).
+  void join(bool shutdown, float /*timeout*/) override {
+    ::c10d::PrefixStore sync("sluice/join", store_);
+    while (true) {
+      {
+        std::unique_lock<std::mutex> l(core_->mu);
+        core_->idle.wait(l, [this] { return core_->clientActive == 0; });
+      }
+      syncCallCount(sync, static_cast<int>(worldSize_));
+      int64_t mine;
+      {
+        std::lock_guard<std::mutex> l(core_->mu);
+        mine = core_->clientActive;
+      }
+      int total = syncCallCount(sync, static_cast<int>(worldSize_), static_cast<int>(mine));
+      if (total == 0) {
+        if (shutdown) {
+          syncCallCount(sync, static_cast<int>(worldSize_));
+        }
+        return;
+      }
+    }
+  }
+
+  void sync() override {}
+
+  void startImpl() override {
+    acceptThread_ = std::thread([this] { acceptLoop(); });
+    timerThread_ = std::thread([core = core_] { timeouts(core); });
+    for (const auto& [id, w] : core_->workers) {
+      std::string addr = store_->get_to_str("sluice/addr/" + std::to_string(id));
+      sluice_pipe* raw = nullptr;
+      int s = sluice_connect(ctx_, addr.c_str(), &raw);
+      TORCH_CHECK(s == SLUICE_OK, "sluice: cannot connect to ", w.name_, " at ", addr, ": ", lastError(s));
+      auto pipe = std::make_shared<Pipe>(raw);
+      Client c{pipe, {}};
+      c.reader = std::thread([core = core_, pipe, peer = id] { clientReader(core, pipe, peer); });
+      channel_[id] = std::string(sluice_pipe_transport(raw)) + "/" + sluice_pipe_channel(raw);
+      clients_.emplace(id, std::move(c));
+    }
+    std::lock_guard<std::mutex> l(core_->mu);
+    core_->ready = true;
+    core_->readyCv.notify_all();
+  }
+
+  void shutdownImpl() override {
+    {
+      std::lock_guard<std::mutex> l(core_->mu);
+      core_->timerStop = true;
+      core_->timerCv.notify_all();
+    }
+    if (timerThread_.joinable()) {
+      timerThread_.join();
+    }
+    // Wake the accept thread with a pipe of our own, then stop listening.
+    {
+      std::lock_guard<std::mutex> l(core_->mu);
+      stopping_ = true;
+      core_->readyCv.notify_all();
+    }
+    if (acceptThread_.joinable()) {
+      sluice_pipe* wake = nullptr;
+      if (sluice_connect(ctx_, address_.c_str(), &wake) == SLUICE_OK) {
+        sluice_pipe_free(wake);
+      }
+      acceptThread_.join();
+    }
+    for (auto& [id, c] : clients_) {
+      c.pipe->close();
+    }
+    {
+      std::lock_guard<std::mutex> l(serversMu_);
+      for (auto& p : servers_) {
+        p->close();
+      }
+    }
+    for (auto& [id, c] : clients_) {
+      if (c.reader.joinable()) {
+        c.reader.join();
+      }
+    }
+    for (auto& t : serverReaders_) {
+      if (t.joinable()) {
+        t.join();
+      }
+    }
+    core_->failWhere([](const Pending&) { return true; },
+                     "RPC agent of " + workerInfo_.name_ + " is shutting down: the call was not answered");
+    {
+      std::lock_guard<std::mutex> l(core_->postMu);
+      core_->stopped = true;
+    }
+    core_->pool->waitWorkComplete();
+  }
+
+  std::unordered_map<std::string, std::string> getMetrics() override {
+    std::unordered_map<std::string, std::string> m;
+    std::lock_guard<std::mutex> l(core_->mu);
+    m["agent.num_pending_requests"] = std::to_string(core_->pending.size());
+    m["agent.client_active_calls"] = std::to_string(core_->clientActive);
+    m["agent.server_active_calls"] = std::to_string(core_->serverActive);
+    m["agent.thread_pool_size"] = std::to_string(core_->pool->size());
+    m["agent.messages_sent"] = std::to_string(core_->stats.sent.load());
+    m["agent.messages_received"] = std::to_string(core_->stats.received.load());
+    m["agent.bytes_sent"] = std::to_string(core_->stats.bytesSent.load());
+    m["agent.bytes_received"] = std::to_string(core_->stats.bytesReceived.load());
+    for (const auto& [id, path] : channel_) {
+      m["agent.pipe." + core_->name(id)] = path;
+    }
+    for (const auto& [id, v] : core_->latency) {
+      if (v.first > 0) {
+        m["agent.avg_rpc_latency_us." + core_->name(id)] = std::to_string(v.second / v.first * 1e6);
+      }
+    }
+    if (isGILProfilingEnabled()) {
+      uint64_t n = gilWaits_.load();
+      m["agent.gil_average_wait_time_us"] = std::to_string(n == 0 ? 0.0 : double(gilWaitUs_.load()) / n);
+    }
+    return m;
+  }
+
+  void addGilWaitTime(const std::chrono::microseconds gilWaitTime) override {
+    gilWaitUs_ += gilWaitTime.count();
+    gilWaits_ += 1;
+  }
+
+  const std::string& address() const { return address_; }
+
+ private:
+  struct Client {
+    std::shared_ptr<Pipe> pipe;
+    std::thread reader;
+  };
+
+  void release() {
+    if (listener_) {
+      sluice_listener_free(listener_);
+      listener_ = nullptr;
+    }
+    clients_.clear();
+    if (ctx_) {
+      sluice_context_free(ctx_);
+      ctx_ = nullptr;
+    }
+  }
+
+  void acceptLoop() {
+    while (!stopping_) {
+      sluice_pipe* raw = nullptr;
+      int s = sluice_listener_accept(listener_, &raw);
+      if (s != SLUICE_OK) {
+        continue;  // one peer's failed setup; keep listening
+      }
+      if (stopping_) {
+        sluice_pipe_free(raw);
+        return;
+      }
+      auto pipe = std::make_shared<Pipe>(raw);
+      std::lock_guard<std::mutex> l(serversMu_);
+      servers_.push_back(pipe);
+      serverReaders_.emplace_back([this, pipe] { serverReader(pipe); });
+    }
+  }
+
+  // Requests in, responses out on the same pipe.
+  void serverReader(std::shared_ptr<Pipe> pipe) {
+    auto core = core_;
+    std::string from = sluice_pipe_peer(pipe->raw);
+    {
+      // A handler may call out: serve once this worker's own pipes are open.
+      std::unique_lock<std::mutex> l(core->mu);
+      core->readyCv.wait(l, [&] { return core->ready || stopping_; });
+    }
+    while (true) {
+      sluice_received* r = nullptr;
+      int s = sluice_pipe_read(pipe->raw, &r);
+      if (s != SLUICE_OK) {
+        return;  // the caller went away (or we are shutting down): its calls fail on its side
+      }
+      Header h{};
+      auto decoded = decode(r, h, core->stats);
+      sluice_received_free(r);
+      if (auto* error = std::get_if<std::string>(&decoded)) {
+        TORCH_WARN("sluice: closing the pipe from ", from, ": it sent ", *error);
+        pipe->close();
+        return;
+      }
+      auto request = std::get<c10::intrusive_ptr<Message>>(decoded);
+      if (!request->isRequest()) {
+        TORCH_WARN("sluice: closing the pipe from ", core->name(h.from), ": it sent a message of type ",
+                   request->type(), " where requests come");
+        pipe->close();
+        return;
+      }
+      {
+        std::lock_guard<std::mutex> l(core->mu);
+        core->serverActive += 1;
+      }
+      int32_t self = workerInfo_.id_;
+      core->post([this, core, pipe, request, self]() {
+        int64_t id = request->id();
+        c10::intrusive_ptr<JitFuture> fut;
+        try {
+          fut = (*cb_)(*request, {});
+        } catch (const std::exception&) {
+          fut = c10::make_intrusive<JitFuture>(at::AnyClassType::get());
+          fut->setError(std::current_exception());
+        }
+        fut->addCallback([core, pipe, id, self](JitFuture& f) {
+          c10::intrusive_ptr<Message> response;
+          try {
+            response = f.hasError() ? createExceptionResponse(f.tryRetrieveErrorMessage(), id)
+                                    : f.value().toCustomClass<Message>();
+            response->setId(id);
+            write(pipe, *response, self, core->stats, nullptr);
+          } catch (const std::exception& e) {
+            // A response Sluice cannot carry (a CUDA tensor, say) goes back as the error.
+            try {
+              write(pipe, *createExceptionResponse(e.what(), id), self, core->stats, nullptr);
+            } catch (...) {
+            }
+          }
+          std::lock_guard<std::mutex> l(core->mu);
+          core->serverActive -= 1;
+        });
+      });
+    }
+  }
+
+  // Responses in on a pipe this worker opened; any failure fails the calls that used it.
+  static void clientReader(std::shared_ptr<Core> core, std::shared_ptr<Pipe> pipe, worker_id_t peer) {
+    auto peerName = core->name(peer);
+    auto failAll = [&](const std::string& why) {
+      core->failWhere([peer](const Pending& p) { return p.to == peer; }, why);
+    };
+    while (true) {
+      sluice_received* r = nullptr;
+      int s = sluice_pipe_read(pipe->raw, &r);
+      if (s != SLUICE_OK) {
+        failAll("sluice: the pipe to " + peerName + " failed: " + lastError(s));
+        return;
+      }
+      Header h{};
+      auto decoded = decode(r, h, core->stats);
+      sluice_received_free(r);
+      if (auto* error = std::get_if<std::string>(&decoded)) {
+        pipe->close();
+        failAll("sluice: " + peerName + " sent " + *error + "; its pipe was closed");
+        return;
+      }
+      auto response = std::get<c10::intrusive_ptr<Message>>(decoded);
+      if (!response->isResponse()) {
+        pipe->close();
+        failAll("sluice: " + peerName + " sent a message that is not a response; its pipe was closed");
+        return;
+      }
+      core->complete(h.id, response);
+    }
+  }
+
+  static void timeouts(std::shared_ptr<Core> core) {
+    std::unique_lock<std::mutex> l(core->mu);
+    while (!core->timerStop) {
+      if (core->deadlines.empty()) {
+        core->timerCv.wait(l);
+        continue;
+      }
+      auto next = core->deadlines.begin()->first;
+      if (Clock::now() < next) {
+        core->timerCv.wait_until(l, next);
+        continue;
+      }
+      std::vector<std::pair<Pending, int64_t>> expired;
+      auto now = Clock::now();
+      while (!core->deadlines.empty() && core->deadlines.begin()->first <= now) {
+        int64_t id = core->deadlines.begin()->second;
+        core->deadlines.erase(core->deadlines.begin());
+        auto it = core->pending.find(id);
+        if (it != core->pending.end()) {
+          auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now - it->second.started).count();
+          expired.emplace_back(std::move(it->second), ms);
+          core->pending.erase(it);
+        }
+      }
+      l.unlock();
+      for (auto& [p, ms] : expired) {
+        std::string text = "RPC ran for more than set timeout (" + std::to_string(ms) +
+            " ms) and will now be marked with an error";
+        core->fail(std::move(p), makeRPCError(text, RPCErrorType::TIMEOUT));
+      }
+      l.lock();
+    }
+  }
+
+  c10::intrusive_ptr<::c10d::Store> store_;
+  int64_t worldSize_;
+  std::shared_ptr<Core> core_;
+  std::unordered_map<std::string, worker_id_t> byName_;
+  sluice_context* ctx_ = nullptr;
+  sluice_listener* listener_ = nullptr;
+  std::string address_;
+  std::atomic<bool> stopping_{false};
+  std::thread acceptThread_;
+  std::thread timerThread_;
+  std::unordered_map<worker_id_t, Client> clients_;
+  std::unordered_map<worker_id_t, std::string> channel_;
+  std::mutex serversMu_;
+  std::vector<std::shared_ptr<Pipe>> servers_;
+  std::vector<std::thread> serverReaders_;
+  std::atomic<int64_t> nextId_{0};
+  std::atomic<uint64_t> gilWaitUs_{0};
+  std::atomic<uint64_t> gilWaits_{0};
+};
+
+}  // namespace sluice_torch
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using sluice_torch::SluiceAgent;
+  namespace rpc = torch::distributed::rpc;
+  py::module_::import("torch.distributed.rpc");
+  py::class_<SluiceAgent, rpc::RpcAgent, std::shared_ptr<SluiceAgent>>(m, "SluiceAgent")
+      .def(py::init([](const c10::intrusive_ptr<::c10d::Store>& store, const std::string& name, int64_t rank,
+                       int64_t worldSize, float timeout, int64_t threads, const std::string& transports,
+                       const std::string& channels, const std::string& host) {
+             return std::shared_ptr<SluiceAgent>(
+                 new SluiceAgent(store, name, rank, worldSize, timeout, threads, transports, channels, host),
+                 torch::impl::destroy_without_gil<SluiceAgent>);
+           }),
+           py::arg("store"), py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("rpc_timeout"),
+           py::arg("num_worker_threads"), py::arg("transports"), py::arg("channels"), py::arg("host"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("address", &SluiceAgent::address);
+}
