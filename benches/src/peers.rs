@@ -1,8 +1,10 @@
 //! `sluice bench peers`: what a user would pick instead of Sluice, measured on this machine in
 //! the same run. OpenMPI point-to-point (`benches/peers/mpi_p2p.c`, built with `mpicc` when
 //! OpenMPI is installed) and PyTorch RPC (`benches/peers/pytorch_rpc.py`, run when
-//! `import torch` works in `$SLUICE_BENCH_PYTHON`, `python3` by default). Both print records in
-//! our JSON-lines format with `suite = "peer"`.
+//! `import torch` works in `$SLUICE_BENCH_PYTHON`, `python3` by default), the same program
+//! twice: on PyTorch's TensorPipe backend, then on Sluice's (`sluice_torch`, when
+//! `pip install --no-build-isolation ./python/torch` put it there). All print records in our
+//! JSON-lines format with `suite = "peer"`.
 //!
 //! A peer that is not installed is skipped with the reason and measures nothing. One that
 //! fails, crashes or outlives its deadline is killed and reported by name, and whatever it had
@@ -56,8 +58,55 @@ pub fn run(options: &BenchOptions) -> Peers {
         }
     };
     take("openmpi", openmpi(&sizes, budget));
-    take("pytorch-rpc", pytorch(&sizes, budget));
+    take("pytorch-rpc", pytorch(&sizes, budget, "tensorpipe"));
+    take("pytorch-sluice", pytorch(&sizes, budget, "sluice"));
+    for line in compare_torch_backends(&mut out.records) {
+        eprintln!("peers: {line}");
+    }
     out
+}
+
+/// Each row of PyTorch's program on Sluice's backend gets the same row on TensorPipe as its
+/// baseline (ratio: latency over latency, bandwidth or rate over bandwidth or rate); returns a
+/// line per pair.
+fn compare_torch_backends(records: &mut [Record]) -> Vec<String> {
+    let theirs: Vec<Record> = records
+        .iter()
+        .filter(|r| r.backend.starts_with("pytorch-") && !r.backend.starts_with("pytorch-sluice-"))
+        .cloned()
+        .collect();
+    let mut lines = Vec::new();
+    for r in records.iter_mut() {
+        let Some(rest) = r.backend.strip_prefix("pytorch-sluice-") else { continue };
+        let name = format!("pytorch-{rest}");
+        let Some(t) = theirs
+            .iter()
+            .find(|t| t.backend == name && t.metric == r.metric && t.bytes == r.bytes)
+        else {
+            continue;
+        };
+        let (ours, base, unit) = match r.metric {
+            "rtt" => (r.p50_ns, t.p50_ns, "µs p50"),
+            "bw" => (r.gbps, t.gbps, "GB/s"),
+            _ => (r.per_second, t.per_second, "/s"),
+        };
+        let (Some(ours), Some(base)) = (ours, base) else { continue };
+        if base <= 0.0 {
+            continue;
+        }
+        let scale = if r.metric == "rtt" { 1e-3 } else { 1.0 };
+        r.baseline = name.clone();
+        r.ratio = Some(ours / base);
+        lines.push(format!(
+            "torch on sluice vs tensorpipe: {rest} {} {} B: {:.2} vs {:.2} {unit} ({:.2}×)",
+            r.metric,
+            r.bytes,
+            ours * scale,
+            base * scale,
+            ours / base
+        ));
+    }
+    lines
 }
 
 enum Outcome {
@@ -111,8 +160,22 @@ fn openmpi(sizes: &[usize], budget: Duration) -> anyhow::Result<Outcome> {
     ran.into_outcome("openmpi")
 }
 
-fn pytorch(sizes: &[usize], budget: Duration) -> anyhow::Result<Outcome> {
+/// PyTorch's RPC benchmark on `backend` (`tensorpipe` or `sluice`).
+fn pytorch(sizes: &[usize], budget: Duration, backend: &str) -> anyhow::Result<Outcome> {
     let python = std::env::var("SLUICE_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    if backend == "sluice" {
+        let probe = Command::new(&python)
+            .args(["-c", "import sluice_torch"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        if !matches!(probe, Ok(s) if s.success()) {
+            return Ok(Outcome::Skipped(format!(
+                "`{python} -c 'import sluice_torch'` fails (Sluice's torch backend is not installed there: pip install --no-build-isolation ./python/torch)"
+            )));
+        }
+    }
     let probe = Command::new(&python)
         .args(["-c", "import torch, torch.distributed.rpc"])
         .stdin(Stdio::null())
@@ -137,11 +200,14 @@ fn pytorch(sizes: &[usize], budget: Duration) -> anyhow::Result<Outcome> {
         .arg("--budget-ms")
         .arg(budget.as_millis().to_string())
         .arg("--sizes")
-        .arg(list.join(","));
-    let deadline = budget * (2 * sizes.len() as u32 + 4) + Duration::from_secs(120);
-    let ran = run_bounded("pytorch-rpc", &mut cmd, deadline)?;
+        .arg(list.join(","))
+        .arg("--backend")
+        .arg(backend);
+    let deadline = budget * (2 * sizes.len() as u32 + 6) + Duration::from_secs(120);
+    let name = format!("pytorch-rpc ({backend})");
+    let ran = run_bounded(&name, &mut cmd, deadline)?;
     let _ = std::fs::remove_dir_all(&dir);
-    ran.into_outcome("pytorch-rpc")
+    ran.into_outcome(&name)
 }
 
 /// What a bounded child run produced.

@@ -1,0 +1,215 @@
+"""The SLUICE backend's own behaviour, across real processes: calls and tensors of every kind,
+typed errors, timeouts, a peer that dies, a peer that sends garbage, and that importing the
+backend leaves PyTorch's own backend usable.
+
+    python -m pytest -q python/torch/tests/test_backend.py
+"""
+
+import ctypes
+import os
+import pathlib
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
+
+import sluice_torch
+
+WATCHDOG_S = 120
+
+
+def run(fn, world, *args, expect_exit=None):
+    """Runs `fn(rank, world, init_method, *args)` in `world` spawned processes; every one must
+    exit 0 (or with `expect_exit[rank]`) within the watchdog."""
+    init = "file://" + tempfile.mktemp(prefix="sluice-torch-")
+    ctx = mp.start_processes(_entry, args=(fn, world, init, *args), nprocs=world, join=False, start_method="spawn")
+    want = expect_exit or [0] * world
+    deadline = time.monotonic() + WATCHDOG_S
+    while not all(p.exitcode is not None for p in ctx.processes):
+        wrong = [(r, p.exitcode) for r, p in enumerate(ctx.processes) if p.exitcode not in (None, want[r])]
+        if wrong or time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            if wrong:
+                pytest.fail(f"worker {wrong[0][0]} exited with {wrong[0][1]} (its traceback is above); the others were killed")
+            pytest.fail(f"watchdog: workers still running after {WATCHDOG_S} s (a hang)")
+        time.sleep(0.05)
+    codes = [p.exitcode for p in ctx.processes]
+    assert codes == want, f"exit codes {codes}, expected {want}"
+
+
+def _entry(rank, fn, *args):
+    try:
+        fn(rank, *args)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        os._exit(1)
+
+
+def init(rank, world, method, **kw):
+    opts = sluice_torch.SluiceRpcBackendOptions(init_method=method, rpc_timeout=30, **kw)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, backend=rpc.BackendType.SLUICE, rpc_backend_options=opts)
+
+
+def fail(message):
+    raise ValueError(message)
+
+
+class Typed(Exception):
+    pass
+
+
+def fail_typed():
+    raise Typed("typed")
+
+
+def nap(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def echo(x):
+    return x
+
+
+def my_address():
+    return rpc.api._get_current_rpc_agent().address
+
+
+def die_soon():
+    import threading
+
+    threading.Timer(0.3, lambda: os._exit(3)).start()
+
+
+def _calls(rank, world, method):
+    init(rank, world, method)
+    if rank == 0:
+        assert torch.equal(rpc.rpc_sync("worker1", torch.add, args=(torch.ones(3), 1)), torch.full((3,), 2.0))
+        futs = [rpc.rpc_async("worker1", torch.mul, args=(torch.ones(4), i)) for i in range(64)]
+        assert [f.wait()[0].item() for f in futs] == [float(i) for i in range(64)]
+        assert torch.equal(rpc.remote("worker1", torch.add, args=(torch.ones(2), 2)).to_here(), torch.full((2,), 3.0))
+        # Tensors of every kind come back equal: large, strided views, empty, many dtypes,
+        # nested in Python structures.
+        big = torch.randn(16 << 20)  # 64 MiB
+        assert torch.equal(rpc.rpc_sync("worker1", echo, args=(big,)), big)
+        view = torch.arange(100.0).reshape(10, 10)[:, 3]
+        assert torch.equal(rpc.rpc_sync("worker1", echo, args=(view,)), view)
+        for t in [
+            torch.empty(0),
+            torch.empty(3, 0, 2),
+            torch.tensor([True, False]),
+            torch.arange(5, dtype=torch.int8),
+            torch.arange(5, dtype=torch.int64),
+            torch.randn(4).to(torch.bfloat16),
+            torch.randn(4).half(),
+            torch.randn(3, dtype=torch.complex64),
+            torch.tensor(7.0),
+        ]:
+            back = rpc.rpc_sync("worker1", echo, args=(t,))
+            assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t), t
+        nested = {"a": [torch.ones(2), (torch.zeros(3, dtype=torch.int32), "s")], "b": 5}
+        back = rpc.rpc_sync("worker1", echo, args=(nested,))
+        assert torch.equal(back["a"][1][0], nested["a"][1][0]) and back["b"] == 5
+        # Errors keep their type through every call form.
+        with pytest.raises(ValueError, match="remote boom"):
+            rpc.rpc_sync("worker1", fail, args=("remote boom",))
+        with pytest.raises(ValueError, match="async boom"):
+            rpc.rpc_async("worker1", fail, args=("async boom",)).wait()
+        with pytest.raises(ValueError, match="rref boom"):
+            rpc.remote("worker1", fail, args=("rref boom",)).to_here()
+        # A user-defined type comes back as PyTorch's Python layer rebuilds it (the same on
+        # TensorPipe): named in a RuntimeError.
+        with pytest.raises((Typed, RuntimeError), match="Typed"):
+            rpc.rpc_sync("worker1", fail_typed)
+        with pytest.raises(RuntimeError):
+            rpc.rpc_sync("worker9", torch.add, args=(torch.ones(1), 1))
+        # A timeout fails the call with PyTorch's timeout text; the late reply is dropped and
+        # the pipe goes on.
+        with pytest.raises(RuntimeError, match="RPC ran for more than"):
+            rpc.rpc_sync("worker1", nap, args=(1.0,), timeout=0.2)
+        assert rpc.rpc_sync("worker1", nap, args=(0.0,)) == 0.0
+        time.sleep(1.0)
+        m = rpc.api._get_current_rpc_agent().get_metrics()
+        assert m["agent.pipe.worker1"].startswith(("shm/", "tcp/")), m
+        assert int(m["agent.num_pending_requests"]) == 0, m
+        assert int(m["agent.messages_sent"]) > 80, m
+    rpc.shutdown()
+
+
+def test_calls_tensors_errors_and_timeouts():
+    run(_calls, 2)
+
+
+def _peer_dies(rank, world, method):
+    init(rank, world, method)
+    if rank == 0:
+        slow = rpc.rpc_async("worker1", nap, args=(20.0,), timeout=0)
+        rpc.rpc_sync("worker1", die_soon)
+        with pytest.raises(RuntimeError, match="worker1"):
+            slow.wait()
+        rpc.shutdown(graceful=False)
+    else:
+        time.sleep(60)
+
+
+def test_a_peer_that_dies_fails_its_pending_calls_naming_it():
+    run(_peer_dies, 2, expect_exit=[0, 3])
+
+
+def _garbage(rank, world, method, lib):
+    init(rank, world, method)
+    if rank == 0:
+        addr = rpc.rpc_sync("worker1", my_address)
+        c = ctypes.CDLL(lib)
+        ctx, pipe, msg = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        assert c.sluice_context_new(None, None, ctypes.byref(ctx)) == 0
+        assert c.sluice_connect(ctx, addr.encode(), ctypes.byref(pipe)) == 0
+        for meta in [b"abc", b"\0" * 24, b"SLTR" + b"\0" * 20]:
+            assert c.sluice_message_new(ctypes.byref(msg)) == 0
+            c.sluice_message_set_metadata(msg, meta, len(meta))
+            c.sluice_pipe_write_sync(pipe, msg)
+        # The pipe that sent garbage is closed by the agent; its other pipes go on.
+        got = ctypes.c_void_p()
+        assert c.sluice_pipe_read(pipe, ctypes.byref(got)) != 0
+        c.sluice_pipe_free(pipe)
+        c.sluice_context_free(ctx)
+        assert torch.equal(rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1)), torch.full((1,), 2.0))
+    rpc.shutdown()
+
+
+def test_garbage_from_a_peer_closes_its_pipe_and_nothing_else():
+    lib = str(pathlib.Path(sluice_torch.__file__).parent / "libsluice_c.so")
+    run(_garbage, 2, lib)
+
+
+def _tensorpipe_after_import(rank, world, method):
+    import sluice_torch  # noqa: F401
+
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=method)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, backend=rpc.BackendType.TENSORPIPE, rpc_backend_options=opts)
+    assert torch.equal(rpc.rpc_sync(f"worker{(rank + 1) % world}", torch.add, args=(torch.ones(1), 1)), torch.full((1,), 2.0))
+    rpc.shutdown()
+
+
+def test_importing_the_backend_leaves_tensorpipe_usable():
+    assert rpc.BackendType.SLUICE is rpc.backend_registry.BackendType["SLUICE"]
+    assert isinstance(rpc.BackendType.TENSORPIPE, rpc.backend_registry.BackendType)
+    run(_tensorpipe_after_import, 2)
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="num_worker_threads"):
+        sluice_torch.SluiceRpcBackendOptions(num_worker_threads=0)
+    with pytest.raises(ValueError, match="CPU tensors only"):
+        sluice_torch.SluiceRpcBackendOptions(device_maps={"worker1": {0: 0}})
+    opts = rpc.backend_registry.construct_rpc_backend_options(sluice_torch.BACKEND, rpc_timeout=5, num_worker_threads=3)
+    assert isinstance(opts, sluice_torch.SluiceRpcBackendOptions)
+    assert opts.rpc_timeout == 5 and opts.num_worker_threads == 3
+    with pytest.raises(ValueError, match="static groups only"):
+        sluice_torch._init_backend(None, "w", 0, None, opts)
