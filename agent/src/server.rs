@@ -210,7 +210,7 @@ impl AgentInner {
                                 Ok(p)
                             })
                             .map_err(|e| WireError::Failed(e.to_string())),
-                        Err(e) => Err(WireError::Failed(format!("RRef creation failed: {e}"))),
+                        Err(e) => Err(typed(e)),
                     };
                     inner.reply(&pipe, caller, id, result).await;
                     gpu::rejoin(&pairs);
@@ -294,18 +294,12 @@ impl AgentInner {
                     });
                 }
                 Err(e) => {
-                    let failed = format!("RRef creation failed: {e}");
+                    // The method never ran: its call (and the reference it was to create)
+                    // fails with the target's own error, type and all.
                     if let Some(r) = rref {
-                        inner.rrefs.set_value(
-                            r,
-                            Err(RpcError::Remote {
-                                worker: inner.me.name.clone(),
-                                kind: "RRefFailed".into(),
-                                message: failed.clone(),
-                            }),
-                        );
+                        inner.rrefs.set_value(r, Err(e.clone()));
                     }
-                    inner.reply(&pipe, caller, id, Err(WireError::Failed(failed))).await;
+                    inner.reply(&pipe, caller, id, Err(typed(e))).await;
                     inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
                 }
             }
@@ -708,5 +702,16 @@ pub(crate) async fn serve_loop(served: Arc<Served>) {
                 return;
             }
         }
+    }
+}
+
+/// An error an RRef's value holds, as the reply that carries it to a caller with its type: an
+/// unknown handler stays `UnknownHandler` and a handler's error keeps its kind and message, so
+/// `to_here` and the proxies fail the way `rpc_sync` does; anything else goes as text.
+fn typed(e: RpcError) -> WireError {
+    match e {
+        RpcError::UnknownHandler { handler, .. } => WireError::UnknownHandler(handler),
+        RpcError::Remote { kind, message, .. } => WireError::Handler(HandlerError { kind, message }),
+        other => WireError::Failed(format!("RRef creation failed: {other}")),
     }
 }

@@ -103,6 +103,9 @@ fn registry() -> Registry {
         .method("counter_add", |_, c: &Counter, d: i64| {
             Ok(c.value.fetch_add(d, Ordering::SeqCst) + d)
         })
+        .method("counter_fail", |_, _c: &Counter, msg: String| -> Result<i64, _> {
+            Err(HandlerError::new("ValueError", msg))
+        })
         .method("counter_read_after", |_, c: &Counter, ms: u64| {
             std::thread::sleep(Duration::from_millis(ms));
             Ok(c.value.load(Ordering::SeqCst))
@@ -189,6 +192,69 @@ worker_test!(errors_reach_the_caller_and_the_agent_keeps_serving, 2, |env| {
         Err(RpcError::Shutdown)
     ));
     assert!(matches!(agent.shutdown(), Err(ShutdownError::AlreadyShutDown)));
+});
+
+// An unknown handler and a handler's own typed error fail the same way through every call
+// form: `call`, `call_async`, `remote` then `to_here`, and an RRef's proxies (`rpc_sync`,
+// `rpc_async`, `remote` then `to_here`).
+worker_test!(every_call_form_gives_the_same_typed_error, 2, |env| {
+    let agent = env.agent(registry());
+    if env.rank == 0 {
+        let unknown = |e: RpcError, form: &str| {
+            assert!(
+                matches!(&e, RpcError::UnknownHandler { handler, worker } if handler == "no_such" && worker == "worker1"),
+                "{form}: {e:?}"
+            );
+        };
+        let value_error = |e: RpcError, form: &str| {
+            assert!(
+                matches!(&e, RpcError::Remote { kind, message, worker } if kind == "ValueError" && message == "bad" && worker == "worker1"),
+                "{form}: {e:?}"
+            );
+        };
+        let arg = Payload::encode(&"bad".to_owned()).unwrap();
+        unknown(agent.call::<_, i64>(1u32, "no_such", &()).unwrap_err(), "call");
+        unknown(agent.call_async(1u32, "no_such", &()).wait().unwrap_err(), "call_async");
+        let r: RRef<i64> = agent.remote(1u32, "no_such", Payload::empty()).unwrap();
+        unknown(r.to_here().unwrap_err(), "remote + to_here");
+        value_error(
+            agent.call::<_, ()>(1u32, "fail", &"bad".to_owned()).unwrap_err(),
+            "call",
+        );
+        value_error(
+            agent.call_async(1u32, "fail", &"bad".to_owned()).wait().unwrap_err(),
+            "call_async",
+        );
+        let r: RRef<()> = agent.remote(1u32, "fail", arg).unwrap();
+        value_error(r.to_here().unwrap_err(), "remote + to_here");
+        // The proxies of a reference to a value on worker1.
+        let c: RRef<Counter> = agent
+            .remote(1u32, "make_counter", Payload::encode(&0i64).unwrap())
+            .unwrap();
+        unknown(c.rpc_sync::<_, i64>("no_such", &()).unwrap_err(), "proxy rpc_sync");
+        unknown(c.rpc_async("no_such", &()).wait().unwrap_err(), "proxy rpc_async");
+        let p: RRef<i64> = c.remote("no_such", &()).unwrap();
+        unknown(p.to_here().unwrap_err(), "proxy remote + to_here");
+        value_error(
+            c.rpc_sync::<_, i64>("counter_fail", &"bad".to_owned()).unwrap_err(),
+            "proxy rpc_sync",
+        );
+        value_error(
+            c.rpc_async("counter_fail", &"bad".to_owned()).wait().unwrap_err(),
+            "proxy rpc_async",
+        );
+        let p: RRef<i64> = c.remote("counter_fail", &"bad".to_owned()).unwrap();
+        value_error(p.to_here().unwrap_err(), "proxy remote + to_here");
+        // A method called on a reference whose creation failed fails with that error.
+        let broken: RRef<Counter> = agent.remote(1u32, "no_such", Payload::empty()).unwrap();
+        unknown(
+            broken.rpc_sync::<_, i64>("counter_add", &1i64).unwrap_err(),
+            "proxy on a failed reference",
+        );
+        let p: RRef<i64> = broken.remote("counter_add", &1i64).unwrap();
+        unknown(p.to_here().unwrap_err(), "proxy remote on a failed reference");
+    }
+    agent.shutdown().unwrap();
 });
 
 worker_test!(calls_to_self_and_tensors_without_copies, 2, |env| {
