@@ -217,13 +217,24 @@ sluice_message* encode(const Message& m, int32_t from, Stats& stats) {
   TORCH_CHECK(s == SLUICE_OK, "sluice: payload: ", lastError(s));
   uint64_t bytes = payload.size();
   static uint8_t empty = 0;
+  // One flag byte per tensor (bit 0: requires_grad), as a second payload: distributed autograd
+  // needs to know, as TensorPipe's pickled tensor table tells it.
+  std::vector<uint8_t> flags;
   for (const auto& t : m.tensors()) {
     TORCH_CHECK(
         t.device().is_cpu(),
         "the SLUICE RPC backend carries CPU tensors only so far (device maps are not supported yet); got a tensor on ",
         t.device());
     TORCH_CHECK(t.layout() == at::kStrided, "the SLUICE RPC backend carries strided tensors only; got ", t.layout());
-    auto* held = new at::Tensor(t.contiguous());
+    flags.push_back(t.requires_grad() ? 1 : 0);
+    // A view goes as it lies (its span, with its strides), so it arrives with the same layout;
+    // one whose span is far larger than its elements goes as a compact copy instead.
+    int64_t span = 1;
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      span += (t.size(d) - 1) * t.stride(d);
+    }
+    bool compact = t.numel() > 0 && span * t.element_size() > 4 * t.nbytes() + (64 << 10);
+    auto* held = new at::Tensor(compact ? t.detach().contiguous() : t.detach());
     DLTensor dl{};
     dl.data = held->numel() == 0 ? static_cast<void*>(&empty) : held->data_ptr();
     dl.device = DLDevice{kDLCPU, 0};
@@ -235,7 +246,7 @@ sluice_message* encode(const Message& m, int32_t from, Stats& stats) {
       throw;
     }
     dl.shape = const_cast<int64_t*>(held->sizes().data());
-    dl.strides = nullptr;
+    dl.strides = held->numel() == 0 ? nullptr : const_cast<int64_t*>(held->strides().data());
     dl.byte_offset = 0;
     bytes += held->nbytes();
     s = sluice_message_add_tensor(out, &dl, releaseTensor, held);
@@ -244,13 +255,26 @@ sluice_message* encode(const Message& m, int32_t from, Stats& stats) {
       TORCH_CHECK(false, "sluice: tensor of ", t.scalar_type(), ": ", lastError(s));
     }
   }
+  s = sluice_message_add_payload(out, flags.data(), flags.size());
+  TORCH_CHECK(s == SLUICE_OK, "sluice: payload: ", lastError(s));
   stats.sent += 1;
   stats.bytesSent += bytes;
   return guard.release();
 }
 
 // The RPC message a Sluice message carries, or an error saying why it is malformed.
+std::variant<c10::intrusive_ptr<Message>, std::string> decodeUnchecked(sluice_received* r, Header& h, Stats& stats);
+
+// Never throws: whatever goes wrong making the tensors is the message's fault, as text.
 std::variant<c10::intrusive_ptr<Message>, std::string> decode(sluice_received* r, Header& h, Stats& stats) {
+  try {
+    return decodeUnchecked(r, h, stats);
+  } catch (const std::exception& e) {
+    return std::string("a message whose tensors cannot be rebuilt: ") + e.what();
+  }
+}
+
+std::variant<c10::intrusive_ptr<Message>, std::string> decodeUnchecked(sluice_received* r, Header& h, Stats& stats) {
   const uint8_t* data = nullptr;
   size_t len = 0;
   if (sluice_received_metadata(r, &data, &len) != SLUICE_OK || len != sizeof(Header)) {
@@ -264,14 +288,20 @@ std::variant<c10::intrusive_ptr<Message>, std::string> decode(sluice_received* r
     return "a message of wire version " + std::to_string(h.version) + " (this build speaks " +
         std::to_string(kVersion) + ")";
   }
-  if (sluice_received_payload_count(r) != 1) {
-    return std::string("a message with ") + std::to_string(sluice_received_payload_count(r)) + " payloads (expected 1)";
+  size_t n = sluice_received_tensor_count(r);
+  if (sluice_received_payload_count(r) != 2) {
+    return std::string("a message with ") + std::to_string(sluice_received_payload_count(r)) + " payloads (expected 2)";
+  }
+  const uint8_t* flags = nullptr;
+  size_t nflags = 0;
+  sluice_received_payload(r, 1, &flags, &nflags);
+  if (nflags != n) {
+    return "a message with " + std::to_string(n) + " tensors and " + std::to_string(nflags) + " tensor flags";
   }
   sluice_received_payload(r, 0, &data, &len);
   std::vector<char> payload(reinterpret_cast<const char*>(data), reinterpret_cast<const char*>(data) + len);
   uint64_t bytes = len;
   std::vector<at::Tensor> tensors;
-  size_t n = sluice_received_tensor_count(r);
   tensors.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     DLTensor dl{};
@@ -286,12 +316,26 @@ std::variant<c10::intrusive_ptr<Message>, std::string> decode(sluice_received* r
       return "tensor " + std::to_string(i) + ": " + e.what();
     }
     std::vector<int64_t> shape(dl.shape, dl.shape + dl.ndim);
-    // The library checked the description against the bytes; the copy makes the tensor the
-    // receiver's own (handlers may write into their arguments; received memory is read-only).
-    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(type));
-    auto view = at::from_blob(dl.data, shape, std::vector<int64_t>(dl.strides, dl.strides + dl.ndim),
-                              at::TensorOptions().dtype(type));
-    t.copy_(view);
+    std::vector<int64_t> strides(dl.strides, dl.strides + dl.ndim);
+    // The library checked the description against the bytes. The copy of the span makes the
+    // tensor the receiver's own (handlers may write into their arguments; received memory is
+    // read-only), laid out exactly as the sender's view: the same strides, stride 0 included.
+    const uint8_t* bytesIn = nullptr;
+    size_t spanBytes = 0;
+    sluice_received_tensor_data(r, i, &bytesIn, &spanBytes);
+    auto options = at::TensorOptions().dtype(type);
+    int64_t item = static_cast<int64_t>(c10::elementSize(type));
+    at::Tensor storage = at::empty({static_cast<int64_t>(spanBytes) / item}, options);
+    if (spanBytes > 0) {
+      std::memcpy(storage.data_ptr(), bytesIn, spanBytes);
+    }
+    at::Tensor t = storage.as_strided(shape, strides);
+    if (flags[i] & 1) {
+      if (!(at::isFloatingType(type) || at::isComplexType(type))) {
+        return "tensor " + std::to_string(i) + ": requires_grad on a tensor of " + c10::toString(type);
+      }
+      t.set_requires_grad(true);
+    }
     bytes += t.nbytes();
     tensors.push_back(std::move(t));
   }
@@ -763,6 +807,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("store"), py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("rpc_timeout"),
            py::arg("num_worker_threads"), py::arg("transports"), py::arg("channels"), py::arg("host"),
+           py::call_guard<py::gil_scoped_release>())
+      // Defined here again with the id form (which RpcAgent's binding lacks and the int
+      // destinations of rpc_sync need): a name on the subclass hides the base's overloads.
+      .def("get_worker_info", py::overload_cast<>(&rpc::RpcAgent::getWorkerInfo, py::const_),
+           py::call_guard<py::gil_scoped_release>())
+      .def("get_worker_info", py::overload_cast<const std::string&>(&SluiceAgent::getWorkerInfo, py::const_),
+           py::call_guard<py::gil_scoped_release>())
+      .def("get_worker_info", py::overload_cast<rpc::worker_id_t>(&SluiceAgent::getWorkerInfo, py::const_),
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("address", &SluiceAgent::address);
 }
