@@ -80,6 +80,7 @@ struct Pending {
   c10::intrusive_ptr<JitFuture> future;
   worker_id_t to;
   Clock::time_point started;
+  std::optional<Clock::time_point> deadline;
 };
 
 struct Stats {
@@ -124,14 +125,27 @@ struct Core : std::enable_shared_from_this<Core> {
     return true;
   }
 
-  // Removes call `id` if it is still pending (exactly one caller gets it).
+  // Removes call `id` if it is still pending (exactly one caller gets it), and its deadline.
   std::optional<Pending> take(int64_t id) {
     std::lock_guard<std::mutex> l(mu);
     auto it = pending.find(id);
     if (it == pending.end()) {
       return std::nullopt;
     }
+    return takeLocked(it);
+  }
+
+  Pending takeLocked(std::unordered_map<int64_t, Pending>::iterator it) {
     Pending p = std::move(it->second);
+    if (p.deadline) {
+      auto [from, to] = deadlines.equal_range(*p.deadline);
+      for (auto d = from; d != to; ++d) {
+        if (d->second == it->first) {
+          deadlines.erase(d);
+          break;
+        }
+      }
+    }
     pending.erase(it);
     return p;
   }
@@ -158,13 +172,14 @@ struct Core : std::enable_shared_from_this<Core> {
     std::vector<Pending> out;
     {
       std::lock_guard<std::mutex> l(mu);
-      for (auto it = pending.begin(); it != pending.end();) {
-        if (which(it->second)) {
-          out.push_back(std::move(it->second));
-          it = pending.erase(it);
-        } else {
-          ++it;
+      std::vector<int64_t> ids;
+      for (const auto& [id, p] : pending) {
+        if (which(p)) {
+          ids.push_back(id);
         }
+      }
+      for (int64_t id : ids) {
+        out.push_back(takeLocked(pending.find(id)));
       }
     }
     for (auto& p : out) {
@@ -425,16 +440,17 @@ class SluiceAgent : public RpcAgent {
     auto now = Clock::now();
     {
       std::lock_guard<std::mutex> l(core_->mu);
-      core_->pending.emplace(id, Pending{future, to.id_, now});
-      core_->clientActive += 1;
+      std::optional<Clock::time_point> deadline;
       if (secs > 0) {
-        auto deadline = now + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(secs));
-        bool first = core_->deadlines.empty() || deadline < core_->deadlines.begin()->first;
-        core_->deadlines.emplace(deadline, id);
+        deadline = now + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(secs));
+        bool first = core_->deadlines.empty() || *deadline < core_->deadlines.begin()->first;
+        core_->deadlines.emplace(*deadline, id);
         if (first) {
           core_->timerCv.notify_all();
         }
       }
+      core_->pending.emplace(id, Pending{future, to.id_, now, deadline});
+      core_->clientActive += 1;
     }
     std::weak_ptr<Core> weak = core_;
     std::string peer = to.name_;
@@ -749,17 +765,18 @@ class SluiceAgent : public RpcAgent {
         core->timerCv.wait_until(l, next);
         continue;
       }
+      // Only pending calls have deadlines: a call that completes removes its own.
       std::vector<std::pair<Pending, int64_t>> expired;
       auto now = Clock::now();
       while (!core->deadlines.empty() && core->deadlines.begin()->first <= now) {
         int64_t id = core->deadlines.begin()->second;
-        core->deadlines.erase(core->deadlines.begin());
         auto it = core->pending.find(id);
-        if (it != core->pending.end()) {
-          auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now - it->second.started).count();
-          expired.emplace_back(std::move(it->second), ms);
-          core->pending.erase(it);
+        if (it == core->pending.end()) {
+          core->deadlines.erase(core->deadlines.begin());
+          continue;
         }
+        auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now - it->second.started).count();
+        expired.emplace_back(core->takeLocked(it), ms);
       }
       l.unlock();
       for (auto& [p, ms] : expired) {

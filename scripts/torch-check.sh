@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Sluice under PyTorch: builds sluice-torch (the SLUICE torch.distributed.rpc backend) against the
+# torch in the virtual environment (target/pyenv, made by python-check.sh or here), runs the
+# backend's own tests, then PyTorch's generic RPC suites against it.
+#
+#   scripts/torch-check.sh          # the backend's tests and the CI subset of PyTorch's suites
+#   scripts/torch-check.sh full     # ... and every test of PyTorch's GENERIC_TESTS (about an hour)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${SLUICE_PYENV:-$PWD/target/pyenv}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV" 2>/dev/null || {
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+        python3 -m venv "$VENV"
+    }
+fi
+# PyTorch's test modules import expecttest and hypothesis.
+"$VENV/bin/python" -c 'import torch, pytest, expecttest, hypothesis' 2>/dev/null \
+    || "$VENV/bin/python" -m pip install --quiet torch pytest expecttest hypothesis
+
+# What the README says: built against the torch already installed, in one command.
+"$VENV/bin/python" -m pip install --quiet --no-build-isolation ./python/torch
+
+cd python/torch/tests
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider test_backend.py
+"$VENV/bin/python" run_generic.py "${1:-ci}"
