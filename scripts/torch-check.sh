@@ -16,9 +16,11 @@ if [ ! -x "$VENV/bin/python" ]; then
         python3 -m venv "$VENV"
     }
 fi
-# PyTorch's test modules import expecttest and hypothesis.
-"$VENV/bin/python" -c 'import torch, pytest, expecttest, hypothesis' 2>/dev/null \
-    || "$VENV/bin/python" -m pip install --quiet torch pytest expecttest hypothesis
+# The torch this backend is written for (python/torch/setup.py: SUPPORTED), and what PyTorch's
+# test modules import (expecttest, hypothesis).
+TORCH="torch==2.15.*"
+"$VENV/bin/python" -c 'import sys, torch, pytest, expecttest, hypothesis; sys.exit(not torch.__version__.startswith("2.15."))' 2>/dev/null \
+    || "$VENV/bin/python" -m pip install --quiet "$TORCH" pytest expecttest hypothesis
 
 # What the README says: built against the torch already installed, in one command.
 "$VENV/bin/python" -m pip install --quiet --no-build-isolation ./python/torch

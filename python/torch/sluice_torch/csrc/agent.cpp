@@ -474,13 +474,15 @@ class SluiceAgent : public RpcAgent {
 
   const WorkerInfo& getWorkerInfo(const std::string& workerName) const override {
     auto it = byName_.find(workerName);
-    TORCH_CHECK(it != byName_.end(), "Unknown destination worker ", workerName);
+    TORCH_CHECK(it != byName_.end(), workerInfo_.name_, " could not find destination worker ", workerName,
+                " (the group has ", byName_.size(), " workers)");
     return core_->workers.at(it->second);
   }
 
   const WorkerInfo& getWorkerInfo(worker_id_t id) const override {
     auto it = core_->workers.find(id);
-    TORCH_CHECK(it != core_->workers.end(), "Unknown destination worker ", id);
+    TORCH_CHECK(it != core_->workers.end(), workerInfo_.name_, " could not find destination worker id ", id,
+                " (the group has ", core_->workers.size(), " workers)");
     return it->second;
   }
 
