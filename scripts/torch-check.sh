@@ -4,7 +4,7 @@
 # backend's own tests, then PyTorch's generic RPC suites against it.
 #
 #   scripts/torch-check.sh          # the backend's tests and the CI subset of PyTorch's suites
-#   scripts/torch-check.sh full     # ... and every test of PyTorch's GENERIC_TESTS (about an hour)
+#   scripts/torch-check.sh full     # ... and every test of PyTorch's GENERIC_TESTS (about 50 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${SLUICE_PYENV:-$PWD/target/pyenv}"

@@ -77,7 +77,9 @@ fn compare_torch_backends(records: &mut [Record]) -> Vec<String> {
         .collect();
     let mut lines = Vec::new();
     for r in records.iter_mut() {
-        let Some(rest) = r.backend.strip_prefix("pytorch-sluice-") else { continue };
+        let Some(rest) = r.backend.strip_prefix("pytorch-sluice-") else {
+            continue;
+        };
         let name = format!("pytorch-{rest}");
         let Some(t) = theirs
             .iter()
@@ -90,7 +92,9 @@ fn compare_torch_backends(records: &mut [Record]) -> Vec<String> {
             "bw" => (r.gbps, t.gbps, "GB/s"),
             _ => (r.per_second, t.per_second, "/s"),
         };
-        let (Some(ours), Some(base)) = (ours, base) else { continue };
+        let (Some(ours), Some(base)) = (ours, base) else {
+            continue;
+        };
         if base <= 0.0 {
             continue;
         }

@@ -3,7 +3,7 @@
 per suite.
 
     python run_generic.py ci      # the subset in ci_tests.txt (what CI runs, a few minutes)
-    python run_generic.py full    # every test of GENERIC_TESTS (about an hour on 2 cores)
+    python run_generic.py full    # every test of GENERIC_TESTS (about 50 minutes on 2 cores)
 
 Exits non-zero if any test failed. Extra arguments go to pytest (`-k test_self_add`).
 """
