@@ -186,6 +186,17 @@ typedef void (*sluice_release_fn)(void *user);
 typedef void (*sluice_done_fn)(int status,
                                void *user);
 
+/**
+ * Called once when a read started with `sluice_pipe_read_then` has finished, on a library
+ * thread: `status` is `SLUICE_OK` and `received` the message (the callee owns it: free it with
+ * `sluice_received_free`), or the error with `received` NULL (its message is
+ * `sluice_last_error()` inside the callback). It must not block, and must not call the blocking
+ * functions (they return `SLUICE_MISUSE` there); it may start the next read.
+ */
+typedef void (*sluice_read_fn)(int status,
+                               sluice_received *received,
+                               void *user);
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -378,6 +389,17 @@ int sluice_pipe_write_sync(sluice_pipe *pipe,
  */
 int sluice_pipe_read(sluice_pipe *pipe,
                      sluice_received **out);
+
+/**
+ * Starts receiving the next message and returns at once; `done(status, received, user)` is
+ * called once, on a library thread, when it has arrived (`SLUICE_OK` and the message, which the
+ * callback owns) or the read failed (the error, `received` NULL). The callback may start the
+ * next read, so a reader needs no thread of its own. If this function returns an error, `done`
+ * is not called. Reads a thread starts on a pipe take messages in that order.
+ */
+int sluice_pipe_read_then(sluice_pipe *pipe,
+                          sluice_read_fn done,
+                          void *user);
 
 /**
  * Starts receiving the next message and returns at once with an op handle in `*out` (NULL on

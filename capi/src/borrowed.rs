@@ -7,7 +7,7 @@ use std::ffi::{c_int, c_void};
 
 use bytes::Bytes;
 
-use crate::api::{SluiceDoneFn, SluiceReleaseFn};
+use crate::api::{SluiceDoneFn, SluiceReadFn, SluiceReleaseFn};
 
 /// Memory lent by the caller: `len` bytes at `ptr`, read by the pipe until the last `Bytes`
 /// that views it drops, which calls `release(user)` (once, from whatever thread drops it).
@@ -80,6 +80,36 @@ impl Done {
         if let Some(f) = self.f {
             // SAFETY: `new`'s contract; `self` is consumed, so this runs once.
             unsafe { f(status, self.user) }
+        }
+    }
+}
+
+/// A read's completion callback and its argument, to be called once from a library thread.
+pub(crate) struct ReadDone {
+    f: SluiceReadFn,
+    user: *mut c_void,
+}
+
+// SAFETY: as for `Done`: the C API documents that read callbacks run on library threads.
+unsafe impl Send for ReadDone {}
+
+impl ReadDone {
+    /// # Safety
+    /// `f`, when not NULL, must be callable once with `user` from any thread.
+    pub(crate) unsafe fn new(f: SluiceReadFn, user: *mut c_void) -> ReadDone {
+        ReadDone { f, user }
+    }
+
+    /// Hands `received` (owned by the callee from here on) or the error's status to the callback.
+    pub(crate) fn call(self, status: c_int, received: *mut crate::received::SluiceReceived) {
+        match self.f {
+            // SAFETY: `new`'s contract; `self` is consumed, so this runs once.
+            Some(f) => unsafe { f(status, received, self.user) },
+            None if !received.is_null() => {
+                // SAFETY: nobody took the message: it was made by Box::into_raw just now.
+                drop(unsafe { Box::from_raw(received) });
+            }
+            None => {}
         }
     }
 }

@@ -323,3 +323,63 @@ fn operations_keep_the_order_they_were_started_in() {
         }
     }
 }
+
+/// A chain of reads by callback: each callback gets its message (owned), starts the next read,
+/// and the chain ends with the error once the peer closes its pipe.
+#[test]
+fn reads_by_callback_chain_and_end_with_the_peers_close() {
+    watchdog("reads_by_callback_chain_and_end_with_the_peers_close");
+    struct Chain {
+        pipe: *mut SluicePipe,
+        got: Mutex<Vec<Result<Vec<u8>, c_int>>>,
+        done: Condvar,
+    }
+    unsafe extern "C" fn on_read(status: c_int, r: *mut SluiceReceived, user: *mut c_void) {
+        // SAFETY: `user` is the test's `Chain`, alive until the chain has ended.
+        let chain = unsafe { &*(user as *const Chain) };
+        if status != 0 {
+            assert!(r.is_null(), "a failed read hands out no message");
+            chain.got.lock().unwrap().push(Err(status));
+            chain.done.notify_all();
+            return;
+        }
+        chain.got.lock().unwrap().push(Ok(metadata(r).to_vec()));
+        // SAFETY: the callback owns the message; freed once.
+        unsafe { sluice_received_free(r) };
+        // SAFETY: the pipe outlives the chain; the callback may start the next read.
+        ok(
+            unsafe { sluice_pipe_read_then(chain.pipe, Some(on_read), user) },
+            "next read",
+        );
+    }
+    let pair = Pair::new(None, None);
+    let chain = Chain {
+        pipe: pair.server,
+        got: Mutex::new(Vec::new()),
+        done: Condvar::new(),
+    };
+    let user = &chain as *const Chain as *mut c_void;
+    // SAFETY: live pipe; `chain` outlives every callback (waited for below).
+    ok(
+        unsafe { sluice_pipe_read_then(pair.server, Some(on_read), user) },
+        "read_then",
+    );
+    for i in 0..5 {
+        // SAFETY: a fresh message, consumed by the write.
+        ok(
+            unsafe { sluice_pipe_write_sync(pair.client, message(format!("m{i}").as_bytes(), &[])) },
+            "write",
+        );
+    }
+    // SAFETY: live pipe: the peer's close ends the chain.
+    ok(unsafe { sluice_pipe_close(pair.client) }, "close");
+    let mut got = chain.got.lock().unwrap();
+    while !matches!(got.last(), Some(Err(_))) {
+        got = chain.done.wait(got).unwrap();
+    }
+    let messages: Vec<_> = got.iter().filter_map(|g| g.as_ref().ok().cloned()).collect();
+    let expected: Vec<Vec<u8>> = (0..5).map(|i| format!("m{i}").into_bytes()).collect();
+    assert_eq!(messages, expected, "every message, in order");
+    assert_eq!(got.len(), 6, "then one error: {:?}", got.last());
+    drop(got);
+}

@@ -36,6 +36,14 @@ pub use status::*;
 /// `SLUICE_MISUSE` there).
 pub type SluiceDoneFn = Option<unsafe extern "C" fn(status: c_int, user: *mut c_void)>;
 
+/// Called once when a read started with `sluice_pipe_read_then` has finished, on a library
+/// thread: `status` is `SLUICE_OK` and `received` the message (the callee owns it: free it with
+/// `sluice_received_free`), or the error with `received` NULL (its message is
+/// `sluice_last_error()` inside the callback). It must not block, and must not call the blocking
+/// functions (they return `SLUICE_MISUSE` there); it may start the next read.
+pub type SluiceReadFn =
+    Option<unsafe extern "C" fn(status: c_int, received: *mut crate::received::SluiceReceived, user: *mut c_void)>;
+
 /// Called once, from any thread, when the library no longer needs memory a message borrowed
 /// (`sluice_message_add_tensor`).
 pub type SluiceReleaseFn = Option<unsafe extern "C" fn(user: *mut c_void)>;

@@ -2,8 +2,8 @@
 
 use std::ffi::{c_char, c_int, c_void};
 
-use super::{give, guard, guard_or, handle, out_handle, take, SluiceDoneFn};
-use crate::borrowed::Done;
+use super::{give, guard, guard_or, handle, out_handle, take, SluiceDoneFn, SluiceReadFn};
+use crate::borrowed::{Done, ReadDone};
 use crate::message::SluiceMessage;
 use crate::op::{OpKind, SluiceOp};
 use crate::pipe::SluicePipe;
@@ -110,6 +110,29 @@ pub unsafe extern "C" fn sluice_pipe_read(pipe: *mut SluicePipe, out: *mut *mut 
         // SAFETY: the caller passes a live pipe or NULL.
         let pipe = unsafe { handle(pipe, "pipe") }?;
         give(out, pipe.read_sync()?);
+        Ok(SLUICE_OK)
+    })
+}
+
+/// Starts receiving the next message and returns at once; `done(status, received, user)` is
+/// called once, on a library thread, when it has arrived (`SLUICE_OK` and the message, which the
+/// callback owns) or the read failed (the error, `received` NULL). The callback may start the
+/// next read, so a reader needs no thread of its own. If this function returns an error, `done`
+/// is not called. Reads a thread starts on a pipe take messages in that order.
+#[no_mangle]
+pub unsafe extern "C" fn sluice_pipe_read_then(pipe: *mut SluicePipe, done: SluiceReadFn, user: *mut c_void) -> c_int {
+    guard("sluice_pipe_read_then", || {
+        // SAFETY: the caller passes a live pipe or NULL.
+        let pipe = unsafe { handle(pipe, "pipe") }?;
+        // SAFETY: the caller's callback, documented to run once on a library thread.
+        let done = unsafe { ReadDone::new(done, user) };
+        pipe.read_then(move |result| match result {
+            Ok(received) => done.call(SLUICE_OK, Box::into_raw(Box::new(received))),
+            Err(e) => {
+                set_last_error(&format!("sluice_pipe_read: {}", e.message));
+                done.call(e.code, std::ptr::null_mut());
+            }
+        })?;
         Ok(SLUICE_OK)
     })
 }

@@ -105,8 +105,6 @@ struct Core : std::enable_shared_from_this<Core> {
   bool timerStop = false;
   int64_t clientActive = 0;
   int64_t serverActive = 0;
-  bool ready = false;  // every client pipe is open: requests may be served (they may call out)
-  std::condition_variable readyCv;
   std::unordered_map<worker_id_t, std::pair<uint64_t, double>> latency;  // calls, total seconds
   Stats stats;
 
@@ -386,6 +384,57 @@ void write(const std::shared_ptr<Pipe>& pipe, const Message& m, int32_t from, St
   }
 }
 
+// Reads messages from a pipe one after another without a thread of its own: each read's
+// completion (on a library thread) handles the message, then starts the next read. `onMessage`
+// returns whether to go on; `onEnd` runs once when the loop ends on an error (status and text).
+// `live` counts the loops still running, so shutdown can wait for the last callback.
+struct ReadLoop {
+  std::shared_ptr<Pipe> pipe;
+  std::function<bool(sluice_received*)> onMessage;
+  std::function<void(int, std::string)> onEnd;
+  std::shared_ptr<std::atomic<int64_t>> live;
+
+  static void start(std::unique_ptr<ReadLoop> loop) {
+    loop->live->fetch_add(1);
+    next(loop.release());
+  }
+
+  static void next(ReadLoop* loop) {
+    int s = sluice_pipe_read_then(loop->pipe->raw, &ReadLoop::done, loop);
+    if (s != SLUICE_OK) {
+      finish(loop, s, lastError(s));
+    }
+  }
+
+  static void finish(ReadLoop* loop, int status, std::string why) {
+    if (status != SLUICE_OK && loop->onEnd) {
+      loop->onEnd(status, std::move(why));
+    }
+    auto live = loop->live;
+    delete loop;
+    live->fetch_sub(1);
+  }
+
+  static void done(int status, sluice_received* r, void* user) {
+    auto* loop = static_cast<ReadLoop*>(user);
+    if (status != SLUICE_OK) {
+      finish(loop, status, lastError(status));
+      return;
+    }
+    bool more = false;
+    try {
+      more = loop->onMessage(r);
+    } catch (const std::exception& e) {
+      TORCH_WARN("sluice: a received message could not be handled: ", e.what());
+    }
+    if (more) {
+      next(loop);
+    } else {
+      finish(loop, SLUICE_OK, "");
+    }
+  }
+};
+
 class SluiceAgent : public RpcAgent {
  public:
   SluiceAgent(const c10::intrusive_ptr<::c10d::Store>& store, std::string name, int64_t rank, int64_t worldSize,
@@ -530,14 +579,16 @@ class SluiceAgent : public RpcAgent {
       int s = sluice_connect(ctx_, addr.c_str(), &raw);
       TORCH_CHECK(s == SLUICE_OK, "sluice: cannot connect to ", w.name_, " at ", addr, ": ", lastError(s));
       auto pipe = std::make_shared<Pipe>(raw);
-      Client c{pipe, {}};
-      c.reader = std::thread([core = core_, pipe, peer = id] { clientReader(core, pipe, peer); });
       channel_[id] = std::string(sluice_pipe_transport(raw)) + "/" + sluice_pipe_channel(raw);
-      clients_.emplace(id, std::move(c));
+      clients_.emplace(id, Client{pipe});
+      readClient(core_, pipe, id, live_);
     }
-    std::lock_guard<std::mutex> l(core_->mu);
-    core_->ready = true;
-    core_->readyCv.notify_all();
+    // A handler may call out: serve requests once this worker's own pipes are open.
+    std::lock_guard<std::mutex> l(serversMu_);
+    serving_ = true;
+    for (auto& p : servers_) {
+      readServer(p);
+    }
   }
 
   void shutdownImpl() override {
@@ -550,11 +601,7 @@ class SluiceAgent : public RpcAgent {
       timerThread_.join();
     }
     // Wake the accept thread with a pipe of our own, then stop listening.
-    {
-      std::lock_guard<std::mutex> l(core_->mu);
-      stopping_ = true;
-      core_->readyCv.notify_all();
-    }
+    stopping_ = true;
     if (acceptThread_.joinable()) {
       sluice_pipe* wake = nullptr;
       if (sluice_connect(ctx_, address_.c_str(), &wake) == SLUICE_OK) {
@@ -571,15 +618,13 @@ class SluiceAgent : public RpcAgent {
         p->close();
       }
     }
-    for (auto& [id, c] : clients_) {
-      if (c.reader.joinable()) {
-        c.reader.join();
-      }
+    // Closed pipes end their reads: wait for the last read callback to return.
+    auto until = Clock::now() + std::chrono::seconds(10);
+    while (live_->load() > 0 && Clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
-    for (auto& t : serverReaders_) {
-      if (t.joinable()) {
-        t.join();
-      }
+    if (live_->load() > 0) {
+      TORCH_WARN("sluice: ", live_->load(), " pipe reads still running 10 s after their pipes were closed");
     }
     core_->failWhere([](const Pending&) { return true; },
                      "RPC agent of " + workerInfo_.name_ + " is shutting down: the call was not answered");
@@ -626,7 +671,6 @@ class SluiceAgent : public RpcAgent {
  private:
   struct Client {
     std::shared_ptr<Pipe> pipe;
-    std::thread reader;
   };
 
   void release() {
@@ -655,104 +699,110 @@ class SluiceAgent : public RpcAgent {
       auto pipe = std::make_shared<Pipe>(raw);
       std::lock_guard<std::mutex> l(serversMu_);
       servers_.push_back(pipe);
-      serverReaders_.emplace_back([this, pipe] { serverReader(pipe); });
+      if (serving_) {
+        readServer(pipe);
+      }
     }
   }
 
-  // Requests in, responses out on the same pipe.
-  void serverReader(std::shared_ptr<Pipe> pipe) {
+  // Requests in, responses out on the same pipe. Requests run on the pool (`this` is used only
+  // there: nothing is posted once shutdown has begun to wait for the pool).
+  void readServer(std::shared_ptr<Pipe> pipe) {
     auto core = core_;
     std::string from = sluice_pipe_peer(pipe->raw);
-    {
-      // A handler may call out: serve once this worker's own pipes are open.
-      std::unique_lock<std::mutex> l(core->mu);
-      core->readyCv.wait(l, [&] { return core->ready || stopping_; });
-    }
-    while (true) {
-      sluice_received* r = nullptr;
-      int s = sluice_pipe_read(pipe->raw, &r);
-      if (s != SLUICE_OK) {
-        return;  // the caller went away (or we are shutting down): its calls fail on its side
-      }
+    int32_t self = workerInfo_.id_;
+    auto loop = std::make_unique<ReadLoop>();
+    loop->pipe = pipe;
+    loop->live = live_;
+    // The caller went away (or we are shutting down): its calls fail on its side.
+    loop->onEnd = nullptr;
+    loop->onMessage = [this, core, pipe, from, self](sluice_received* r) {
       Header h{};
       auto decoded = decode(r, h, core->stats);
       sluice_received_free(r);
       if (auto* error = std::get_if<std::string>(&decoded)) {
         TORCH_WARN("sluice: closing the pipe from ", from, ": it sent ", *error);
         pipe->close();
-        return;
+        return false;
       }
       auto request = std::get<c10::intrusive_ptr<Message>>(decoded);
       if (!request->isRequest()) {
-        TORCH_WARN("sluice: closing the pipe from ", core->name(h.from), ": it sent a message of type ",
-                   request->type(), " where requests come");
+        TORCH_WARN("sluice: closing the pipe from ", from, ": it sent a message of type ", request->type(),
+                   " where requests come");
         pipe->close();
-        return;
+        return false;
       }
       {
         std::lock_guard<std::mutex> l(core->mu);
         core->serverActive += 1;
       }
-      int32_t self = workerInfo_.id_;
-      core->post([this, core, pipe, request, self]() {
-        int64_t id = request->id();
-        c10::intrusive_ptr<JitFuture> fut;
-        try {
-          fut = (*cb_)(*request, {});
-        } catch (const std::exception&) {
-          fut = c10::make_intrusive<JitFuture>(at::AnyClassType::get());
-          fut->setError(std::current_exception());
-        }
-        fut->addCallback([core, pipe, id, self](JitFuture& f) {
-          c10::intrusive_ptr<Message> response;
-          try {
-            response = f.hasError() ? createExceptionResponse(f.tryRetrieveErrorMessage(), id)
-                                    : f.value().toCustomClass<Message>();
-            response->setId(id);
-            write(pipe, *response, self, core->stats, nullptr);
-          } catch (const std::exception& e) {
-            // A response Sluice cannot carry (a CUDA tensor, say) goes back as the error.
-            try {
-              write(pipe, *createExceptionResponse(e.what(), id), self, core->stats, nullptr);
-            } catch (...) {
-            }
-          }
-          std::lock_guard<std::mutex> l(core->mu);
-          core->serverActive -= 1;
-        });
-      });
+      core->post([this, core, pipe, request, self]() { serve(core, pipe, request, self); });
+      return true;
+    };
+    ReadLoop::start(std::move(loop));
+  }
+
+  void serve(const std::shared_ptr<Core>& core, const std::shared_ptr<Pipe>& pipe,
+             const c10::intrusive_ptr<Message>& request, int32_t self) {
+    int64_t id = request->id();
+    c10::intrusive_ptr<JitFuture> fut;
+    try {
+      fut = (*cb_)(*request, {});
+    } catch (const std::exception&) {
+      fut = c10::make_intrusive<JitFuture>(at::AnyClassType::get());
+      fut->setError(std::current_exception());
     }
+    fut->addCallback([core, pipe, id, self](JitFuture& f) {
+      c10::intrusive_ptr<Message> response;
+      try {
+        response = f.hasError() ? createExceptionResponse(f.tryRetrieveErrorMessage(), id)
+                                : f.value().toCustomClass<Message>();
+        response->setId(id);
+        write(pipe, *response, self, core->stats, nullptr);
+      } catch (const std::exception& e) {
+        // A response Sluice cannot carry (a CUDA tensor, say) goes back as the error.
+        try {
+          write(pipe, *createExceptionResponse(e.what(), id), self, core->stats, nullptr);
+        } catch (...) {
+        }
+      }
+      std::lock_guard<std::mutex> l(core->mu);
+      core->serverActive -= 1;
+    });
   }
 
   // Responses in on a pipe this worker opened; any failure fails the calls that used it.
-  static void clientReader(std::shared_ptr<Core> core, std::shared_ptr<Pipe> pipe, worker_id_t peer) {
+  static void readClient(std::shared_ptr<Core> core, std::shared_ptr<Pipe> pipe, worker_id_t peer,
+                         std::shared_ptr<std::atomic<int64_t>> live) {
     auto peerName = core->name(peer);
-    auto failAll = [&](const std::string& why) {
+    auto failAll = [core, peer](const std::string& why) {
       core->failWhere([peer](const Pending& p) { return p.to == peer; }, why);
     };
-    while (true) {
-      sluice_received* r = nullptr;
-      int s = sluice_pipe_read(pipe->raw, &r);
-      if (s != SLUICE_OK) {
-        failAll("sluice: the pipe to " + peerName + " failed: " + lastError(s));
-        return;
-      }
+    auto loop = std::make_unique<ReadLoop>();
+    loop->pipe = pipe;
+    loop->live = std::move(live);
+    loop->onEnd = [failAll, peerName](int, std::string why) {
+      failAll("sluice: the pipe to " + peerName + " failed: " + why);
+    };
+    loop->onMessage = [core, pipe, peerName, failAll](sluice_received* r) {
       Header h{};
       auto decoded = decode(r, h, core->stats);
       sluice_received_free(r);
       if (auto* error = std::get_if<std::string>(&decoded)) {
         pipe->close();
         failAll("sluice: " + peerName + " sent " + *error + "; its pipe was closed");
-        return;
+        return false;
       }
       auto response = std::get<c10::intrusive_ptr<Message>>(decoded);
       if (!response->isResponse()) {
         pipe->close();
         failAll("sluice: " + peerName + " sent a message that is not a response; its pipe was closed");
-        return;
+        return false;
       }
       core->complete(h.id, response);
-    }
+      return true;
+    };
+    ReadLoop::start(std::move(loop));
   }
 
   static void timeouts(std::shared_ptr<Core> core) {
@@ -804,7 +854,8 @@ class SluiceAgent : public RpcAgent {
   std::unordered_map<worker_id_t, std::string> channel_;
   std::mutex serversMu_;
   std::vector<std::shared_ptr<Pipe>> servers_;
-  std::vector<std::thread> serverReaders_;
+  bool serving_ = false;  // under serversMu_: every client pipe is open, server pipes are read
+  std::shared_ptr<std::atomic<int64_t>> live_ = std::make_shared<std::atomic<int64_t>>(0);
   std::atomic<int64_t> nextId_{0};
   std::atomic<uint64_t> gilWaitUs_{0};
   std::atomic<uint64_t> gilWaits_{0};
