@@ -45,7 +45,12 @@ pub unsafe extern "C" fn sluice_pipe_write(
         // SAFETY: the caller's callback, documented to run once on a library thread.
         let done = unsafe { Done::new(done, user) };
         pipe.write_then(message, move |result| match result {
-            Ok(()) => done.call(SLUICE_OK),
+            Ok(()) => {
+                // Inside the callback the last error is its status's: none (this library
+                // thread may have run a failed callback before).
+                set_last_error("");
+                done.call(SLUICE_OK)
+            }
             Err(e) => {
                 set_last_error(&format!("sluice_pipe_write: {}", e.message));
                 done.call(e.code);
@@ -127,7 +132,10 @@ pub unsafe extern "C" fn sluice_pipe_read_then(pipe: *mut SluicePipe, done: Slui
         // SAFETY: the caller's callback, documented to run once on a library thread.
         let done = unsafe { ReadDone::new(done, user) };
         pipe.read_then(move |result| match result {
-            Ok(received) => done.call(SLUICE_OK, Box::into_raw(Box::new(received))),
+            Ok(received) => {
+                set_last_error("");
+                done.call(SLUICE_OK, Box::into_raw(Box::new(received)))
+            }
             Err(e) => {
                 set_last_error(&format!("sluice_pipe_read: {}", e.message));
                 done.call(e.code, std::ptr::null_mut());
