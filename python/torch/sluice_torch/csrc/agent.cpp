@@ -9,9 +9,10 @@
 // - Every Sluice message is one RPC message: metadata = a fixed header (magic, version, the
 //   message type, the sender's worker id, the message id), one payload (Message::payload),
 //   and one CPU tensor per Message tensor (borrowed by the write, compact row-major).
-// - Threads: one accept thread, one reader per pipe (blocking sluice_pipe_read), a timeout
-//   thread, and a pool (num_worker_threads) that runs request callbacks and completes every
-//   future: user callbacks never run on a reader or on Sluice's own threads.
+// - Threads: one accept thread, a timeout thread, and a pool (num_worker_threads) that runs
+//   request callbacks and completes every future. Pipes are read by chains of read callbacks
+//   (sluice_pipe_read_then) on Sluice's own threads, which only decode and hand over: user
+//   callbacks never run there.
 // - Every pending call completes exactly once: whoever removes it from `pending` (the reply,
 //   the timeout, a failed write, a lost pipe, shutdown) completes it.
 // - Bytes from a peer are parsed, never trusted: a header of the wrong size, magic or version,
