@@ -22,6 +22,10 @@ TORCH="torch==2.15.*"
 "$VENV/bin/python" -c 'import sys, torch, pytest, expecttest, hypothesis; sys.exit(not torch.__version__.startswith("2.15."))' 2>/dev/null \
     || "$VENV/bin/python" -m pip install --quiet "$TORCH" pytest expecttest hypothesis
 
+# Building without isolation uses the venv's setuptools (70.1 and later build wheels themselves).
+"$VENV/bin/python" -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 71)' 2>/dev/null \
+    || "$VENV/bin/python" -m pip install --quiet "setuptools>=71"
+
 # What the README says: built against the torch already installed, in one command.
 "$VENV/bin/python" -m pip install --quiet --no-build-isolation ./python/torch
 
