@@ -7,15 +7,7 @@
 #   scripts/python-check.sh side-by-side    # also: torch.distributed.rpc vs sluice.rpc, one run
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${SLUICE_PYENV:-$PWD/target/pyenv}"
-
-if [ ! -x "$VENV/bin/python" ]; then
-    python3 -m venv "$VENV" 2>/dev/null || {
-        apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
-        python3 -m venv "$VENV"
-    }
-fi
+source scripts/pyenv.sh
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 "$VENV/bin/python" -c 'import torch, numpy, pytest, maturin' 2>/dev/null \
     || "$VENV/bin/python" -m pip install --quiet maturin pytest numpy torch

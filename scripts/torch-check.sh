@@ -7,15 +7,7 @@
 #   scripts/torch-check.sh full     # ... and every test of PyTorch's GENERIC_TESTS (about 50 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${SLUICE_PYENV:-$PWD/target/pyenv}"
-
-if [ ! -x "$VENV/bin/python" ]; then
-    python3 -m venv "$VENV" 2>/dev/null || {
-        apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
-        python3 -m venv "$VENV"
-    }
-fi
+source scripts/pyenv.sh
 # The torch this backend is written for (python/torch/setup.py: SUPPORTED), and what PyTorch's
 # test modules import (expecttest, hypothesis).
 TORCH="torch==2.15.*"

@@ -148,7 +148,8 @@ pub struct Job {
     pub cmd: Vec<std::ffi::OsString>,
     /// Set in every worker's environment besides the launcher's own variables.
     pub env: Vec<(String, String)>,
-    /// Prefix each line a worker writes with `[name]` (otherwise output is inherited as is).
+    /// Prefix each line a worker writes with `[name]` and close with a line on how the job
+    /// ended (otherwise output is inherited as is, and the caller reports the outcome).
     pub prefix_output: bool,
     pub max_restarts: u32,
     /// Between SIGTERM and SIGKILL when stopping workers.

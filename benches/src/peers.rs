@@ -167,33 +167,21 @@ fn openmpi(sizes: &[usize], budget: Duration) -> anyhow::Result<Outcome> {
 /// PyTorch's RPC benchmark on `backend` (`tensorpipe` or `sluice`).
 fn pytorch(sizes: &[usize], budget: Duration, backend: &str) -> anyhow::Result<Outcome> {
     let python = std::env::var("SLUICE_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
-    if backend == "sluice" {
-        let probe = Command::new(&python)
-            .args(["-c", "import sluice_torch"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
-        if !matches!(probe, Ok(s) if s.success()) {
-            return Ok(Outcome::Skipped(format!(
-                "`{python} -c 'import sluice_torch'` fails (Sluice's torch backend is not installed there: pip install --no-build-isolation ./python/torch)"
-            )));
-        }
+    if let Some(skip) = cannot_import(
+        &python,
+        "torch, torch.distributed.rpc",
+        "PyTorch is not installed there; set SLUICE_BENCH_PYTHON to a Python that has it",
+    ) {
+        return Ok(skip);
     }
-    let probe = Command::new(&python)
-        .args(["-c", "import torch, torch.distributed.rpc"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
-    match probe {
-        Ok(s) if s.success() => {}
-        Ok(_) => {
-            return Ok(Outcome::Skipped(format!(
-                "`{python} -c 'import torch'` fails (PyTorch is not installed there; set SLUICE_BENCH_PYTHON to a Python that has it)"
-            )))
+    if backend == "sluice" {
+        if let Some(skip) = cannot_import(
+            &python,
+            "sluice_torch",
+            "Sluice's torch backend is not installed there: pip install --no-build-isolation ./python/torch",
+        ) {
+            return Ok(skip);
         }
-        Err(e) => return Ok(Outcome::Skipped(format!("cannot run `{python}`: {e}"))),
     }
     let dir = scratch()?;
     let script = dir.join("pytorch_rpc.py");
@@ -212,6 +200,24 @@ fn pytorch(sizes: &[usize], budget: Duration, backend: &str) -> anyhow::Result<O
     let ran = run_bounded(&name, &mut cmd, deadline)?;
     let _ = std::fs::remove_dir_all(&dir);
     ran.into_outcome(&name)
+}
+
+/// `Some(skip)` with the reason when `python -c 'import MODULES'` fails (`why` says what that
+/// means), `None` when the import works.
+fn cannot_import(python: &str, modules: &str, why: &str) -> Option<Outcome> {
+    let probe = Command::new(python)
+        .args(["-c", &format!("import {modules}")])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+    match probe {
+        Ok(s) if s.success() => None,
+        Ok(_) => Some(Outcome::Skipped(format!(
+            "`{python} -c 'import {modules}'` fails ({why})"
+        ))),
+        Err(e) => Some(Outcome::Skipped(format!("cannot run `{python}`: {e}"))),
+    }
 }
 
 /// What a bounded child run produced.

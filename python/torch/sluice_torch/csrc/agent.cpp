@@ -91,8 +91,6 @@ struct Stats {
 // What outlives the agent object: everything a library callback or a future's callback may
 // touch after the agent started shutting down.
 struct Core : std::enable_shared_from_this<Core> {
-  explicit Core(const WorkerInfo& me) : self(me.name_, me.id_) {}
-  WorkerInfo self;
   std::unordered_map<worker_id_t, WorkerInfo> workers;
   std::unique_ptr<c10::ThreadPool> pool;
   std::mutex postMu;
@@ -445,7 +443,7 @@ class SluiceAgent : public RpcAgent {
                  std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000))),
         store_(store),
         worldSize_(worldSize),
-        core_(std::make_shared<Core>(workerInfo_)) {
+        core_(std::make_shared<Core>()) {
     TORCH_CHECK(worldSize > 0, "the SLUICE RPC backend needs a static group (world_size given)");
     TORCH_CHECK(numWorkerThreads > 0, "num_worker_threads must be at least 1");
     core_->pool = std::make_unique<c10::ThreadPool>(static_cast<int>(numWorkerThreads));
@@ -481,6 +479,7 @@ class SluiceAgent : public RpcAgent {
     TORCH_CHECK(deviceMap.empty(), "the SLUICE RPC backend does not support device maps yet");
     auto client = clients_.find(to.id_);
     TORCH_CHECK(client != clients_.end(), "sluice: no pipe to ", to.name_, " (id ", to.id_, ")");
+    const std::shared_ptr<Pipe>& pipe = client->second;
     auto future = c10::make_intrusive<JitFuture>(at::AnyClassType::get(), getDevices());
     int64_t id = nextId_++;
     message->setId(id);
@@ -512,7 +511,7 @@ class SluiceAgent : public RpcAgent {
       }
     };
     try {
-      write(client->second.pipe, *message, workerInfo_.id_, core_->stats, onError);
+      write(pipe, *message, workerInfo_.id_, core_->stats, onError);
     } catch (...) {
       if (auto p = core_->take(id)) {
         core_->finished();
@@ -581,7 +580,7 @@ class SluiceAgent : public RpcAgent {
       TORCH_CHECK(s == SLUICE_OK, "sluice: cannot connect to ", w.name_, " at ", addr, ": ", lastError(s));
       auto pipe = std::make_shared<Pipe>(raw);
       channel_[id] = std::string(sluice_pipe_transport(raw)) + "/" + sluice_pipe_channel(raw);
-      clients_.emplace(id, Client{pipe});
+      clients_.emplace(id, pipe);
       readClient(core_, pipe, id, live_);
     }
     // A handler may call out: serve requests once this worker's own pipes are open.
@@ -610,8 +609,8 @@ class SluiceAgent : public RpcAgent {
       }
       acceptThread_.join();
     }
-    for (auto& [id, c] : clients_) {
-      c.pipe->close();
+    for (auto& [id, pipe] : clients_) {
+      pipe->close();
     }
     {
       std::lock_guard<std::mutex> l(serversMu_);
@@ -670,10 +669,6 @@ class SluiceAgent : public RpcAgent {
   const std::string& address() const { return address_; }
 
  private:
-  struct Client {
-    std::shared_ptr<Pipe> pipe;
-  };
-
   void release() {
     if (listener_) {
       sluice_listener_free(listener_);
@@ -851,7 +846,7 @@ class SluiceAgent : public RpcAgent {
   std::atomic<bool> stopping_{false};
   std::thread acceptThread_;
   std::thread timerThread_;
-  std::unordered_map<worker_id_t, Client> clients_;
+  std::unordered_map<worker_id_t, std::shared_ptr<Pipe>> clients_;  // the pipes this worker opened
   std::unordered_map<worker_id_t, std::string> channel_;
   std::mutex serversMu_;
   std::vector<std::shared_ptr<Pipe>> servers_;
