@@ -176,7 +176,10 @@ fn a_parameter_server_job_survives_a_trainer_crash() {
 #[test]
 fn the_gpu_parameter_server_says_why_it_cannot_start() {
     if std::path::Path::new("/dev/nvidiactl").exists() {
-        eprintln!("SKIPPED: this machine may have a GPU (the check is for machines without one)");
+        sluice::channel::cuda::gate::skipped(
+            "the_gpu_parameter_server_says_why_it_cannot_start",
+            "this machine may have a GPU (the check is for machines without one)",
+        );
         return;
     }
     let o = run(&["demo", "ps", "--gpu", "--trainers", "1", "--epochs", "1"]);

@@ -3,8 +3,10 @@
 //! `<svg>` in the rendered page), and `sluice bench compare` on good and bad files.
 //!
 //! Chromium is Debian's `chromium` package (CI installs it); without it the browser half prints
-//! `SKIPPED` with the reason. OpenMPI is used when installed and skipped with its reason
-//! otherwise; the test checks that the page says which.
+//! `SKIPPED` with the reason. OpenMPI and PyTorch (`$SLUICE_BENCH_PYTHON`, on TensorPipe and on
+//! Sluice's backend) are used when installed and skipped with their reason otherwise; the test
+//! checks that the page says which and what each branch adds. CI runs it a second time with its
+//! torch venv and `SLUICE_REQUIRE_TORCH=1`, so the measured branch runs there too.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -98,6 +100,24 @@ fn not_blank(png_path: &Path) -> (f64, usize) {
     (inked as f64 / (pixels.len() / channels) as f64, colours.len())
 }
 
+/// Whether the peer `name` was measured (a record of `backend` in the run's JSON): measured
+/// and a note saying it was skipped are exclusive, one of them must hold, and any other note
+/// about it (a crash, a timeout) fails the test.
+fn peer_branch(html: &str, jsonl: &str, name: &str, backend: &str) -> bool {
+    let measured = jsonl.contains(&format!("\"backend\":\"{backend}\""));
+    let skipped = html.contains(&format!("<li>{name}: skipped: "));
+    let failed: Vec<&str> = html
+        .lines()
+        .filter(|l| l.starts_with(&format!("<li>{name}: ")) && !l.contains(": skipped: "))
+        .collect();
+    assert!(failed.is_empty(), "{name} failed: {failed:?}");
+    assert!(
+        measured != skipped,
+        "{name} measured or skipped with a reason, not both or neither"
+    );
+    measured
+}
+
 #[test]
 fn a_quick_run_writes_a_report_the_browser_renders() {
     let dir = scratch("page");
@@ -118,33 +138,101 @@ fn a_quick_run_writes_a_report_the_browser_renders() {
     assert!(o.status.success(), "{}", text(&o));
     let page = report.join("index.html");
     let html = std::fs::read_to_string(&page).unwrap();
-    for figure in ["rtt.svg", "bw.svg"] {
-        assert!(report.join(figure).is_file(), "{figure} written");
-    }
-    assert_eq!(html.matches("<svg").count(), 2, "two inline figures");
+    let jsonl = std::fs::read_to_string(&json).unwrap();
     for must in ["CPU", "kernel", "commit", "command", "--report", "raw/shm-pingpong"] {
         assert!(html.contains(must), "the page names {must}");
     }
-    // The peers are there, or the page says why not.
+    // Each peer is measured, or the page says why not; a peer that failed fails the test.
     let mpi_rows = html.contains("peer       openmpi");
     let mpi_note = html.contains("openmpi: skipped");
     assert!(
         mpi_rows != mpi_note,
         "OpenMPI measured or skipped with a reason, not both or neither"
     );
-    assert!(
-        html.contains("pytorch-rpc"),
-        "PyTorch measured or skipped with a reason"
+    let torch = peer_branch(&html, &jsonl, "pytorch-rpc", "pytorch-rpc");
+    let on_sluice = peer_branch(&html, &jsonl, "pytorch-sluice", "pytorch-sluice-rpc");
+    // Under CI's torch venv both must have been measured (SLUICE_REQUIRE_TORCH=1).
+    for (name, measured) in [("pytorch-rpc", torch), ("pytorch-sluice", on_sluice)] {
+        let probe = if measured {
+            Ok(())
+        } else {
+            Err(format!("{name} was skipped"))
+        };
+        sluice::channel::cuda::gate::require(&format!("the report's {name} rows"), "SLUICE_REQUIRE_TORCH", probe);
+    }
+    // PyTorch's rows add the RPC-rate and training-step figures to the size charts.
+    let figures: &[&str] = if torch {
+        &["rtt.svg", "bw.svg", "rpc.svg", "step.svg"]
+    } else {
+        &["rtt.svg", "bw.svg"]
+    };
+    for figure in figures {
+        assert!(report.join(figure).is_file(), "{figure} written");
+        let id = format!("<figure id=\"{}\">", figure.trim_end_matches(".svg"));
+        assert!(html.contains(&id), "{figure} inlined in the page");
+    }
+    assert_eq!(
+        html.matches("<svg").count(),
+        figures.len(),
+        "one inline <svg> per figure"
     );
+    if torch {
+        for row in [
+            "pytorch-rpc_async-64",
+            "pytorch-dist-step-linear1024-b32",
+            "pytorch-remote-to_here",
+        ] {
+            assert!(html.contains(row), "the page's table holds {row}");
+        }
+    }
+    if on_sluice {
+        // Each row on Sluice's backend is set against the same row on TensorPipe.
+        let compared = jsonl
+            .lines()
+            .filter(|l| l.contains("\"backend\":\"pytorch-sluice-"))
+            .all(|l| l.contains("\"baseline\":\"pytorch-") && l.contains("\"ratio\":"));
+        assert!(
+            compared,
+            "a pytorch-sluice row without its TensorPipe baseline:\n{jsonl}"
+        );
+    }
 
-    // Compare the run with itself: nothing moved.
+    // Compare the run with itself: nothing moved. Then with a copy in which one bandwidth
+    // doubled and one row is gone: that row is flagged better, the missing one named.
     let j = json.to_str().unwrap();
     let o = sluice(&["bench", "compare", j, j]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("0 moved by more than 10%"), "{}", text(&o));
+    let mut rows: Vec<serde_json::Value> = jsonl.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let bw = rows
+        .iter()
+        .position(|r| r["metric"] == "bw" && r["gbps"].as_f64().is_some_and(|g| g > 0.0))
+        .expect("a bandwidth row");
+    let faster = rows[bw]["gbps"].as_f64().unwrap() * 2.0;
+    rows[bw]["gbps"] = serde_json::json!(faster);
+    let gone = rows.remove(rows.len() - 1);
+    let changed = dir.join("changed.jsonl");
+    let lines: Vec<String> = rows.iter().map(|r| r.to_string()).collect();
+    std::fs::write(&changed, lines.join("\n") + "\n").unwrap();
+    let o = sluice(&["bench", "compare", j, changed.to_str().unwrap()]);
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    assert!(out.contains("1 moved by more than 10%: 1 better, 0 worse"), "{out}");
+    let flagged: Vec<&str> = out.lines().filter(|l| l.ends_with("better")).collect();
+    assert_eq!(flagged.len(), 1, "{out}");
+    assert!(flagged[0].contains(rows[bw]["backend"].as_str().unwrap()), "{out}");
+    assert!(flagged[0].contains("+100.0%"), "{out}");
+    let only_old = out
+        .lines()
+        .find(|l| l.starts_with("only in OLD (1 rows): "))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(only_old.contains(gone["backend"].as_str().unwrap()), "{out}");
 
     let Some(exe) = chromium() else {
-        eprintln!("SKIPPED: the browser half: no chromium on PATH (Debian: apt install chromium)");
+        sluice::channel::cuda::gate::skipped(
+            "the report's browser half",
+            "no chromium on PATH (Debian: apt install chromium)",
+        );
         return;
     };
     let shot = dir.join("shot.png");
@@ -161,7 +249,11 @@ fn a_quick_run_writes_a_report_the_browser_renders() {
     );
     let o = browser(&exe, &["--dump-dom"], &page);
     let dom = String::from_utf8_lossy(&o.stdout);
-    assert_eq!(dom.matches("<svg").count(), 2, "the browser's DOM holds both figures");
+    assert_eq!(
+        dom.matches("<svg").count(),
+        figures.len(),
+        "the browser's DOM holds every figure"
+    );
     eprintln!(
         "screenshot {}: {:.1}% of pixels inked, {colours} colours",
         shot.display(),

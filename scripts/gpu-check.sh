@@ -68,7 +68,7 @@ run() {
     export RUST_BACKTRACE=1
     echo "== GPUs"
     nvidia-smi -L || echo "(nvidia-smi not found)"
-    echo "== CUDA runtime unit tests (probe, memory, IPC export, NVRTC)"
+    echo "== CUDA runtime unit tests (probe, device and pinned memory, IPC export, events, NVRTC)"
     "$bin/test-sluice_cuda" --test-threads=1
     echo "== channel unit tests"
     "$bin/test-sluice_channel" --test-threads=1

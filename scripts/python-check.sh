@@ -16,7 +16,7 @@ source scripts/pyenv.sh
 "$VENV/bin/python" -m pip install --quiet --force-reinstall --no-deps ./python
 
 # Run from outside the source tree so the installed package is what gets imported.
-(cd python/tests && "$VENV/bin/python" -m pytest -q .)
+(cd python/tests && "$VENV/bin/python" -m pytest -q -rs .)
 
 if [ "${1:-}" = "side-by-side" ]; then
     cargo build --release

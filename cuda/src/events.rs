@@ -218,3 +218,57 @@ impl Event {
         wait_kept(self.inner.device, self.inner.raw, self.clone()).await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! On a GPU only (the gate skips them elsewhere and fails them under `SLUICE_REQUIRE_GPU=1`).
+    use super::*;
+    use crate::gate::gpu_or_skip;
+    use crate::CudaBuffer;
+
+    #[test]
+    fn an_event_orders_a_second_stream_after_the_first() {
+        if !gpu_or_skip("events::an_event_orders_a_second_stream_after_the_first") {
+            return;
+        }
+        let (a, b) = (Stream::new(0).unwrap(), Stream::new(0).unwrap());
+        let n = 64 << 20;
+        let src = CudaBuffer::alloc(n, &a).unwrap();
+        src.fill(0x5a).unwrap();
+        let done = Event::record(&a).unwrap();
+        assert_eq!(done.device(), 0);
+        // Stream b copies only after a's fill: without the wait it could read stale bytes.
+        let dst = CudaBuffer::alloc(n, &b).unwrap();
+        dst.fill(0).unwrap();
+        done.wait_on(&b).unwrap();
+        dst.copy_from(&src).unwrap();
+        let after = Event::record(&b).unwrap();
+        after.synchronize().unwrap();
+        assert!(after.is_done().unwrap());
+        assert!(dst.read_to_host().unwrap().iter().all(|&x| x == 0x5a));
+    }
+
+    #[test]
+    fn pooled_interprocess_events_are_reused_with_their_handles() {
+        if !gpu_or_skip("events::pooled_interprocess_events_are_reused_with_their_handles") {
+            return;
+        }
+        let s = Stream::new(0).unwrap();
+        let first = EventSlot::take(0).unwrap();
+        let (raw, handle) = (first.raw(), first.ipc_handle());
+        assert!(handle.iter().any(|&x| x != 0), "an IPC handle of zeros");
+        first.record(&s).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(first.wait()).unwrap();
+        drop(first);
+        // Back in the pool, the same event (and handle) serves the next taker.
+        let again = EventSlot::take(0).unwrap();
+        assert_eq!((again.raw(), again.ipc_handle()), (raw, handle));
+        // A second one taken meanwhile is a different event.
+        let other = EventSlot::take(0).unwrap();
+        assert_ne!(other.raw(), raw);
+    }
+}

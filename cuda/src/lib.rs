@@ -23,6 +23,7 @@ mod alloc;
 pub mod compute;
 pub mod driver;
 pub mod events;
+pub mod gate;
 mod memory;
 
 use std::sync::OnceLock;
@@ -246,10 +247,36 @@ mod tests {
     }
 
     #[test]
+    fn a_gpu_is_probed_with_its_identity_and_context() {
+        if !gate::gpu_or_skip("a_gpu_is_probed_with_its_identity_and_context") {
+            return;
+        }
+        let cuda = runtime().unwrap();
+        assert!(
+            cuda.driver_version >= MIN_DRIVER_VERSION,
+            "driver {}",
+            cuda.driver_version
+        );
+        assert!(!cuda.gpus.is_empty());
+        for (i, g) in cuda.gpus.iter().enumerate() {
+            assert_eq!(g.index as usize, i, "indices in order");
+            assert_ne!(g.uuid, Uuid([0; 16]), "cuda:{i} has a UUID");
+            assert!(!g.name.is_empty(), "cuda:{i} has a name");
+            assert!(!g.peers.contains(&g.index), "cuda:{i} is not its own peer");
+        }
+        // Contexts are retained on first use only, then kept.
+        let g = cuda.gpu(0).unwrap();
+        let c = g.context().unwrap();
+        assert!(g.context_retained());
+        assert_eq!(g.context().unwrap(), c);
+        assert!(cuda.gpu(cuda.gpus.len() as u32).is_err(), "an index past the last GPU");
+        assert!(available());
+    }
+
+    #[test]
     fn without_a_driver_cuda_is_unavailable_with_a_reason() {
         // CI and the development machines have no GPU: the probe must say why, not panic.
-        if driver::library_present() {
-            eprintln!("SKIPPED: this machine has a CUDA driver library");
+        if !gate::without_driver_or_skip("without_a_driver_cuda_is_unavailable_with_a_reason") {
             return;
         }
         let e = runtime().expect_err("no driver here");

@@ -719,3 +719,88 @@ pub fn time_raw_copies(
     run(1)?;
     run(iterations)
 }
+
+#[cfg(test)]
+mod tests {
+    //! On a GPU only (the gate skips them elsewhere and fails them under `SLUICE_REQUIRE_GPU=1`).
+    use super::*;
+    use crate::gate::gpu_or_skip;
+
+    fn pattern(n: usize, seed: u8) -> Vec<u8> {
+        (0..n).map(|i| (i as u8).wrapping_mul(7).wrapping_add(seed)).collect()
+    }
+
+    #[test]
+    fn device_memory_round_trips_through_the_host() {
+        if !gpu_or_skip("memory::device_memory_round_trips_through_the_host") {
+            return;
+        }
+        let s = Stream::new(0).unwrap();
+        let n = (1 << 20) + 3;
+        let b = CudaBuffer::alloc(n, &s).unwrap();
+        assert_eq!((b.len(), b.device()), (n, 0));
+        let want = pattern(n, 1);
+        b.write_from_host(&want).unwrap();
+        assert_eq!(b.read_to_host().unwrap(), want);
+        // A slice is its own bytes, and a slice past the end is refused.
+        let part = b.slice(4096..8197).unwrap();
+        assert_eq!(part.read_to_host().unwrap(), &want[4096..8197]);
+        assert!(b.slice(n - 1..n + 1).is_err());
+        assert!(b.write_from_host(&vec![0; n + 1]).is_err());
+        // Fills and device copies, in stream order, seen after the stream.
+        let c = CudaBuffer::alloc(n, &s).unwrap();
+        c.fill(0xab).unwrap();
+        assert!(c.read_to_host().unwrap().iter().all(|&x| x == 0xab));
+        c.copy_from(&b).unwrap();
+        assert_eq!(c.read_to_host().unwrap(), want);
+        assert!(c.copy_from(&part).is_err(), "lengths differ");
+    }
+
+    #[test]
+    fn pinned_staging_copies_both_ways_in_stream_order() {
+        if !gpu_or_skip("memory::pinned_staging_copies_both_ways_in_stream_order") {
+            return;
+        }
+        let s = Stream::new(0).unwrap();
+        let n = 3 << 20;
+        let want = pattern(n, 5);
+        let src = CudaBuffer::alloc(n, &s).unwrap();
+        src.write_from_host(&want).unwrap();
+        let mut pinned = PinnedMemory::new(n).unwrap();
+        assert_eq!(pinned.len(), n);
+        pinned.fill_from_device(&src, 0, n).unwrap();
+        s.synchronize().unwrap();
+        assert!(pinned.as_slice() == &want[..], "device -> pinned");
+        let dst = CudaBuffer::alloc(n + 100, &s).unwrap();
+        dst.fill(0).unwrap();
+        pinned.drain_to_device(&dst, 100, n).unwrap();
+        let got = dst.read_to_host().unwrap();
+        assert!(got[..100].iter().all(|&x| x == 0), "bytes before the offset untouched");
+        assert!(got[100..] == want[..], "pinned -> device at an offset");
+        // Out-of-range copies are refused before reaching the driver.
+        assert!(pinned.fill_from_device(&src, 1, n).is_err());
+        assert!(pinned.drain_to_device(&dst, 101, n).is_err());
+        assert!(pinned.drain_to_device(&dst, 0, n + 1).is_err());
+    }
+
+    #[test]
+    fn an_exported_buffer_names_its_allocation_and_offset() {
+        if !gpu_or_skip("memory::an_exported_buffer_names_its_allocation_and_offset") {
+            return;
+        }
+        let s = Stream::new(0).unwrap();
+        let mem = DeviceMemory::new(0, 1 << 20).unwrap();
+        assert!(mem.len() >= 1 << 20);
+        let b = mem.buffer(4096..8192, &s).unwrap();
+        let e = b.ipc_export().unwrap();
+        assert_eq!(e.offset, 4096);
+        assert_eq!(e.size, mem.len() as u64);
+        assert!(e.handle.iter().any(|&x| x != 0), "an IPC handle of zeros");
+        assert!(mem.is_exported(), "exported memory is kept for good");
+        // The handle is made once per allocation: every buffer in it gives the same one.
+        let other = mem.buffer(0..16, &s).unwrap().ipc_export().unwrap();
+        assert_eq!((other.handle, other.offset), (e.handle, 0));
+        // Ranges outside the allocation, and streams of another device, are refused.
+        assert!(mem.buffer(0..mem.len() + 1, &s).is_err());
+    }
+}

@@ -110,10 +110,47 @@ def sum_rref(rref):
     return rref.rpc_sync().get()
 
 
+_timers = []  # (due, seq, fn), a heap served by one thread
+_timers_cv = threading.Condition()
+
+
+def _serve_timers():
+    import heapq
+
+    while True:
+        with _timers_cv:
+            while not _timers or _timers[0][0] > time.monotonic():
+                _timers_cv.wait(None if not _timers else _timers[0][0] - time.monotonic())
+            _, _, fn = heapq.heappop(_timers)
+        fn()
+
+
+def _later(delay, fn):
+    """Runs fn after delay seconds on one shared thread (so pending replies add no threads)."""
+    import heapq
+
+    with _timers_cv:
+        if not hasattr(_later, "thread"):
+            _later.thread = threading.Thread(target=_serve_timers, daemon=True)
+            _later.thread.start()
+        heapq.heappush(_timers, (time.monotonic() + delay, next(_later_seq), fn))
+        _timers_cv.notify()
+
+
+_later_seq = iter(range(1 << 62))
+
+
+def os_threads():
+    """The callee process's threads, native ones included."""
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
 @rpc.async_execution
 def doubled_later(x, delay=0.05):
     fut = rpc.Future()
-    threading.Timer(delay, lambda: fut.set_result(x * 2)).start()
+    _later(delay, lambda: fut.set_result(x * 2))
     return fut
 
 

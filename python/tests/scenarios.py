@@ -85,12 +85,16 @@ def futures(rank, world):
         # async_execution: the callee replies when the returned future completes.
         assert rpc.rpc_sync("worker1", rpcfns.doubled_later, (21,)) == 42
         assert rpc.rpc_sync("worker1", rpcfns.chained, ("worker0", 4)) == 50
-        slow = [rpc.rpc_async("worker1", rpcfns.doubled_later, (i, 0.3)) for i in range(32)]
+        # 64 replies pending 1 s each: held on threads they would take 16 s on the pool's 4, or
+        # (if the pool grew for them) add a thread each to the callee; holding none, they
+        # overlap and the callee's thread count stays put.
+        before = rpc.rpc_sync("worker1", rpcfns.os_threads)
         t0 = time.monotonic()
-        assert [s.wait() for s in slow] == [2 * i for i in range(32)]
-        # 32 replies held 0.3 s each would take 9.6 s one after the other on 4 threads' worth;
-        # holding no thread they overlap.
-        assert time.monotonic() - t0 < 5
+        slow = [rpc.rpc_async("worker1", rpcfns.doubled_later, (i, 1.0)) for i in range(64)]
+        during = rpc.rpc_sync("worker1", rpcfns.os_threads)
+        assert [s.wait() for s in slow] == [2 * i for i in range(64)]
+        assert time.monotonic() - t0 < 8, time.monotonic() - t0
+        assert during - before < 16, f"the callee grew from {before} to {during} threads"
         try:
             rpc.rpc_sync("worker1", rpcfns.fails_later)
             raise AssertionError("no exception")

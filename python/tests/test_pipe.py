@@ -2,7 +2,11 @@
 strides, zero copy both ways, asyncio, and errors."""
 
 import asyncio
+import gc
+import sys
 import threading
+import time
+import weakref
 
 import numpy as np
 import pytest
@@ -36,7 +40,8 @@ def test_every_dtype_round_trips_through_another_process(echo_peer):
         pipe.write(sluice.Message(b"dtypes", [b"p0", b"p1"], tensors))
         m = pipe.read()
     assert m.metadata == b"dtypes" and m.payloads == [b"p0", b"p1"]
-    for sent, got in zip(tensors, m.tensors):
+    assert len(m.tensors) == len(tensors)
+    for sent, got in zip(tensors, m.tensors, strict=True):
         assert isinstance(got, torch.Tensor)  # the sender's framework, through a NumPy echo
         assert got.dtype == sent.dtype and got.shape == sent.shape
         assert torch.equal(got, sent)
@@ -55,7 +60,8 @@ def test_numpy_arrays_arrive_as_numpy_with_strides(echo_peer):
     with sluice.Context().connect(echo_peer) as pipe:
         pipe.write(sluice.Message(tensors=arrays))
         m = pipe.read()
-    for sent, got in zip(arrays, m.tensors):
+    assert len(m.tensors) == len(arrays)
+    for sent, got in zip(arrays, m.tensors, strict=True):
         assert isinstance(got, np.ndarray)
         assert got.dtype == sent.dtype and got.shape == sent.shape
         np.testing.assert_array_equal(got, sent)
@@ -82,7 +88,8 @@ def test_received_tensors_view_the_memory_the_pipe_received_into(echo_peer):
     with sluice.Context().connect(echo_peer) as pipe:
         pipe.write(sluice.Message(tensors=[t, a]))
         m = pipe.read()
-    for got, raw in zip(m.tensors, m.raw_tensors):
+    assert len(m.tensors) == len(m.raw_tensors) == 2
+    for got, raw in zip(m.tensors, m.raw_tensors, strict=True):
         start, length = raw.buffer
         ptr = got.data_ptr() if isinstance(got, torch.Tensor) else got.__array_interface__["data"][0]
         assert start <= ptr < start + length, "the received tensor is a copy"
@@ -107,8 +114,9 @@ def test_sending_reads_the_tensors_own_memory():
 
 
 def test_a_torch_tensor_sent_from_a_thread_is_not_copied_by_the_pipe():
-    """In-process pipe over shared memory: the receiver's bytes equal the sender's at the
-    moment of sending, and the sender's buffer is released once the write completes."""
+    """In-process pipe over shared memory: the write reads the tensor's own memory (no copy
+    into a staging buffer of the binding's), the receiver gets those bytes in memory of its
+    own, and the sender's tensor is released once the write has completed."""
     ctx = sluice.Context()
     listener = ctx.listen("127.0.0.1:0")
     got = {}
@@ -121,9 +129,25 @@ def test_a_torch_tensor_sent_from_a_thread_is_not_copied_by_the_pipe():
     th.start()
     pipe = ctx.connect(listener.address)
     t = torch.arange(1 << 20, dtype=torch.int32)
+    want = t.clone()
+    assert sluice._send_view(t) == (t.data_ptr(), t.nbytes)
+    refs = sys.getrefcount(t)
     pipe.write(sluice.Message(tensors=[t]))
     th.join(60)
-    assert torch.equal(got["m"].tensors[0], t)
+    assert not th.is_alive(), "the reader never finished"
+    assert len(got["m"].tensors) == 1
+    r = got["m"].tensors[0]
+    assert torch.equal(r, want) and r.data_ptr() != t.data_ptr()
+    # The binding's reference goes when the write completes (its release may run on the
+    # library's thread just after write() returns).
+    deadline = time.monotonic() + 5
+    while sys.getrefcount(t) != refs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sys.getrefcount(t) == refs, "the pipe still holds the sent tensor"
+    gone = weakref.ref(t)
+    del t
+    gc.collect()
+    assert gone() is None, "the sent tensor was never released"
 
 
 def test_asyncio_forms(echo_peer):

@@ -3,27 +3,18 @@
 //!
 //! CI and the development machines have no GPU, so GPU tests print `SKIPPED` with the reason
 //! and pass. On the GPU machine `scripts/gpu-check.sh` sets `SLUICE_REQUIRE_GPU=1`, which turns
-//! a missing GPU into a failure: a check that silently skipped there would prove nothing.
+//! a missing GPU into a failure: a check that silently skipped there would prove nothing. The
+//! gate is `sluice_cuda::gate` (one for every crate, re-exported here).
 
 use bytes::Bytes;
-use sluice_channel::cuda::{self, CudaBuffer, Stream};
+use sluice_channel::cuda::{CudaBuffer, Stream};
 use sluice_channel::{Allocation, Device, Message, Pipe, RecvBuffer, SendBuffer, Tensor};
 
 use crate::pattern;
 
-/// Whether this test can use a GPU; prints why not (or fails under `SLUICE_REQUIRE_GPU=1`).
-pub fn gpu_or_skip(test: &str) -> bool {
-    match cuda::runtime() {
-        Ok(_) => true,
-        Err(e) => {
-            if std::env::var("SLUICE_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("{test}: a GPU is required here (SLUICE_REQUIRE_GPU=1) but {e}");
-            }
-            eprintln!("SKIPPED: {test}: {e} (GPU checks run with scripts/gpu-check.sh)");
-            false
-        }
-    }
-}
+pub use sluice_channel::cuda::gate::{
+    compute_or_skip, gpu_or_skip, report as report_skip, require, skipped, without_driver_or_skip, SKIP_LOG,
+};
 
 /// One tensor of a test message: where it starts and where it should land.
 #[derive(Debug, Clone, Copy)]

@@ -2,7 +2,9 @@
 //!
 //! The test binary re-executes itself once per rank with `RANK`, `WORLD_SIZE`, `MASTER_ADDR`
 //! and `MASTER_PORT` set, running only the test at hand; the parent waits for all of them under
-//! a watchdog, kills the rest if one hangs, and fails with every worker's output.
+//! a watchdog, kills the rest if one hangs, and fails with every worker's output. When all
+//! pass, the `SKIPPED` lines the workers printed are passed through (once per distinct line,
+//! naming the ranks), so a skip inside a worker is as visible as one in the test itself.
 //!
 //! ```ignore
 //! worker_test!(my_test, 4, |env| {
@@ -97,6 +99,8 @@ pub fn run_workers_with(test: &str, n: u32, ending: impl Fn(u32) -> Ending, body
                 .env("WORLD_SIZE", n.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
+                // Workers' skips are reported once, by this process (below), not by each.
+                .env_remove(crate::gpu::SKIP_LOG)
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
@@ -124,9 +128,16 @@ pub fn run_workers_with(test: &str, n: u32, ending: impl Fn(u32) -> Ending, body
     }
     let mut report = String::new();
     let mut failed = hung;
+    let mut skips: Vec<(String, Vec<usize>)> = Vec::new();
     for (rank, ((_, out, err), st)) in children.into_iter().zip(&status).enumerate() {
         let out = out.join().unwrap_or_default();
         let err = err.join().unwrap_or_default();
+        for line in out.lines().chain(err.lines()).filter(|l| l.starts_with("SKIPPED")) {
+            match skips.iter_mut().find(|(l, _)| l == line) {
+                Some((_, ranks)) => ranks.push(rank),
+                None => skips.push((line.to_owned(), vec![rank])),
+            }
+        }
         let ok = match (ending(rank as u32), st) {
             (_, None) => false,
             (Ending::Success, Some(s)) => s.success(),
@@ -143,6 +154,11 @@ pub fn run_workers_with(test: &str, n: u32, ending: impl Fn(u32) -> Ending, body
                 Some(s) => s.to_string(),
             }
         ));
+    }
+    if !failed {
+        for (line, ranks) in &skips {
+            crate::gpu::report_skip(&format!("{line} (worker test {test}, ranks {ranks:?})"));
+        }
     }
     if failed {
         panic!(

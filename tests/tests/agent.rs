@@ -747,8 +747,7 @@ worker_test!(device_maps_are_applied_and_checked, 2, |env| {
 #[test]
 fn offering_a_gpu_this_machine_lacks_fails_init() {
     let _turn = IN_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
-    if sluice_channel::cuda::available() {
-        eprintln!("SKIPPED: this machine has a GPU (the check is for machines without one)");
+    if !sluice_tests::gpu::without_driver_or_skip("offering_a_gpu_this_machine_lacks_fails_init") {
         return;
     }
     let mut options = AgentOptions::new("gpuless").rank(0, 1).store("127.0.0.1:1");

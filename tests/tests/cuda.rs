@@ -12,7 +12,7 @@
 use bytes::Bytes;
 use sluice_channel::cuda;
 use sluice_channel::{Allocation, ChannelKind, Context, ContextOptions, Device, Message, Pipe, PipeError, Tensor};
-use sluice_tests::gpu::gpu_or_skip;
+use sluice_tests::gpu::{gpu_or_skip, without_driver_or_skip};
 use sluice_tests::{watchdog, PeerProcess};
 
 fn peer() -> String {
@@ -27,8 +27,7 @@ async fn pair_with(opts: ContextOptions) -> (Pipe, Pipe) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_cuda_the_gpu_channels_are_not_offered_and_cpu_work_is_untouched() {
-    if cuda::available() {
-        eprintln!("SKIPPED: this machine has a GPU; the no-GPU path is checked in CI");
+    if !without_driver_or_skip("without_cuda_the_gpu_channels_are_not_offered_and_cpu_work_is_untouched") {
         return;
     }
     watchdog("no cuda", async {
@@ -90,8 +89,7 @@ async fn a_tensor_for_an_unreachable_device_is_refused_and_the_pipe_goes_on() {
 
 #[test]
 fn gpu_memory_without_cuda_is_an_error_with_the_reason() {
-    if cuda::available() {
-        eprintln!("SKIPPED: this machine has a GPU");
+    if !without_driver_or_skip("gpu_memory_without_cuda_is_an_error_with_the_reason") {
         return;
     }
     let e = cuda::Stream::new(0).expect_err("no GPU");

@@ -191,8 +191,7 @@ fn training_steps_match_the_cpu_for_every_optimizer() {
 
 #[test]
 fn without_a_gpu_cuda_ops_fail_with_the_reason() {
-    if sluice_channel::cuda::available() {
-        eprintln!("SKIPPED: this machine has a GPU (the check is for machines without one)");
+    if !sluice_tests::gpu::without_driver_or_skip("without_a_gpu_cuda_ops_fail_with_the_reason") {
         return;
     }
     let e = sluice_autograd::cuda::available().unwrap_err();

@@ -62,11 +62,8 @@ mod hardware {
         if sluice_tests::conformance::transport::skip::<Hardware>("cuda_gdr_on_hardware") {
             return;
         }
-        if let Err(why) = GdrContext::new(Some(&IbvTransport::default())).viability() {
-            if std::env::var_os("SLUICE_REQUIRE_GPU").is_some() {
-                panic!("cuda_gdr_on_hardware: SLUICE_REQUIRE_GPU is set but GPUDirect RDMA is unavailable: {why}");
-            }
-            eprintln!("SKIPPED cuda_gdr_on_hardware: {why}");
+        let gdr = GdrContext::new(Some(&IbvTransport::default())).viability();
+        if !sluice_tests::gpu::require("cuda_gdr_on_hardware", "SLUICE_REQUIRE_GPU", gdr) {
             return;
         }
         watchdog("cuda_gdr on hardware", async {

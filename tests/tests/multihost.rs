@@ -142,13 +142,13 @@ fn namespaces_tcp_across_shm_within_cut_links_and_kills() {
         return agent.leave(Duration::from_secs(30)).unwrap();
     }
     if !nix::unistd::geteuid().is_root() {
-        eprintln!("SKIPPED {TEST}: building network namespaces needs root");
+        sluice_tests::gpu::skipped(TEST, "building network namespaces needs root");
         return;
     }
     let hosts = match Hosts::build() {
         Ok(h) => h,
         Err(e) => {
-            eprintln!("SKIPPED {TEST}: cannot build network namespaces here: {e}");
+            sluice_tests::gpu::skipped(TEST, format!("cannot build network namespaces here: {e}"));
             return;
         }
     };

@@ -17,6 +17,13 @@ use sluice_tests::workers::{run_workers_with, Ending, WorkerEnv};
 
 const SEED: u64 = 7;
 
+/// The largest element-wise difference of two equally long vectors (a length that differs,
+/// say an echo that dropped values, fails here rather than comparing a prefix).
+fn gap(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "lengths differ");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+}
+
 fn model() -> Vec<nn::Layer> {
     nn::mlp(&[16, 24, 24, 24, 24, 10])
 }
@@ -88,7 +95,7 @@ worker_test!(pipelined_gradients_equal_the_local_models, 5, |env: WorkerEnv| {
                 assert_eq!(got.len(), want.len());
                 for ((gn, g), (wn, w)) in got.iter().zip(&want) {
                     assert_eq!(gn, wn);
-                    let worst = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+                    let worst = gap(g, w);
                     assert!(worst < 1e-9, "{schedule:?} m={micro} {gn}: off by {worst:e}");
                 }
             }
@@ -102,31 +109,30 @@ worker_test!(pipelined_gradients_equal_the_local_models, 5, |env: WorkerEnv| {
             let p = pipeline(&agent, &[1, 2, 3, 4], &[3, 2, 2, 2], opts);
             let (l, got) = p.gradients(&x, &y).unwrap();
             assert!((l - loss.item().unwrap()).abs() < 1e-12, "{remat:?}: loss {l}");
+            assert_eq!(got.len(), want.len());
             for ((gn, g), (_, w)) in got.iter().zip(&want) {
-                let worst = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+                let worst = gap(g, w);
                 assert!(worst < 1e-9, "{remat:?} {gn}: off by {worst:e}");
             }
         }
         // CUDA stages (where a GPU is): stages on the GPU and the CPU, the same gradients.
-        match sluice_autograd::cuda::available() {
-            Ok(()) => {
-                let refs = ["worker1/cuda:0", "worker2/cpu", "worker3/cuda:0", "worker4/cpu"];
-                let split = by_counts(model().len(), &[3, 2, 2, 2]).unwrap();
-                let p = Pipeline::new(&agent, model(), &refs, split, options(Schedule::OneFOneB, 4)).unwrap();
-                let (l, got) = p.gradients(&x, &y).unwrap();
-                assert!((l - loss.item().unwrap()).abs() < 1e-9, "CUDA stages: loss {l}");
-                for ((gn, g), (_, w)) in got.iter().zip(&want) {
-                    let worst = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
-                    assert!(worst < 1e-9, "CUDA stages {gn}: off by {worst:e}");
-                }
+        if sluice_tests::gpu::compute_or_skip("CUDA stages of a pipeline") {
+            let refs = ["worker1/cuda:0", "worker2/cpu", "worker3/cuda:0", "worker4/cpu"];
+            let split = by_counts(model().len(), &[3, 2, 2, 2]).unwrap();
+            let p = Pipeline::new(&agent, model(), &refs, split, options(Schedule::OneFOneB, 4)).unwrap();
+            let (l, got) = p.gradients(&x, &y).unwrap();
+            assert!((l - loss.item().unwrap()).abs() < 1e-9, "CUDA stages: loss {l}");
+            assert_eq!(got.len(), want.len());
+            for ((gn, g), (_, w)) in got.iter().zip(&want) {
+                let worst = gap(g, w);
+                assert!(worst < 1e-9, "CUDA stages {gn}: off by {worst:e}");
             }
-            Err(why) => eprintln!("SKIPPED: CUDA stages ({why})"),
         }
         // The pipeline predicts what the local model does.
         let p = pipeline(&agent, &[4, 3, 2, 1], &[1, 4, 1, 3], options(Schedule::OneFOneB, 3));
         let out = p.predict(&x).unwrap().to_f64_vec().unwrap();
         let want = nn::forward(&model(), &local, &x).unwrap().to_f64_vec().unwrap();
-        assert!(out.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-12));
+        assert!(gap(&out, &want) < 1e-12);
         // Partitions must cover every layer once, in order.
         let overlapping = partition::Partition {
             stages: vec![0..4, 3..9],
@@ -243,7 +249,7 @@ worker_test!(
                 assert_eq!(got.len(), want.len());
                 for ((gn, g), (wn, w)) in got.iter().zip(&want) {
                     assert_eq!(gn, wn);
-                    let worst = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+                    let worst = gap(g, w);
                     assert!(worst < 1e-9, "{} stages {gn}: off by {worst:e}", stages.len());
                 }
                 // Not the synchronous update: the schedules differ in what they compute.
@@ -475,6 +481,7 @@ worker_test!(
             assert!((ll.item().unwrap() - loss.item().unwrap()).abs() < 1e-12);
             ll.backward().unwrap();
             let local: Vec<_> = l1.iter().chain(&l2).flatten().collect();
+            assert_eq!(params.len(), local.len());
             for (remote, p) in params.iter().zip(local) {
                 let now = remote.to_here().unwrap().data().to_f64_vec().unwrap();
                 let want: Vec<f64> = p
@@ -485,7 +492,7 @@ worker_test!(
                     .zip(p.grad().unwrap().to_f64_vec().unwrap())
                     .map(|(w, g)| w - 0.1 * g)
                     .collect();
-                let worst = now.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+                let worst = gap(&now, &want);
                 assert!(worst < 1e-12, "{}: off by {worst:e}", p.name());
             }
             // Placements name a worker and a device: an unknown device is refused, and a GPU

@@ -290,7 +290,10 @@ fn etcd_group_detects_a_crash_without_a_pipe_and_rejoins() {
         return run(ETCD, &role, &arg, etcd_driver);
     }
     let Some((endpoint, mut own)) = etcd_endpoint() else {
-        eprintln!("SKIPPED {ETCD}: no etcd (set SLUICE_TEST_ETCD, or put Debian's etcd-server on the PATH)");
+        sluice_tests::gpu::skipped(
+            ETCD,
+            "no etcd (set SLUICE_TEST_ETCD, or put Debian's etcd-server on the PATH)",
+        );
         return;
     };
     let url = format!(

@@ -67,7 +67,7 @@ pub fn skip<B: Backend>(test: &str) -> bool {
         return true;
     }
     if let Some(why) = B::unavailable() {
-        eprintln!("SKIPPED: {name}: {why}");
+        gpu::skipped(&name, why);
         return true;
     }
     false
@@ -231,7 +231,7 @@ pub async fn close_fails_pending_and_later_operations<B: Backend>() {
 /// then is killed while this side waits: the wait fails promptly with a peer-lost error.
 pub async fn peer_process_echoes_then_dies<B: Backend>(peer_exe: &str) {
     if let Some(why) = B::no_peer_process() {
-        eprintln!("SKIPPED: {}::peer_process_echoes_then_dies: {why}", B::NAME);
+        gpu::skipped(&format!("{}::peer_process_echoes_then_dies", B::NAME), why);
         return;
     }
     let opts = B::options();

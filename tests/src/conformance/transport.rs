@@ -22,19 +22,8 @@ pub trait Backend: Send + Sync + 'static {
 
 /// True (after saying why) when the backend's tests must skip on this machine.
 pub fn skip<B: Backend>(test: &str) -> bool {
-    match B::available() {
-        Ok(()) => false,
-        Err(why) => {
-            if std::env::var_os("SLUICE_REQUIRE_RDMA").is_some() {
-                panic!(
-                    "{test}: SLUICE_REQUIRE_RDMA is set but {} is unavailable: {why}",
-                    B::NAME
-                );
-            }
-            eprintln!("SKIPPED {test} on {}: {why}", B::NAME);
-            true
-        }
-    }
+    let name = format!("{test} on {}", B::NAME);
+    !crate::gpu::require(&name, "SLUICE_REQUIRE_RDMA", B::available())
 }
 
 type Conn<B> = <<B as Backend>::T as Transport>::Connection;
