@@ -77,26 +77,24 @@ pub fn shm_copy_pingpong(len: usize, budget: Duration, max_iters: usize) -> Vec<
     };
     let out = vec![7u8; len];
     let mut got = vec![0u8; len];
-    // Small messages are timed in batches (the clock costs as much as a round trip).
-    let batch = if len < (64 << 10) { 64 } else { 1 };
+    // Every round trip is timed on its own, as Sluice's rows are: percentiles of single round
+    // trips on both sides (the clock's two reads, tens of ns, are in every row alike).
     let mut samples = Vec::new();
     let start = Instant::now();
     let mut i = 0u64;
     while samples.len() < max_iters && (start.elapsed() < budget || samples.len() < 100.min(max_iters)) {
         let t = Instant::now();
-        for _ in 0..batch {
-            i += 1;
-            // SAFETY: `there` is ours until `ping` says `i`; `back` is ours once `pong` does.
-            unsafe { there.get().copy_from_slice(&out) };
-            ping.store(i, Ordering::Release);
-            while pong.load(Ordering::Acquire) != i {
-                std::hint::spin_loop();
-            }
-            // SAFETY: as above.
-            unsafe { got.copy_from_slice(back.get()) };
-            std::hint::black_box(&mut got);
+        i += 1;
+        // SAFETY: `there` is ours until `ping` says `i`; `back` is ours once `pong` does.
+        unsafe { there.get().copy_from_slice(&out) };
+        ping.store(i, Ordering::Release);
+        while pong.load(Ordering::Acquire) != i {
+            std::hint::spin_loop();
         }
-        samples.push(t.elapsed().as_nanos() as f64 / batch as f64);
+        // SAFETY: as above.
+        unsafe { got.copy_from_slice(back.get()) };
+        std::hint::black_box(&mut got);
+        samples.push(t.elapsed().as_nanos() as f64);
     }
     ping.store(stop, Ordering::Release);
     echo.join().expect("echo thread");

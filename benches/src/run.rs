@@ -296,7 +296,14 @@ pub(crate) async fn message_rtt(pipe: &Pipe, message: &Message, budget: Duration
         pipe.write(message).await?;
         let d = pipe.read_descriptor().await?;
         let a = alloc.take().unwrap_or_else(|| Allocation::for_descriptor(&d));
-        alloc = Some(pipe.read(a).await?);
+        let got = pipe.read(a).await?;
+        // Private memory is reused; memory the pipe lent (a shared segment) goes back to the
+        // sender now, as a caller done with its reply gives it back (the agent's echo drops
+        // each reply too): held until the next reply, it would keep the sender off its
+        // segment's warm memory.
+        if got.tensors.iter().all(|t| matches!(t, sluice_channel::RecvBuffer::Cpu(_))) {
+            alloc = Some(got);
+        }
         samples.push(t0.elapsed().as_nanos() as f64);
     }
     Ok(samples)
