@@ -165,7 +165,13 @@ pub fn run(
             echo_gbps(size, &base),
             base.len() as u64,
         );
-        let mut r = Record::bw("rpc", format!("rpc-echo/{transport}"), size, echo_gbps(size, &ours), ours.len() as u64);
+        let mut r = Record::bw(
+            "rpc",
+            format!("rpc-echo/{transport}"),
+            size,
+            echo_gbps(size, &ours),
+            ours.len() as u64,
+        );
         r.against(&base);
         out.push(base);
         out.push(r);

@@ -301,7 +301,11 @@ pub(crate) async fn message_rtt(pipe: &Pipe, message: &Message, budget: Duration
         // sender now, as a caller done with its reply gives it back (the agent's echo drops
         // each reply too): held until the next reply, it would keep the sender off its
         // segment's warm memory.
-        if got.tensors.iter().all(|t| matches!(t, sluice_channel::RecvBuffer::Cpu(_))) {
+        if got
+            .tensors
+            .iter()
+            .all(|t| matches!(t, sluice_channel::RecvBuffer::Cpu(_)))
+        {
             alloc = Some(got);
         }
         samples.push(t0.elapsed().as_nanos() as f64);
