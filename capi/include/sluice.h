@@ -78,6 +78,16 @@ SLUICE_LAYOUT_ASSERT(offsetof(DLTensor, shape) == sizeof(void *) + 16, "DLTensor
 
 
 /**
+ * Buffers smaller than this are not kept (fresh ones cost little).
+ */
+#define MIN (256 << 10)
+
+/**
+ * The most bytes kept for reuse in a process.
+ */
+#define KEEP ((256 << 10) << 10)
+
+/**
  * Success.
  */
 #define SLUICE_OK 0
@@ -136,6 +146,13 @@ SLUICE_LAYOUT_ASSERT(offsetof(DLTensor, shape) == sizeof(void *) + 16, "DLTensor
  * A bug in Sluice: a panic was caught at the C boundary. The message says where.
  */
 #define SLUICE_PANIC 10
+
+/**
+ * A tensor's bytes taken out of a received message (`sluice_received_tensor_take`): this
+ * process's own memory, writable, freed with `sluice_buffer_free` (large ones are kept for
+ * reuse by later reads, see [`crate::pool`]).
+ */
+typedef struct sluice_buffer sluice_buffer;
 
 /**
  * A context: the transports and channels this process offers (`sluice_context_new`).
@@ -216,6 +233,20 @@ extern "C" {
 int sluice_context_new(const char *transports,
                        const char *channels,
                        sluice_context **out);
+
+/**
+ * Like `sluice_context_new`, with `options` (NULL or empty: none): comma-separated
+ * `key=value` pairs. `segment_bytes=N`: the size of the shared segment peers on this host copy
+ * CPU tensors into for this process (default 1 GiB of address space, touched as used; the
+ * tensors then arrive lent, read-only); 0: no segment, so tensors of 4 KiB and more arrive by
+ * cross-memory attach straight into memory of this process's own, which
+ * `sluice_received_tensor_take` hands out without a copy. Unknown keys and malformed values
+ * are `SLUICE_INVALID_ARGUMENT`.
+ */
+int sluice_context_new_with(const char *transports,
+                            const char *channels,
+                            const char *options,
+                            sluice_context **out);
 
 /**
  * Frees a context (NULL: nothing). Listeners and pipes made from it keep working.
@@ -484,6 +515,27 @@ int sluice_received_tensor_data(const sluice_received *received,
                                 size_t index,
                                 const uint8_t **data,
                                 size_t *len);
+
+/**
+ * Takes tensor `index`'s bytes out of `received` without copying them, when they are this
+ * process's own memory (a channel copied them in) rather than memory the pipe lends (a shared
+ * segment, read-only): then `*buffer` owns them (free it with `sluice_buffer_free`, in any
+ * thread, before or after `received`), `*data` points at them, writable, and `*len` is their
+ * length, and the tensor's data in `received` reads as empty from then on (its description,
+ * `sluice_received_tensor`, stays: ask for it first). Otherwise `*buffer` and `*data` are
+ * NULL and `*len` 0: copy the bytes from `sluice_received_tensor_data` instead. Either way the
+ * status is `SLUICE_OK` unless the arguments are wrong.
+ */
+int sluice_received_tensor_take(sluice_received *received,
+                                size_t index,
+                                sluice_buffer **buffer,
+                                uint8_t **data,
+                                size_t *len);
+
+/**
+ * Frees a buffer taken with `sluice_received_tensor_take` (NULL is ignored).
+ */
+void sluice_buffer_free(sluice_buffer *buffer);
 
 /**
  * Tensor `index`'s metadata bytes as they arrived (for peers that send their own): `*data`

@@ -20,7 +20,36 @@ impl SluiceContext {
     /// A context offering `transports` and `channels` (comma-separated names in priority
     /// order; `None` for the defaults: every transport and channel viable here).
     pub fn new(transports: Option<&str>, channels: Option<&str>) -> Result<SluiceContext> {
+        Self::with_options(transports, channels, None)
+    }
+
+    /// As [`new`](Self::new), with `options`: comma-separated `key=value` pairs (see
+    /// `sluice_context_new_with`).
+    pub fn with_options(
+        transports: Option<&str>,
+        channels: Option<&str>,
+        extra: Option<&str>,
+    ) -> Result<SluiceContext> {
         let mut options = ContextOptions::default();
+        for pair in extra.unwrap_or("").split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (key, value) = pair
+                .split_once('=')
+                .ok_or_else(|| Error::invalid(format!("option `{pair}` is not key=value")))?;
+            let number = || {
+                value
+                    .trim()
+                    .parse::<usize>()
+                    .map_err(|_| Error::invalid(format!("option {key}: `{value}` is not a byte count")))
+            };
+            match key.trim() {
+                "segment_bytes" => options.segment_bytes = number()?,
+                other => {
+                    return Err(Error::invalid(format!(
+                        "unknown option `{other}` (known: segment_bytes)"
+                    )))
+                }
+            }
+        }
         if let Some(list) = transports {
             options.transports = parse(list, "transport", TransportKind::from_name, &["shm", "tcp", "ibv"])?;
         }

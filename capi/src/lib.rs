@@ -26,6 +26,7 @@ pub mod context;
 pub mod message;
 pub mod op;
 pub mod pipe;
+pub mod pool;
 pub mod received;
 pub mod runtime;
 pub mod status;
@@ -35,7 +36,7 @@ pub use context::{SluiceContext, SluiceListener};
 pub use message::SluiceMessage;
 pub use op::SluiceOp;
 pub use pipe::SluicePipe;
-pub use received::SluiceReceived;
+pub use received::{SluiceBuffer, SluiceReceived};
 pub use sluice_dlpack::ffi::{DLDataType, DLDevice, DLTensor};
 pub use status::{
     SLUICE_CLOSED, SLUICE_INVALID_ARGUMENT, SLUICE_IO, SLUICE_MISUSE, SLUICE_OK, SLUICE_PANIC, SLUICE_PEER,

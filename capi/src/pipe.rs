@@ -9,7 +9,7 @@
 use std::ffi::{CStr, CString};
 use std::sync::Arc;
 
-use sluice_channel::{Allocation, Device, Pipe};
+use sluice_channel::{Allocation, Device, Pipe, RecvBuffer};
 use tokio::sync::Mutex;
 
 use crate::message::SluiceMessage;
@@ -114,7 +114,20 @@ async fn read(pipe: Pipe, reads: Arc<Mutex<()>>) -> Result<SluiceReceived> {
             return Err(e);
         }
     }
-    let allocation = Allocation::for_descriptor(&descriptor);
+    // Large tensors go into kept memory of the same length where there is some (see
+    // `crate::pool`); tensors arriving shared need none.
+    let allocation = Allocation {
+        payloads: descriptor
+            .payload_lengths
+            .iter()
+            .map(|&l| bytes::BytesMut::zeroed(l as usize))
+            .collect(),
+        tensors: descriptor
+            .tensors
+            .iter()
+            .map(|t| RecvBuffer::Cpu(crate::pool::take(t.buffer_len())))
+            .collect(),
+    };
     let allocation = pipe.read(allocation).await.map_err(|e| e.error)?;
     SluiceReceived::new(descriptor, allocation)
 }

@@ -24,6 +24,36 @@ struct ReceivedTensor {
     data: Bytes,
     metadata: Bytes,
     meta: std::result::Result<Meta, MetaError>,
+    /// Whether `data` is this process's own memory (filled by a copy), rather than memory the
+    /// pipe lends (a shared segment, read-only, going back to the sender when dropped).
+    private: bool,
+}
+
+/// A tensor's bytes taken out of a received message (`sluice_received_tensor_take`): this
+/// process's own memory, writable, freed with `sluice_buffer_free` (large ones are kept for
+/// reuse by later reads, see [`crate::pool`]).
+#[derive(Debug)]
+pub struct SluiceBuffer {
+    pub(crate) bytes: bytes::BytesMut,
+}
+
+impl Drop for SluiceBuffer {
+    fn drop(&mut self) {
+        crate::pool::give_back(std::mem::take(&mut self.bytes));
+    }
+}
+
+impl Drop for SluiceReceived {
+    fn drop(&mut self) {
+        // Memory of this process's own that nothing else holds goes back for reuse.
+        for t in &mut self.tensors {
+            if t.private {
+                if let Ok(b) = std::mem::take(&mut t.data).try_into_mut() {
+                    crate::pool::give_back(b);
+                }
+            }
+        }
+    }
 }
 
 impl SluiceReceived {
@@ -32,6 +62,7 @@ impl SluiceReceived {
         let payloads = allocation.payloads.into_iter().map(|p| p.freeze()).collect();
         let mut tensors = Vec::with_capacity(allocation.tensors.len());
         for (i, (buffer, d)) in allocation.tensors.into_iter().zip(descriptor.tensors).enumerate() {
+            let private = matches!(buffer, sluice_channel::RecvBuffer::Cpu(_));
             let data = buffer
                 .into_cpu()
                 .ok_or_else(|| Error::unsupported(format!("tensor {i} arrived in GPU memory")))?;
@@ -40,6 +71,7 @@ impl SluiceReceived {
                 data,
                 metadata: d.metadata,
                 meta,
+                private,
             });
         }
         Ok(SluiceReceived {
@@ -82,6 +114,31 @@ impl SluiceReceived {
     /// Tensor `index`'s bytes as they arrived (its span).
     pub fn tensor_data(&self, index: usize) -> Result<&[u8]> {
         Ok(&self.get(index)?.data)
+    }
+
+    /// Takes tensor `index`'s bytes out of the message when they are this process's own memory
+    /// and nothing else holds them: `Ok(None)` when they are lent by the pipe (or already
+    /// taken, or empty), so the caller copies instead. The tensor's description stays; its data
+    /// reads as empty afterwards.
+    pub fn take_tensor_data(&mut self, index: usize) -> Result<Option<SluiceBuffer>> {
+        let n = self.tensors.len();
+        let t = self
+            .tensors
+            .get_mut(index)
+            .ok_or_else(|| Error::invalid(format!("tensor {index} of a message with {n} tensors")))?;
+        if !t.private || t.data.is_empty() {
+            return Ok(None);
+        }
+        match std::mem::take(&mut t.data).try_into_mut() {
+            Ok(bytes) => {
+                t.private = false;
+                Ok(Some(SluiceBuffer { bytes }))
+            }
+            Err(shared) => {
+                t.data = shared;
+                Ok(None)
+            }
+        }
     }
 
     /// Tensor `index`'s metadata bytes as they arrived.

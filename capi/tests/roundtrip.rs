@@ -396,3 +396,147 @@ fn reads_by_callback_chain_and_end_with_the_peers_close() {
     assert_eq!(got.len(), 6, "then one error: {:?}", got.last());
     drop(got);
 }
+
+/// Sends one `len`-byte u8 tensor from client to server and returns the received message.
+fn one_tensor(pair: &Pair, bytes: &[u8]) -> *mut SluiceReceived {
+    let m = message(b"take", &[]);
+    let mut shape = [bytes.len() as i64];
+    let t = dl_tensor(bytes, U8, &mut shape, None);
+    let (mut r, mut op) = (null_mut(), null_mut());
+    // SAFETY: live message and pipes; `bytes` outlives the write, waited for before returning
+    // (by cross-memory attach the write finishes only once the reader has read).
+    unsafe {
+        ok(sluice_message_add_tensor(m, &t, None, null_mut()), "add");
+        ok(sluice_pipe_write_start(pair.client, m, &mut op), "write");
+        ok(sluice_pipe_read(pair.server, &mut r), "read");
+        ok(sluice_op_wait(op, -1), "write done");
+        sluice_op_free(op);
+    }
+    r
+}
+
+/// Tensor bytes a channel copied into this process's memory are taken out without a copy,
+/// writable and owned by their own handle; bytes the pipe lends (a shared segment) are not.
+#[test]
+fn received_private_bytes_are_taken_without_a_copy() {
+    watchdog("received_private_bytes_are_taken_without_a_copy");
+    let sent: Vec<u8> = (0..(256 << 10)).map(|i| (i * 31 % 251) as u8).collect();
+    let pair = Pair::new(Some("tcp"), Some("basic"));
+    let r = one_tensor(&pair, &sent);
+    let (mut data, mut len) = (std::ptr::null(), 0);
+    // SAFETY: live message, out-places.
+    ok(
+        unsafe { sluice_received_tensor_data(r, 0, &mut data, &mut len) },
+        "data",
+    );
+    let (mut buffer, mut taken, mut taken_len) = (null_mut(), null_mut(), 0);
+    // SAFETY: live message, out-places.
+    ok(
+        unsafe { sluice_received_tensor_take(r, 0, &mut buffer, &mut taken, &mut taken_len) },
+        "take",
+    );
+    assert!(!buffer.is_null(), "basic over TCP fills memory of this process's own");
+    assert_eq!(taken as *const u8, data, "the same bytes, not a copy");
+    assert_eq!(taken_len, sent.len());
+    // SAFETY: a live buffer of `taken_len` writable bytes.
+    let owned = unsafe { std::slice::from_raw_parts_mut(taken, taken_len) };
+    assert_eq!(owned, &sent[..]);
+    owned[0] ^= 0xff;
+    // Taken once: the message's data is now empty, and a second take gets nothing.
+    // SAFETY: live message, out-places.
+    ok(
+        unsafe { sluice_received_tensor_data(r, 0, &mut data, &mut len) },
+        "data after",
+    );
+    assert_eq!(len, 0);
+    let (mut again, mut p, mut n) = (null_mut(), null_mut(), 7);
+    // SAFETY: as above.
+    ok(
+        unsafe { sluice_received_tensor_take(r, 0, &mut again, &mut p, &mut n) },
+        "again",
+    );
+    assert!(again.is_null() && p.is_null() && n == 0);
+    // SAFETY: as above; index out of range.
+    let rc = unsafe { sluice_received_tensor_take(r, 1, &mut again, &mut p, &mut n) };
+    assert_eq!(rc, SLUICE_INVALID_ARGUMENT);
+    // The buffer outlives the message.
+    // SAFETY: each freed once; the buffer after its message.
+    unsafe { sluice_received_free(r) };
+    assert_eq!(owned[1], sent[1]);
+    // SAFETY: as above.
+    unsafe { sluice_buffer_free(buffer) };
+    drop(pair);
+
+    // Over shared memory with cma, a tensor that fits the receiver's segment arrives there,
+    // lent: it is not taken, and reads as it arrived.
+    let pair = Pair::new(Some("shm"), Some("cma"));
+    let r = one_tensor(&pair, &sent);
+    let (mut buffer, mut taken, mut taken_len) = (null_mut(), null_mut(), 1);
+    // SAFETY: live message, out-places.
+    ok(
+        unsafe { sluice_received_tensor_take(r, 0, &mut buffer, &mut taken, &mut taken_len) },
+        "take lent",
+    );
+    assert!(buffer.is_null() && taken.is_null() && taken_len == 0);
+    // SAFETY: live message, out-places.
+    ok(
+        unsafe { sluice_received_tensor_data(r, 0, &mut data, &mut len) },
+        "lent data",
+    );
+    assert_eq!(slice(data, len), &sent[..]);
+    // SAFETY: freed once.
+    unsafe { sluice_received_free(r) };
+}
+
+/// Without a segment, cma tensors arrive by cross-memory attach into this process's memory:
+/// taken without a copy. Bad options are refused with the reason.
+#[test]
+fn without_a_segment_cma_bytes_are_the_receivers_own() {
+    watchdog("without_a_segment_cma_bytes_are_the_receivers_own");
+    let sent: Vec<u8> = (0..(1 << 20)).map(|i| (i * 7 % 253) as u8).collect();
+    let pair = Pair::with_options(Some("shm"), Some("cma"), Some("segment_bytes=0"));
+    let r = one_tensor(&pair, &sent);
+    let (mut buffer, mut taken, mut taken_len) = (null_mut(), null_mut(), 0);
+    // SAFETY: live message, out-places.
+    ok(
+        unsafe { sluice_received_tensor_take(r, 0, &mut buffer, &mut taken, &mut taken_len) },
+        "take",
+    );
+    assert!(!buffer.is_null(), "read by cma into memory of this process's own");
+    assert_eq!(slice(taken, taken_len), &sent[..]);
+    // SAFETY: each freed once.
+    unsafe {
+        sluice_received_free(r);
+        sluice_buffer_free(buffer);
+    }
+    // The freed buffer is kept, and the next tensor of its length is received into it (no
+    // fresh memory to fault in).
+    let first = taken;
+    let r = one_tensor(&pair, &sent);
+    // SAFETY: live message, out-places.
+    ok(
+        unsafe { sluice_received_tensor_take(r, 0, &mut buffer, &mut taken, &mut taken_len) },
+        "take again",
+    );
+    assert_eq!(taken, first, "the kept buffer was reused");
+    assert_eq!(slice(taken, taken_len), &sent[..]);
+    // SAFETY: each freed once.
+    unsafe {
+        sluice_received_free(r);
+        sluice_buffer_free(buffer);
+    }
+    drop(pair);
+    for (bad, says) in [
+        ("segment_bytes", "not key=value"),
+        ("segment_bytes=lots", "not a byte count"),
+        ("window=3", "unknown option `window`"),
+    ] {
+        let opts = std::ffi::CString::new(bad).unwrap();
+        let mut ctx = null_mut();
+        // SAFETY: valid strings and out-place.
+        let rc = unsafe { sluice_context_new_with(std::ptr::null(), std::ptr::null(), opts.as_ptr(), &mut ctx) };
+        assert_eq!(rc, SLUICE_INVALID_ARGUMENT, "{bad}");
+        assert!(ctx.is_null());
+        assert!(last_error().contains(says), "{bad}: {}", last_error());
+    }
+}

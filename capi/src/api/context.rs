@@ -36,6 +36,34 @@ pub unsafe extern "C" fn sluice_context_new(
     })
 }
 
+/// Like `sluice_context_new`, with `options` (NULL or empty: none): comma-separated
+/// `key=value` pairs. `segment_bytes=N`: the size of the shared segment peers on this host copy
+/// CPU tensors into for this process (default 1 GiB of address space, touched as used; the
+/// tensors then arrive lent, read-only); 0: no segment, so tensors of 4 KiB and more arrive by
+/// cross-memory attach straight into memory of this process's own, which
+/// `sluice_received_tensor_take` hands out without a copy. Unknown keys and malformed values
+/// are `SLUICE_INVALID_ARGUMENT`.
+#[no_mangle]
+pub unsafe extern "C" fn sluice_context_new_with(
+    transports: *const c_char,
+    channels: *const c_char,
+    options: *const c_char,
+    out: *mut *mut SluiceContext,
+) -> c_int {
+    guard("sluice_context_new_with", || {
+        // SAFETY: the caller passes a writable `sluice_context*` place or NULL.
+        let out = unsafe { out_handle(out, "out") }?;
+        // SAFETY: the caller passes NUL-terminated strings or NULL.
+        let transports = unsafe { opt_str(transports, "transports") }?;
+        // SAFETY: as above.
+        let channels = unsafe { opt_str(channels, "channels") }?;
+        // SAFETY: as above.
+        let options = unsafe { opt_str(options, "options") }?;
+        give(out, SluiceContext::with_options(transports, channels, options)?);
+        Ok(SLUICE_OK)
+    })
+}
+
 /// Frees a context (NULL: nothing). Listeners and pipes made from it keep working.
 #[no_mangle]
 pub unsafe extern "C" fn sluice_context_free(ctx: *mut SluiceContext) {

@@ -4,8 +4,8 @@ use std::ffi::c_int;
 
 use sluice_dlpack::ffi::DLTensor;
 
-use super::{guard, guard_or, handle, out as place, take};
-use crate::received::SluiceReceived;
+use super::{guard, guard_or, handle, handle_mut, out as place, take};
+use crate::received::{SluiceBuffer, SluiceReceived};
 use crate::status::SLUICE_OK;
 
 /// Sets `*data` and `*len` to `bytes`, valid as long as the received message.
@@ -138,6 +138,51 @@ pub unsafe extern "C" fn sluice_received_tensor_data(
         // SAFETY: the caller passes writable places or NULL.
         unsafe { put_bytes(bytes, data, len) }
     })
+}
+
+/// Takes tensor `index`'s bytes out of `received` without copying them, when they are this
+/// process's own memory (a channel copied them in) rather than memory the pipe lends (a shared
+/// segment, read-only): then `*buffer` owns them (free it with `sluice_buffer_free`, in any
+/// thread, before or after `received`), `*data` points at them, writable, and `*len` is their
+/// length, and the tensor's data in `received` reads as empty from then on (its description,
+/// `sluice_received_tensor`, stays: ask for it first). Otherwise `*buffer` and `*data` are
+/// NULL and `*len` 0: copy the bytes from `sluice_received_tensor_data` instead. Either way the
+/// status is `SLUICE_OK` unless the arguments are wrong.
+#[no_mangle]
+pub unsafe extern "C" fn sluice_received_tensor_take(
+    received: *mut SluiceReceived,
+    index: usize,
+    buffer: *mut *mut SluiceBuffer,
+    data: *mut *mut u8,
+    len: *mut usize,
+) -> c_int {
+    guard("sluice_received_tensor_take", || {
+        // SAFETY: the caller passes writable places or NULL.
+        let buffer = unsafe { place(buffer, "buffer", std::ptr::null_mut()) }?;
+        // SAFETY: as above.
+        let data = unsafe { place(data, "data", std::ptr::null_mut()) }?;
+        // SAFETY: as above.
+        let len = unsafe { place(len, "len", 0) }?;
+        // SAFETY: the caller passes a live received message or NULL, used by no other thread
+        // during the call.
+        let r = unsafe { handle_mut(received, "received") }?;
+        if let Some(mut taken) = r.take_tensor_data(index)? {
+            data.set(taken.bytes.as_mut_ptr());
+            len.set(taken.bytes.len());
+            buffer.set(Box::into_raw(Box::new(taken)));
+        }
+        Ok(SLUICE_OK)
+    })
+}
+
+/// Frees a buffer taken with `sluice_received_tensor_take` (NULL is ignored).
+#[no_mangle]
+pub unsafe extern "C" fn sluice_buffer_free(buffer: *mut SluiceBuffer) {
+    guard("sluice_buffer_free", || {
+        // SAFETY: the caller gives back a buffer handle (or NULL) it no longer uses.
+        drop(unsafe { take(buffer) });
+        Ok(SLUICE_OK)
+    });
 }
 
 /// Tensor `index`'s metadata bytes as they arrived (for peers that send their own): `*data`

@@ -53,16 +53,23 @@ pub struct Pair {
 impl Pair {
     /// `transports` / `channels`: comma lists, or `None` for the defaults.
     pub fn new(transports: Option<&str>, channels: Option<&str>) -> Pair {
+        Self::with_options(transports, channels, None)
+    }
+
+    /// As [`Pair::new`], with context options (`key=value,...`).
+    pub fn with_options(transports: Option<&str>, channels: Option<&str>, options: Option<&str>) -> Pair {
         let t = transports.map(cstring);
         let c = channels.map(cstring);
+        let o = options.map(cstring);
         let mut ctx = null_mut();
         let mut listener = null_mut();
         // SAFETY: valid strings (or NULL) and out-places.
         unsafe {
             ok(
-                sluice_context_new(
+                sluice_context_new_with(
                     t.as_ref().map_or(std::ptr::null(), |s| s.as_ptr()),
                     c.as_ref().map_or(std::ptr::null(), |s| s.as_ptr()),
+                    o.as_ref().map_or(std::ptr::null(), |s| s.as_ptr()),
                     &mut ctx,
                 ),
                 "context",

@@ -36,6 +36,10 @@ class SluiceRpcBackendOptions(rpc.RpcBackendOptions):
     ``transports`` and ``channels`` are Sluice's names in priority order (``["shm", "tcp"]``,
     ``["cma", "multilane", "basic"]``); ``None`` offers everything viable on this host. ``host``
     is the address this worker listens on (peers connect to it: routable for multi-host groups).
+    ``segment_bytes`` (default 0): with 0, tensors between workers of one host go by
+    cross-memory attach straight from the sender's tensor into the receiver's own memory (one
+    copy, kept memory reused, no page faults in steady state). A size gives this worker a shared
+    segment of that many bytes that peers copy tensors into instead (a copy on each side).
     """
 
     def __init__(
@@ -49,6 +53,7 @@ class SluiceRpcBackendOptions(rpc.RpcBackendOptions):
         host="127.0.0.1",
         device_maps=None,
         devices=None,
+        segment_bytes=0,
     ):
         super().__init__(rpc_timeout, init_method)
         if num_worker_threads < 1:
@@ -59,6 +64,9 @@ class SluiceRpcBackendOptions(rpc.RpcBackendOptions):
         self.transports = list(transports) if transports else None
         self.channels = list(channels) if channels else None
         self.host = host
+        if not isinstance(segment_bytes, int) or segment_bytes < 0:
+            raise ValueError(f"segment_bytes must be a byte count (0 or more), got {segment_bytes!r}")
+        self.segment_bytes = segment_bytes
         self.device_maps = {}
         self.devices = []
 
@@ -98,6 +106,7 @@ def _init_backend(store, name, rank, world_size, rpc_backend_options):
         ",".join(opts.transports or []),
         ",".join(opts.channels or []),
         opts.host,
+        f"segment_bytes={opts.segment_bytes}",
     )
     api._init_rpc_states(agent)
     # One round of calls through every pipe, then a barrier so that no worker leaves before the

@@ -329,19 +329,37 @@ std::variant<c10::intrusive_ptr<Message>, std::string> decodeUnchecked(sluice_re
     }
     std::vector<int64_t> shape(dl.shape, dl.shape + dl.ndim);
     std::vector<int64_t> strides(dl.strides, dl.strides + dl.ndim);
-    // The library checked the description against the bytes. The copy of the span makes the
-    // tensor the receiver's own (handlers may write into their arguments; received memory is
-    // read-only), laid out exactly as the sender's view: the same strides, stride 0 included.
-    const uint8_t* bytesIn = nullptr;
-    size_t spanBytes = 0;
-    sluice_received_tensor_data(r, i, &bytesIn, &spanBytes);
+    // The library checked the description against the bytes. The tensor is laid out exactly as
+    // the sender's view (the same strides, stride 0 included) over its span, which must be the
+    // receiver's own, writable memory (handlers may write into their arguments): memory a
+    // channel filled in this process is taken as the tensor's storage without a copy; memory
+    // the pipe lends (a shared segment, read-only) is copied.
     auto options = at::TensorOptions().dtype(type);
     int64_t item = static_cast<int64_t>(c10::elementSize(type));
-    at::Tensor storage = at::empty({static_cast<int64_t>(spanBytes) / item}, options);
-    if (spanBytes > 0) {
-      std::memcpy(storage.data_ptr(), bytesIn, spanBytes);
+    sluice_buffer* owned = nullptr;
+    uint8_t* ownedBytes = nullptr;
+    size_t ownedLen = 0;
+    at::Tensor t;
+    if (sluice_received_tensor_take(r, i, &owned, &ownedBytes, &ownedLen) == SLUICE_OK && owned != nullptr) {
+      if (reinterpret_cast<uintptr_t>(ownedBytes) % static_cast<uintptr_t>(item) == 0) {
+        t = at::from_blob(ownedBytes, shape, strides, [owned](void*) { sluice_buffer_free(owned); }, options);
+      } else {
+        // Misaligned for its dtype (a small tensor inside a frame): copied after all.
+        at::Tensor storage = at::empty({static_cast<int64_t>(ownedLen) / item}, options);
+        std::memcpy(storage.data_ptr(), ownedBytes, ownedLen);
+        sluice_buffer_free(owned);
+        t = storage.as_strided(shape, strides);
+      }
+    } else {
+      const uint8_t* bytesIn = nullptr;
+      size_t spanBytes = 0;
+      sluice_received_tensor_data(r, i, &bytesIn, &spanBytes);
+      at::Tensor storage = at::empty({static_cast<int64_t>(spanBytes) / item}, options);
+      if (spanBytes > 0) {
+        std::memcpy(storage.data_ptr(), bytesIn, spanBytes);
+      }
+      t = storage.as_strided(shape, strides);
     }
-    at::Tensor t = storage.as_strided(shape, strides);
     if (flags[i] & 1) {
       if (!(at::isFloatingType(type) || at::isComplexType(type))) {
         return "tensor " + std::to_string(i) + ": requires_grad on a tensor of " + c10::toString(type);
@@ -438,7 +456,7 @@ class SluiceAgent : public RpcAgent {
  public:
   SluiceAgent(const c10::intrusive_ptr<::c10d::Store>& store, std::string name, int64_t rank, int64_t worldSize,
               float timeoutSeconds, int64_t numWorkerThreads, const std::string& transports,
-              const std::string& channels, const std::string& listenHost)
+              const std::string& channels, const std::string& listenHost, const std::string& contextOptions)
       : RpcAgent(WorkerInfo(name, rank), std::make_unique<RequestCallbackImpl>(),
                  std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000))),
         store_(store),
@@ -453,8 +471,9 @@ class SluiceAgent : public RpcAgent {
       core_->workers.emplace(id, WorkerInfo(n, id));
       byName_.emplace(n, id);
     }
-    int s = sluice_context_new(transports.empty() ? nullptr : transports.c_str(),
-                               channels.empty() ? nullptr : channels.c_str(), &ctx_);
+    int s = sluice_context_new_with(transports.empty() ? nullptr : transports.c_str(),
+                                    channels.empty() ? nullptr : channels.c_str(),
+                                    contextOptions.empty() ? nullptr : contextOptions.c_str(), &ctx_);
     TORCH_CHECK(s == SLUICE_OK, "sluice: cannot make a context: ", lastError(s));
     std::string at = listenHost + ":0";
     s = sluice_listen(ctx_, at.c_str(), &listener_);
@@ -866,13 +885,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<SluiceAgent, rpc::RpcAgent, std::shared_ptr<SluiceAgent>>(m, "SluiceAgent")
       .def(py::init([](const c10::intrusive_ptr<::c10d::Store>& store, const std::string& name, int64_t rank,
                        int64_t worldSize, float timeout, int64_t threads, const std::string& transports,
-                       const std::string& channels, const std::string& host) {
+                       const std::string& channels, const std::string& host, const std::string& options) {
              return std::shared_ptr<SluiceAgent>(
-                 new SluiceAgent(store, name, rank, worldSize, timeout, threads, transports, channels, host),
+                 new SluiceAgent(store, name, rank, worldSize, timeout, threads, transports, channels, host, options),
                  torch::impl::destroy_without_gil<SluiceAgent>);
            }),
            py::arg("store"), py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("rpc_timeout"),
-           py::arg("num_worker_threads"), py::arg("transports"), py::arg("channels"), py::arg("host"),
+           py::arg("num_worker_threads"), py::arg("transports"), py::arg("channels"), py::arg("host"), py::arg("context_options"),
            py::call_guard<py::gil_scoped_release>())
       // Defined here again with the id form (which RpcAgent's binding lacks and the int
       // destinations of rpc_sync need): a name on the subclass hides the base's overloads.
