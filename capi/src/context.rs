@@ -43,9 +43,10 @@ impl SluiceContext {
             };
             match key.trim() {
                 "segment_bytes" => options.segment_bytes = number()?,
+                "spin_us" => options.shm.spin = std::time::Duration::from_micros(number()? as u64),
                 other => {
                     return Err(Error::invalid(format!(
-                        "unknown option `{other}` (known: segment_bytes)"
+                        "unknown option `{other}` (known: segment_bytes, spin_us)"
                     )))
                 }
             }

@@ -86,6 +86,9 @@ struct Pending {
 
 struct Stats {
   std::atomic<uint64_t> sent{0}, received{0}, bytesSent{0}, bytesReceived{0};
+  // Requests served: how many, and the nanoseconds from arrival to the start of the request
+  // callback (the pool's queue) and from arrival to the response's write (all of it).
+  std::atomic<uint64_t> served{0}, queuedNs{0}, servedNs{0};
 };
 
 // What outlives the agent object: everything a library callback or a future's callback may
@@ -665,6 +668,12 @@ class SluiceAgent : public RpcAgent {
     m["agent.messages_received"] = std::to_string(core_->stats.received.load());
     m["agent.bytes_sent"] = std::to_string(core_->stats.bytesSent.load());
     m["agent.bytes_received"] = std::to_string(core_->stats.bytesReceived.load());
+    uint64_t served = core_->stats.served.load();
+    if (served > 0) {
+      m["agent.requests_served"] = std::to_string(served);
+      m["agent.avg_request_queue_us"] = std::to_string(core_->stats.queuedNs.load() / 1e3 / served);
+      m["agent.avg_request_serve_us"] = std::to_string(core_->stats.servedNs.load() / 1e3 / served);
+    }
     for (const auto& [id, path] : channel_) {
       m["agent.pipe." + core_->name(id)] = path;
     }
@@ -751,15 +760,18 @@ class SluiceAgent : public RpcAgent {
         std::lock_guard<std::mutex> l(core->mu);
         core->serverActive += 1;
       }
-      core->post([this, core, pipe, request, self]() { serve(core, pipe, request, self); });
+      auto arrived = Clock::now();
+      core->post([this, core, pipe, request, self, arrived]() { serve(core, pipe, request, self, arrived); });
       return true;
     };
     ReadLoop::start(std::move(loop));
   }
 
   void serve(const std::shared_ptr<Core>& core, const std::shared_ptr<Pipe>& pipe,
-             const c10::intrusive_ptr<Message>& request, int32_t self) {
+             const c10::intrusive_ptr<Message>& request, int32_t self, Clock::time_point arrived) {
     int64_t id = request->id();
+    auto ns = [](Clock::duration d) { return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(d).count()); };
+    core->stats.queuedNs += ns(Clock::now() - arrived);
     c10::intrusive_ptr<JitFuture> fut;
     try {
       fut = (*cb_)(*request, {});
@@ -767,7 +779,7 @@ class SluiceAgent : public RpcAgent {
       fut = c10::make_intrusive<JitFuture>(at::AnyClassType::get());
       fut->setError(std::current_exception());
     }
-    fut->addCallback([core, pipe, id, self](JitFuture& f) {
+    fut->addCallback([core, pipe, id, self, arrived, ns](JitFuture& f) {
       c10::intrusive_ptr<Message> response;
       try {
         response = f.hasError() ? createExceptionResponse(f.tryRetrieveErrorMessage(), id)
@@ -781,6 +793,8 @@ class SluiceAgent : public RpcAgent {
         } catch (...) {
         }
       }
+      core->stats.servedNs += ns(Clock::now() - arrived);
+      core->stats.served += 1;
       std::lock_guard<std::mutex> l(core->mu);
       core->serverActive -= 1;
     });
