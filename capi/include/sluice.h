@@ -382,7 +382,9 @@ void sluice_op_free(sluice_op *op);
  * library thread, when the write has finished: `SLUICE_OK` once every buffer of the message
  * may be reused (for a tensor read in place by a peer on this host, after the peer has read
  * it), or the error, whose message `sluice_last_error()` returns inside `done`. `done` may be
- * NULL. Tensors' `release` callbacks may run before or after `done`.
+ * NULL: then nobody hears of the write's end (a failed write fails the pipe, so later reads
+ * and writes on it fail), and a write that finishes at once costs no library thread a wake-up.
+ * Tensors' `release` callbacks may run before or after `done`.
  *
  * The message is consumed (also on error, whenever it is not NULL). If this function returns
  * an error, `done` is not called. Writes a thread starts on a pipe leave in that order.

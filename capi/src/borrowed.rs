@@ -76,6 +76,11 @@ impl Done {
         Done { f, user }
     }
 
+    /// Whether there is no callback to call.
+    pub(crate) fn is_none(&self) -> bool {
+        self.f.is_none()
+    }
+
     pub(crate) fn call(self, status: c_int) {
         if let Some(f) = self.f {
             // SAFETY: `new`'s contract; `self` is consumed, so this runs once.

@@ -79,6 +79,16 @@ impl SluicePipe {
         runtime::start(write, move |r| done(r.and_then(|w| Ok(w?))))
     }
 
+    /// Starts writing `message` with nobody waiting for the outcome (see
+    /// [`runtime::start_detached`]).
+    pub fn write_detached(&self, message: SluiceMessage) -> Result<()> {
+        let pipe = self.pipe.clone();
+        runtime::start_detached(async move {
+            let _ = pipe.write(&message.inner).await;
+            drop(message);
+        })
+    }
+
     /// Receives the next message (blocking).
     pub fn read_sync(&self) -> Result<SluiceReceived> {
         runtime::block_on(read(self.pipe.clone(), self.reads.clone()))?

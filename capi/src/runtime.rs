@@ -78,6 +78,26 @@ where
     Ok(())
 }
 
+/// Starts `op` with nobody waiting for its output. Polled once here, on the calling thread (so it
+/// takes its place in the pipe's queues now); only if it has not finished does a runtime task
+/// take it over, so an operation that finishes at once wakes no library thread. A panic inside
+/// it is caught and dropped with its output.
+pub fn start_detached<F>(op: F) -> Result<()>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let rt = runtime()?;
+    let _entered = rt.enter();
+    let mut op = CatchUnwind(Box::pin(op));
+    let waker = Waker::from(Arc::new(Noop));
+    if Pin::new(&mut op).poll(&mut Context::from_waker(&waker)).is_pending() {
+        drop(rt.spawn(async move {
+            let _ = op.await;
+        }));
+    }
+    Ok(())
+}
+
 /// A waker for the first poll in [`start`]: the task that takes over polls again.
 struct Noop;
 

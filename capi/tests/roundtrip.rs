@@ -540,3 +540,44 @@ fn without_a_segment_cma_bytes_are_the_receivers_own() {
         assert!(last_error().contains(says), "{bad}: {}", last_error());
     }
 }
+
+/// A write nobody listens to (NULL callback) still leaves, in order, whether it finishes at
+/// once (a small message) or later (a tensor read by cross-memory attach after the call).
+#[test]
+fn writes_without_a_callback_still_leave_in_order() {
+    watchdog("writes_without_a_callback_still_leave_in_order");
+    let pair = Pair::with_options(Some("shm"), Some("cma"), Some("segment_bytes=0"));
+    let big: Vec<u8> = (0..(2 << 20)).map(|i| (i % 249) as u8).collect();
+    for i in 0..8u8 {
+        let m = message(&[i], &[b"p"]);
+        if i % 2 == 1 {
+            let mut shape = [big.len() as i64];
+            let t = dl_tensor(&big, U8, &mut shape, None);
+            // SAFETY: live message; `big` outlives the writes (the pair is dropped first).
+            ok(unsafe { sluice_message_add_tensor(m, &t, None, null_mut()) }, "add");
+        }
+        // SAFETY: live pipe; the message is consumed.
+        ok(unsafe { sluice_pipe_write(pair.client, m, None, null_mut()) }, "write");
+    }
+    for i in 0..8u8 {
+        let mut r = null_mut();
+        // SAFETY: live pipe, out-place.
+        ok(unsafe { sluice_pipe_read(pair.server, &mut r) }, "read");
+        assert_eq!(metadata(r), [i], "in order");
+        // SAFETY: a live message.
+        let n = unsafe { sluice_received_tensor_count(r) };
+        assert_eq!(n, (i % 2) as usize);
+        if n == 1 {
+            let (mut data, mut len) = (std::ptr::null(), 0);
+            // SAFETY: live message, out-places.
+            ok(
+                unsafe { sluice_received_tensor_data(r, 0, &mut data, &mut len) },
+                "data",
+            );
+            assert_eq!(slice(data, len), &big[..]);
+        }
+        // SAFETY: freed once.
+        unsafe { sluice_received_free(r) };
+    }
+    drop(pair);
+}

@@ -26,7 +26,9 @@ unsafe fn consume(message: *mut SluiceMessage) -> crate::status::Result<SluiceMe
 /// library thread, when the write has finished: `SLUICE_OK` once every buffer of the message
 /// may be reused (for a tensor read in place by a peer on this host, after the peer has read
 /// it), or the error, whose message `sluice_last_error()` returns inside `done`. `done` may be
-/// NULL. Tensors' `release` callbacks may run before or after `done`.
+/// NULL: then nobody hears of the write's end (a failed write fails the pipe, so later reads
+/// and writes on it fail), and a write that finishes at once costs no library thread a wake-up.
+/// Tensors' `release` callbacks may run before or after `done`.
 ///
 /// The message is consumed (also on error, whenever it is not NULL). If this function returns
 /// an error, `done` is not called. Writes a thread starts on a pipe leave in that order.
@@ -44,6 +46,10 @@ pub unsafe extern "C" fn sluice_pipe_write(
         let pipe = unsafe { handle(pipe, "pipe") }?;
         // SAFETY: the caller's callback, documented to run once on a library thread.
         let done = unsafe { Done::new(done, user) };
+        if done.is_none() {
+            pipe.write_detached(message)?;
+            return Ok(SLUICE_OK);
+        }
         pipe.write_then(message, move |result| match result {
             Ok(()) => {
                 // Inside the callback the last error is its status's: none (this library
