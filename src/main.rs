@@ -52,7 +52,8 @@ enum Commands {
         /// Measure against a peer started elsewhere with --listen.
         #[arg(long, value_name = "ADDR")]
         connect: Option<String>,
-        /// Comma-separated suites: raw, transport, pipe, idle, rpc, autograd, cuda (the cuda
+        /// Comma-separated suites: raw, transport, pipe, idle, rpc, collective (allreduce against
+        /// Gloo where torch is installed), autograd, cuda (the cuda
         /// suite says so and measures nothing without a GPU), ibverbs (on the verbs model where
         /// there is no RDMA device), peers (OpenMPI and PyTorch RPC, each skipped with the
         /// reason where not installed).
@@ -71,6 +72,9 @@ enum Commands {
         /// Internal: run as rank 1 of the rpc suite, with the store at ADDR.
         #[arg(long, value_name = "ADDR", hide = true)]
         rpc_worker: Option<String>,
+        /// Internal: run as a rank of the collective suite (STORE,RANK,WORLD,QUICK).
+        #[arg(long, value_name = "SPEC", hide = true)]
+        collective_worker: Option<String>,
         /// Seconds over which the idle pipe's CPU use is measured (default 5, 1 with --quick).
         #[arg(long)]
         idle_seconds: Option<f64>,
@@ -203,6 +207,7 @@ fn main() -> anyhow::Result<()> {
         suites,
         idle_seconds,
         rpc_worker,
+        collective_worker,
         cuda_peer,
         cuda_channels,
     } = command
@@ -211,6 +216,9 @@ fn main() -> anyhow::Result<()> {
     };
     if let Some(store) = rpc_worker {
         return sluice_benches::rpc::worker(&store);
+    }
+    if let Some(spec) = collective_worker {
+        return sluice_benches::collective::worker(&spec);
     }
     if let Some(addr) = cuda_peer {
         return sluice_benches::cuda::peer(&addr, &cuda_channels);
@@ -228,12 +236,13 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let suites = if only.is_empty() { suites } else { only };
-    const SUITES: [&str; 9] = [
+    const SUITES: [&str; 10] = [
         "raw",
         "transport",
         "pipe",
         "idle",
         "rpc",
+        "collective",
         "autograd",
         "cuda",
         "ibverbs",
@@ -264,10 +273,10 @@ fn main() -> anyhow::Result<()> {
     let remote = connect.is_some();
     let needs_peer = suites
         .iter()
-        .any(|s| !["autograd", "cuda", "ibverbs", "peers"].contains(&s.as_str()));
+        .any(|s| !["autograd", "collective", "cuda", "ibverbs", "peers"].contains(&s.as_str()));
     let peer_suites = suites
         .iter()
-        .any(|s| !["rpc", "autograd", "cuda", "ibverbs", "peers"].contains(&s.as_str()));
+        .any(|s| !["rpc", "collective", "autograd", "cuda", "ibverbs", "peers"].contains(&s.as_str()));
     let (addr, _peer) = match connect {
         Some(a) => (a, None),
         None if needs_peer => {
@@ -285,6 +294,16 @@ fn main() -> anyhow::Result<()> {
             eprintln!("rpc suite skipped: it starts its own second worker on this host");
         } else {
             records.extend(sluice_benches::rpc::run(&options, &addr, spawn_rpc_worker)?);
+        }
+    }
+    let mut notes = Vec::new();
+    if options.suites.iter().any(|s| s == "collective") {
+        if remote {
+            eprintln!("collective suite skipped: it starts its own ranks on this host");
+        } else {
+            let (r, n) = sluice_benches::collective::run(&options, spawn_collective_worker)?;
+            records.extend(r);
+            notes.extend(n);
         }
     }
     if options.suites.iter().any(|s| s == "autograd") {
@@ -306,12 +325,12 @@ fn main() -> anyhow::Result<()> {
     }
     let mut info = sluice_benches::page::RunInfo {
         command: std::env::args().collect::<Vec<_>>().join(" "),
-        notes: Vec::new(),
+        notes,
     };
     if options.suites.iter().any(|s| s == "peers") {
         let peers = sluice_benches::peers::run(&options);
         records.extend(peers.records);
-        info.notes = peers.notes;
+        info.notes.extend(peers.notes);
     }
     print!("{}", report::table(&records));
     // Whatever was measured is written before anything that can fail on the way out.
@@ -362,6 +381,17 @@ fn spawn_rpc_worker(store: &str) -> anyhow::Result<Box<dyn std::any::Any>> {
         .stdin(Stdio::null())
         .spawn()
         .context("starting the rpc worker")?;
+    Ok(Box::new(KillOnDrop(child)) as Box<dyn std::any::Any>)
+}
+
+/// Starts one rank of the collective suite.
+fn spawn_collective_worker(spec: &str) -> anyhow::Result<Box<dyn std::any::Any>> {
+    let exe = std::env::current_exe()?;
+    let child = Command::new(exe)
+        .args(["bench", "--collective-worker", spec])
+        .stdin(Stdio::null())
+        .spawn()
+        .context("starting a collective worker")?;
     Ok(Box::new(KillOnDrop(child)) as Box<dyn std::any::Any>)
 }
 

@@ -17,6 +17,7 @@
 #![deny(unsafe_code)]
 
 pub mod autograd;
+pub mod collective;
 pub mod compare;
 pub mod cuda;
 pub mod ibverbs;

@@ -24,6 +24,7 @@ use crate::run::BenchOptions;
 
 const MPI_SOURCE: &str = include_str!("../peers/mpi_p2p.c");
 const TORCH_SCRIPT: &str = include_str!("../peers/pytorch_rpc.py");
+const GLOO_SCRIPT: &str = include_str!("../peers/gloo_allreduce.py");
 
 /// What the peers suite measured, and a line for each peer it skipped or lost.
 #[derive(Debug, Default)]
@@ -200,6 +201,42 @@ fn pytorch(sizes: &[usize], budget: Duration, backend: &str) -> anyhow::Result<O
     let ran = run_bounded(&name, &mut cmd, deadline)?;
     let _ = std::fs::remove_dir_all(&dir);
     ran.into_outcome(&name)
+}
+
+/// PyTorch's Gloo allreduce (f32 sum) at `sizes` on each of `worlds` processes, the baseline of
+/// the collective suite: its records, and a note when it was skipped or failed.
+pub fn gloo_allreduce(sizes: &[usize], worlds: &[u32], quick: bool) -> (Vec<Record>, Option<String>) {
+    let run = || -> anyhow::Result<Outcome> {
+        let python = std::env::var("SLUICE_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
+        if let Some(skip) = cannot_import(
+            &python,
+            "torch, torch.distributed",
+            "PyTorch is not installed there; set SLUICE_BENCH_PYTHON to a Python that has it",
+        ) {
+            return Ok(skip);
+        }
+        let dir = scratch()?;
+        let script = dir.join("gloo_allreduce.py");
+        std::fs::write(&script, GLOO_SCRIPT)?;
+        let list = |v: Vec<String>| v.join(",");
+        let mut cmd = Command::new(&python);
+        cmd.arg(&script)
+            .arg("--sizes")
+            .arg(list(sizes.iter().map(|s| s.to_string()).collect()))
+            .arg("--worlds")
+            .arg(list(worlds.iter().map(|w| w.to_string()).collect()));
+        if quick {
+            cmd.arg("--quick");
+        }
+        let ran = run_bounded("gloo", &mut cmd, Duration::from_secs(600))?;
+        let _ = std::fs::remove_dir_all(&dir);
+        ran.into_outcome("gloo")
+    };
+    match run() {
+        Ok(Outcome::Skipped(why)) => (Vec::new(), Some(format!("gloo: skipped: {why}"))),
+        Ok(Outcome::Ran(records, failure)) => (records, failure.map(|f| format!("gloo: {f}"))),
+        Err(e) => (Vec::new(), Some(format!("gloo: {e:#}"))),
+    }
 }
 
 /// `Some(skip)` with the reason when `python -c 'import MODULES'` fails (`why` says what that

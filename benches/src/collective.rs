@@ -1,0 +1,156 @@
+//! `sluice bench collective`: allreduce (float32, sum) of 4 KiB to 64 MiB on 2 and 4 processes
+//! of this host through `sluice-collective`, against PyTorch's Gloo in the same run (when torch
+//! is installed for `$SLUICE_BENCH_PYTHON`): the same sizes and iteration counts, each call timed
+//! on rank 0. Bandwidth is the buffer's size over the call's p50 (what PyTorch calls algbw).
+//!
+//! This process is rank 0 (it serves the group's store); it starts the others with `sluice
+//! bench --collective-worker STORE,RANK,WORLD,QUICK`.
+
+use std::time::{Duration, Instant};
+
+use sluice_collective::{DType, Group, GroupOptions, ReduceOp};
+
+use crate::report::Record;
+use crate::run::BenchOptions;
+
+/// The group sizes measured.
+pub const WORLDS: [u32; 2] = [2, 4];
+
+fn sizes(quick: bool) -> Vec<usize> {
+    if quick {
+        vec![4 << 10, 1 << 20]
+    } else {
+        vec![4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
+    }
+}
+
+/// Calls per size (the Gloo script uses the same formula): fewer for larger buffers.
+fn iterations(size: usize, quick: bool) -> usize {
+    let n = ((256usize << 20) / size.max(1)).clamp(5, 200);
+    if quick {
+        (n / 4).max(5)
+    } else {
+        n
+    }
+}
+
+fn group_options(store: &str, rank: u32, world: u32) -> GroupOptions {
+    GroupOptions {
+        name: format!("bench-{world}"),
+        rank,
+        world_size: world,
+        store: store.to_owned(),
+        serve_store: rank == 0,
+        host: "127.0.0.1".into(),
+        timeout: Duration::from_secs(120),
+        pipe: Default::default(),
+    }
+}
+
+/// Every rank's loop: per size, two warm-up calls then the timed ones; rank 0 returns the
+/// times (ns) per size.
+async fn measure(group: &Group, quick: bool) -> anyhow::Result<Vec<(usize, Vec<f64>)>> {
+    let mut out = Vec::new();
+    for size in sizes(quick) {
+        let mut buf: Vec<u8> = (0..size / 4).flat_map(|i| ((i % 7) as f32).to_ne_bytes()).collect();
+        for _ in 0..2 {
+            group.all_reduce(&mut buf, DType::F32, ReduceOp::Sum).await?;
+        }
+        let mut samples = Vec::new();
+        for _ in 0..iterations(size, quick) {
+            let t0 = Instant::now();
+            group.all_reduce(&mut buf, DType::F32, ReduceOp::Sum).await?;
+            samples.push(t0.elapsed().as_nanos() as f64);
+        }
+        out.push((size, samples));
+    }
+    Ok(out)
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+/// A rank other than 0: `spec` is `STORE,RANK,WORLD,QUICK`.
+pub fn worker(spec: &str) -> anyhow::Result<()> {
+    let parts: Vec<&str> = spec.split(',').collect();
+    let [store, rank, world, quick] = parts.as_slice() else {
+        anyhow::bail!("--collective-worker STORE,RANK,WORLD,QUICK, got {spec}");
+    };
+    let (rank, world, quick): (u32, u32, bool) = (rank.parse()?, world.parse()?, *quick == "1");
+    runtime()?.block_on(async {
+        let group = Group::new(group_options(store, rank, world)).await?;
+        measure(&group, quick).await?;
+        group.close().await?;
+        Ok(())
+    })
+}
+
+/// Runs the suite; `spawn_worker(spec)` starts one other rank.
+pub fn run(
+    options: &BenchOptions,
+    spawn_worker: impl Fn(&str) -> anyhow::Result<Box<dyn std::any::Any>>,
+) -> anyhow::Result<(Vec<Record>, Vec<String>)> {
+    let quick = options.quick;
+    let mut records = Vec::new();
+    for world in WORLDS {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let store = format!("127.0.0.1:{port}");
+        let workers: Vec<_> = (1..world)
+            .map(|r| spawn_worker(&format!("{store},{r},{world},{}", u8::from(quick))))
+            .collect::<anyhow::Result<_>>()?;
+        let measured = runtime()?.block_on(async {
+            let group = Group::new(group_options(&store, 0, world)).await?;
+            let m = measure(&group, quick).await?;
+            group.close().await?;
+            anyhow::Ok(m)
+        })?;
+        drop(workers);
+        for (size, samples) in measured {
+            let n = samples.len() as u64;
+            let rtt = Record::rtt("collective", format!("allreduce-f32-{world}p"), size, samples);
+            let gbps = size as f64 / rtt.p50_ns.unwrap_or(f64::NAN);
+            records.push(rtt);
+            records.push(Record::bw(
+                "collective",
+                format!("allreduce-f32-{world}p"),
+                size,
+                gbps,
+                n,
+            ));
+        }
+    }
+    let (gloo, note) = crate::peers::gloo_allreduce(&sizes(quick), &WORLDS, quick);
+    for theirs in &gloo {
+        let Some(ours) = theirs.backend.strip_prefix("gloo-") else {
+            continue;
+        };
+        let gloo_bw = Record::bw(
+            "peer",
+            theirs.backend.clone(),
+            theirs.bytes as usize,
+            theirs.bytes as f64 / theirs.p50_ns.unwrap_or(f64::NAN),
+            theirs.iterations,
+        );
+        for r in records
+            .iter_mut()
+            .filter(|r| r.backend == ours && r.bytes == theirs.bytes)
+        {
+            if r.metric == "rtt" {
+                r.against(theirs);
+            } else {
+                r.against(&gloo_bw);
+            }
+        }
+    }
+    let mut notes = Vec::new();
+    if let Some(n) = note {
+        eprintln!("collective: {n}");
+        notes.push(n);
+    }
+    records.extend(gloo);
+    Ok((records, notes))
+}

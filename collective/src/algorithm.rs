@@ -1,0 +1,327 @@
+//! How each collective moves its bytes.
+//!
+//! - **Direct** (buffers up to [`DIRECT_MAX`](crate::DIRECT_MAX), and every collective whose
+//!   data has one source or one destination per piece: broadcast, gather, scatter, all-to-all,
+//!   allgather, barrier): each rank sends what another needs straight to it, all sends at
+//!   once: one step of latency. Reductions then combine the n contributions on every rank in
+//!   rank order, so every rank computes the same bytes.
+//! - **Ring** (allreduce, reduce and reduce-scatter above `DIRECT_MAX`): the buffer is cut into
+//!   n pieces on element boundaries; in n − 1 steps each rank passes one piece to its right
+//!   neighbour and combines the piece arriving from its left into its own copy (reduce-scatter),
+//!   so each piece is reduced once, by a chain through every rank; allreduce then passes the
+//!   finished pieces around the ring (allgather) and reduce sends them to the root. Each rank
+//!   sends about 2 (n − 1) / n of the buffer and reduces (n − 1) / n of it, whatever n is.
+//!
+//! On one host the pieces travel through the pipes' shared-memory paths (a copy into the
+//! receiver's segment, reduced from there in place, or read by cross-memory attach); across
+//! hosts over TCP or RDMA.
+
+use std::ops::Range;
+
+use bytes::Bytes;
+
+use crate::reduce::{self, ReduceOp};
+use crate::DType;
+use crate::{Op, Result, DIRECT_MAX};
+
+/// `n` ranges of bytes covering `len` bytes of `size`-byte elements, as even as whole elements
+/// allow (the first ones one element longer).
+fn pieces(len: usize, size: usize, n: usize) -> Vec<Range<usize>> {
+    let elems = len / size;
+    let (base, extra) = (elems / n, elems % n);
+    let mut at = 0;
+    (0..n)
+        .map(|i| {
+            let e = base + usize::from(i < extra);
+            let r = at..at + e * size;
+            at = r.end;
+            r
+        })
+        .collect()
+}
+
+fn modn(x: i64, n: u32) -> usize {
+    x.rem_euclid(n as i64) as usize
+}
+
+/// Sends each `(to, step, data)` at once and waits for all.
+async fn send_all(op: &Op, sends: Vec<(u32, u32, Bytes)>) -> Result<()> {
+    let tasks: Vec<_> = sends
+        .into_iter()
+        .map(|(to, step, data)| {
+            let mesh = op.mesh.clone();
+            let key = op.key(step);
+            tokio::spawn(async move { mesh.send(to, crate::mesh::Kind::Coll, key, data).await })
+        })
+        .collect();
+    let mut first = Ok(());
+    for t in tasks {
+        let r = t
+            .await
+            .unwrap_or_else(|e| Err(crate::CollectiveError::Invalid(format!("a send task failed: {e}"))));
+        if first.is_ok() {
+            first = r;
+        }
+    }
+    first
+}
+
+/// The other ranks, in order.
+fn others(op: &Op) -> impl Iterator<Item = u32> + '_ {
+    (0..op.mesh.world).filter(move |&r| r != op.mesh.rank)
+}
+
+pub(crate) async fn all_reduce(op: &Op, buf: &mut [u8], dtype: DType, rop: ReduceOp) -> Result<()> {
+    let n = op.mesh.world;
+    if n == 1 {
+        reduce::finish(buf, dtype, rop, 1);
+        return Ok(());
+    }
+    if buf.len() <= DIRECT_MAX || buf.len() / dtype.size() < n as usize {
+        let all = exchange(op, buf).await?;
+        combine_in_order(buf, &all, dtype, rop);
+        return Ok(());
+    }
+    let p = pieces(buf.len(), dtype.size(), n as usize);
+    let me = op.mesh.rank as i64;
+    ring_reduce_scatter(op, buf, &p, dtype, rop, 0).await?;
+    // This rank now holds piece (me + 1) fully reduced.
+    let mine = p[modn(me + 1, n)].clone();
+    reduce::finish(&mut buf[mine], dtype, rop, n);
+    let right = ((me + 1) % n as i64) as u32;
+    let left = modn(me - 1, n) as u32;
+    for s in 0..n as i64 - 1 {
+        let (out, inn) = (modn(me + 1 - s, n), modn(me - s, n));
+        let step = (n as i64 - 1 + s) as u32;
+        let data = Bytes::copy_from_slice(&buf[p[out].clone()]);
+        let (sent, got) = tokio::join!(op.send(right, step, data), op.recv(left, step, p[inn].len()));
+        sent?;
+        buf[p[inn].clone()].copy_from_slice(&got?);
+    }
+    Ok(())
+}
+
+/// The ring's reduce-scatter over `buf` cut into `p`: after it, this rank's piece
+/// `rank + 1 + shift` (mod n) holds the reduction of that piece over every rank (not finished:
+/// the average is not yet divided).
+async fn ring_reduce_scatter(
+    op: &Op,
+    buf: &mut [u8],
+    p: &[Range<usize>],
+    dtype: DType,
+    rop: ReduceOp,
+    shift: i64,
+) -> Result<()> {
+    let n = op.mesh.world;
+    let me = op.mesh.rank as i64;
+    let right = ((me + 1) % n as i64) as u32;
+    let left = modn(me - 1, n) as u32;
+    for s in 0..n as i64 - 1 {
+        let (out, inn) = (modn(me - s + shift, n), modn(me - s - 1 + shift, n));
+        let data = Bytes::copy_from_slice(&buf[p[out].clone()]);
+        let (sent, got) = tokio::join!(op.send(right, s as u32, data), op.recv(left, s as u32, p[inn].len()));
+        sent?;
+        reduce::combine(&mut buf[p[inn].clone()], &got?, dtype, rop);
+    }
+    Ok(())
+}
+
+/// Sends `buf` to every other rank and returns every rank's buffer, in rank order (this rank's
+/// as `None`).
+async fn exchange(op: &Op, buf: &[u8]) -> Result<Vec<Option<Bytes>>> {
+    let data = Bytes::copy_from_slice(buf);
+    let sends = others(op).map(|r| (r, 0, data.clone())).collect();
+    let (sent, got) = tokio::join!(send_all(op, sends), async {
+        let mut all = Vec::with_capacity(op.mesh.world as usize);
+        for r in 0..op.mesh.world {
+            all.push(if r == op.mesh.rank {
+                None
+            } else {
+                Some(op.recv(r, 0, buf.len()).await?)
+            });
+        }
+        Ok::<_, crate::CollectiveError>(all)
+    });
+    sent?;
+    got
+}
+
+/// `buf` becomes the reduction of every rank's contribution in rank order (`None`: `buf`'s own).
+fn combine_in_order(buf: &mut [u8], all: &[Option<Bytes>], dtype: DType, rop: ReduceOp) {
+    let mut acc = match &all[0] {
+        Some(b) => b.to_vec(),
+        None => buf.to_vec(),
+    };
+    for c in &all[1..] {
+        match c {
+            Some(b) => reduce::combine(&mut acc, b, dtype, rop),
+            None => reduce::combine(&mut acc, buf, dtype, rop),
+        }
+    }
+    reduce::finish(&mut acc, dtype, rop, all.len() as u32);
+    buf.copy_from_slice(&acc);
+}
+
+pub(crate) async fn broadcast(op: &Op, root: u32, buf: &mut [u8]) -> Result<()> {
+    if op.mesh.rank == root {
+        let data = Bytes::copy_from_slice(buf);
+        send_all(op, others(op).map(|r| (r, 0, data.clone())).collect()).await
+    } else {
+        let got = op.recv(root, 0, buf.len()).await?;
+        buf.copy_from_slice(&got);
+        Ok(())
+    }
+}
+
+pub(crate) async fn reduce(op: &Op, root: u32, buf: &mut [u8], dtype: DType, rop: ReduceOp) -> Result<()> {
+    let n = op.mesh.world;
+    let me = op.mesh.rank;
+    if n == 1 {
+        reduce::finish(buf, dtype, rop, 1);
+        return Ok(());
+    }
+    if buf.len() <= DIRECT_MAX || buf.len() / dtype.size() < n as usize {
+        if me != root {
+            return op.send(root, 0, Bytes::copy_from_slice(buf)).await;
+        }
+        let mut all = Vec::with_capacity(n as usize);
+        for r in 0..n {
+            all.push(if r == me {
+                None
+            } else {
+                Some(op.recv(r, 0, buf.len()).await?)
+            });
+        }
+        combine_in_order(buf, &all, dtype, rop);
+        return Ok(());
+    }
+    // The ring's reduce-scatter on a copy (only the root's buffer changes), then every rank
+    // sends its finished piece to the root.
+    let p = pieces(buf.len(), dtype.size(), n as usize);
+    let mut work = buf.to_vec();
+    ring_reduce_scatter(op, &mut work, &p, dtype, rop, 0).await?;
+    let step = n - 1;
+    let mine = p[modn(me as i64 + 1, n)].clone();
+    reduce::finish(&mut work[mine.clone()], dtype, rop, n);
+    if me != root {
+        return op.send(root, step, Bytes::copy_from_slice(&work[mine])).await;
+    }
+    buf[mine.clone()].copy_from_slice(&work[mine]);
+    for r in others(op) {
+        let theirs = p[modn(r as i64 + 1, n)].clone();
+        let got = op.recv(r, step, theirs.len()).await?;
+        buf[theirs].copy_from_slice(&got);
+    }
+    Ok(())
+}
+
+pub(crate) async fn all_gather(op: &Op, input: &[u8], out: &mut [u8]) -> Result<()> {
+    let all = exchange(op, input).await?;
+    for (r, piece) in all.iter().enumerate() {
+        let at = r * input.len()..(r + 1) * input.len();
+        out[at].copy_from_slice(piece.as_deref().unwrap_or(input));
+    }
+    Ok(())
+}
+
+pub(crate) async fn gather(op: &Op, root: u32, input: &[u8], out: &mut [u8]) -> Result<()> {
+    if op.mesh.rank != root {
+        return op.send(root, 0, Bytes::copy_from_slice(input)).await;
+    }
+    let len = input.len();
+    out[root as usize * len..(root as usize + 1) * len].copy_from_slice(input);
+    for r in others(op) {
+        let got = op.recv(r, 0, len).await?;
+        out[r as usize * len..(r as usize + 1) * len].copy_from_slice(&got);
+    }
+    Ok(())
+}
+
+pub(crate) async fn scatter(op: &Op, root: u32, input: &[u8], out: &mut [u8]) -> Result<()> {
+    let len = out.len();
+    if op.mesh.rank != root {
+        let got = op.recv(root, 0, len).await?;
+        out.copy_from_slice(&got);
+        return Ok(());
+    }
+    let sends = others(op)
+        .map(|r| {
+            let piece = Bytes::copy_from_slice(&input[r as usize * len..(r as usize + 1) * len]);
+            (r, 0, piece)
+        })
+        .collect();
+    out.copy_from_slice(&input[root as usize * len..(root as usize + 1) * len]);
+    send_all(op, sends).await
+}
+
+pub(crate) async fn reduce_scatter(op: &Op, input: &[u8], out: &mut [u8], dtype: DType, rop: ReduceOp) -> Result<()> {
+    let n = op.mesh.world;
+    let me = op.mesh.rank;
+    let len = out.len();
+    let piece = |r: u32| r as usize * len..(r as usize + 1) * len;
+    if n == 1 {
+        out.copy_from_slice(input);
+        reduce::finish(out, dtype, rop, 1);
+        return Ok(());
+    }
+    if input.len() <= DIRECT_MAX {
+        let sends = others(op)
+            .map(|r| (r, 0, Bytes::copy_from_slice(&input[piece(r)])))
+            .collect();
+        let (sent, got) = tokio::join!(send_all(op, sends), async {
+            let mut all = Vec::with_capacity(n as usize);
+            for r in 0..n {
+                all.push(if r == me { None } else { Some(op.recv(r, 0, len).await?) });
+            }
+            Ok::<_, crate::CollectiveError>(all)
+        });
+        sent?;
+        out.copy_from_slice(&input[piece(me)]);
+        combine_in_order(out, &got?, dtype, rop);
+        return Ok(());
+    }
+    // The ring, shifted by one so that this rank ends with its own piece.
+    let p: Vec<_> = (0..n).map(piece).collect();
+    let mut work = input.to_vec();
+    ring_reduce_scatter(op, &mut work, &p, dtype, rop, -1).await?;
+    out.copy_from_slice(&work[piece(me)]);
+    reduce::finish(out, dtype, rop, n);
+    Ok(())
+}
+
+pub(crate) async fn all_to_all(op: &Op, input: &[u8], out: &mut [u8]) -> Result<()> {
+    let n = op.mesh.world;
+    let me = op.mesh.rank;
+    let len = input.len() / n as usize;
+    let piece = |r: u32| r as usize * len..(r as usize + 1) * len;
+    let sends = others(op)
+        .map(|r| (r, 0, Bytes::copy_from_slice(&input[piece(r)])))
+        .collect();
+    out[piece(me)].copy_from_slice(&input[piece(me)]);
+    let (sent, got) = tokio::join!(send_all(op, sends), async {
+        let mut got = Vec::new();
+        for r in others(op) {
+            got.push((r, op.recv(r, 0, len).await?));
+        }
+        Ok::<_, crate::CollectiveError>(got)
+    });
+    sent?;
+    for (r, b) in got? {
+        out[piece(r)].copy_from_slice(&b);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_cover_the_buffer_on_element_boundaries() {
+        let p = pieces(40, 4, 3);
+        assert_eq!(p, vec![0..16, 16..28, 28..40]);
+        let p = pieces(8, 4, 4);
+        assert_eq!(p, vec![0..4, 4..8, 8..8, 8..8]);
+        assert_eq!(modn(-1, 4), 3);
+    }
+}

@@ -1,0 +1,449 @@
+//! Collectives over Sluice pipes: a group of ranks that exchange buffers point to point (with
+//! tags) and together (allreduce, broadcast, reduce, allgather, gather, scatter,
+//! reduce-scatter, all-to-all, barrier), for data parallelism the way NCCL, Gloo and MPI serve
+//! it, over the fastest path each pair of ranks shares (shared memory and cross-memory attach on
+//! one host, TCP or RDMA across hosts).
+//!
+//! ```ignore
+//! let group = Group::new(GroupOptions::from_env("grads")?).await?;
+//! group.all_reduce(bytemuck::cast_slice_mut(&mut grads), DType::F32, ReduceOp::Sum).await?;
+//! ```
+//!
+//! Contracts:
+//! - Every rank calls the group's collectives in the same order (each takes the next sequence
+//!   number when it is *called*, not when it is first polled, so several may be in flight).
+//!   Point-to-point messages match by sender and tag, in the order sent.
+//! - Buffers are raw bytes with a dtype ([`DType`], every dtype Sluice carries); reductions are
+//!   [`ReduceOp`]s, f16 and bf16 accumulated in f32 per step. Sizes must agree across ranks: a
+//!   mismatch is an error on the ranks that see it, never a hang (every wait has the group's
+//!   timeout).
+//! - Results are the same bytes on every rank (every element is reduced once, in a fixed order,
+//!   then copied), so data-parallel replicas stay bitwise identical.
+//! - A rank that is lost (its pipe fails) fails the whole group: every pending and later
+//!   operation returns an error naming it, on every rank (the ranks that see the loss tell the
+//!   others).
+//!
+//! Algorithms (see [`algorithm`]): small buffers go directly to every rank that needs them (one
+//! step of latency, every rank reduces the full buffer in rank order); large ones take a ring
+//! (reduce-scatter then allgather: each byte crosses each link about twice, each rank reduces
+//! 1/n of the data).
+#![forbid(unsafe_code)]
+
+mod mesh;
+pub mod reduce;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use sluice_agent::store::{Store, StoreServer, StoreUrl};
+use sluice_channel::{Context, ContextOptions, PipeError};
+
+pub use reduce::ReduceOp;
+pub use sluice_dlpack::DType;
+
+use mesh::{Kind, Mesh};
+
+/// What went wrong in a group.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CollectiveError {
+    #[error("rank {rank} was lost: {why}")]
+    PeerLost { rank: u32, why: String },
+    #[error("the group was aborted by rank {by}: {why}")]
+    Aborted { by: u32, why: String },
+    #[error("{}: {detail}", rank.map_or("a peer".to_owned(), |r| format!("rank {r}")))]
+    Peer { rank: Option<u32>, detail: String },
+    #[error("timed out: {0}")]
+    Timeout(String),
+    #[error("invalid: {0}")]
+    Invalid(String),
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    #[error("store: {0}")]
+    Store(String),
+    #[error("pipe: {0}")]
+    Pipe(String),
+    #[error("the group was closed")]
+    Closed,
+}
+
+impl From<PipeError> for CollectiveError {
+    fn from(e: PipeError) -> Self {
+        CollectiveError::Pipe(e.to_string())
+    }
+}
+
+type Result<T> = std::result::Result<T, CollectiveError>;
+
+/// How to form a group.
+#[derive(Debug, Clone)]
+pub struct GroupOptions {
+    /// The group's name: groups of different names over the same ranks never mix messages.
+    pub name: String,
+    pub rank: u32,
+    pub world_size: u32,
+    /// The store's address (`host:port`), the same one the RPC agent uses.
+    pub store: String,
+    /// Whether this rank serves the store (rank 0 by default, unless a launcher serves it).
+    pub serve_store: bool,
+    /// The address this rank listens on for its peers (routable across hosts).
+    pub host: String,
+    /// Every wait in the group, formation included, ends after this long with an error.
+    pub timeout: Duration,
+    /// The transports and channels the group's pipes may use.
+    pub pipe: ContextOptions,
+}
+
+impl GroupOptions {
+    /// Options from torchrun's variables: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`
+    /// (or `SLUICE_STORE=host:port`); rank 0 serves the store unless `SLUICE_STORE_SERVED` is set.
+    pub fn from_env(name: &str) -> Result<GroupOptions> {
+        let var = |k: &str| std::env::var(k).map_err(|_| CollectiveError::Invalid(format!("{k} is not set")));
+        let number = |k: &str| -> Result<u32> {
+            var(k)?
+                .parse()
+                .map_err(|_| CollectiveError::Invalid(format!("{k} is not a number")))
+        };
+        let rank = number("RANK")?;
+        let world_size = number("WORLD_SIZE")?;
+        let store = match std::env::var("SLUICE_STORE") {
+            Ok(s) => s,
+            Err(_) => format!("{}:{}", var("MASTER_ADDR")?, var("MASTER_PORT")?),
+        };
+        Ok(GroupOptions {
+            name: name.to_owned(),
+            rank,
+            world_size,
+            store,
+            serve_store: rank == 0 && std::env::var_os("SLUICE_STORE_SERVED").is_none(),
+            host: "127.0.0.1".into(),
+            timeout: Duration::from_secs(60),
+            pipe: ContextOptions::default(),
+        })
+    }
+}
+
+/// A group of ranks exchanging buffers. Cheap to clone (clones share the group).
+#[derive(Clone)]
+pub struct Group {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    mesh: Arc<Mesh>,
+    seq: AtomicU64,
+    _ctx: Context,
+    _store: Store,
+    _server: Option<StoreServer>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.mesh.close();
+    }
+}
+
+/// Buffers at most this long take the direct algorithms; longer ones the ring.
+pub const DIRECT_MAX: usize = 64 << 10;
+
+/// Steps within one collective are numbered in the low bits of its key.
+const STEP_BITS: u32 = 16;
+
+impl Group {
+    /// Forms the group: every rank must call this with the same name and world size.
+    pub async fn new(options: GroupOptions) -> Result<Group> {
+        let o = options;
+        if o.world_size == 0 || o.rank >= o.world_size {
+            return Err(CollectiveError::Invalid(format!(
+                "rank {} in a world of {}",
+                o.rank, o.world_size
+            )));
+        }
+        if o.world_size as u64 > 1 << 20 {
+            return Err(CollectiveError::Invalid(format!("a world of {} ranks", o.world_size)));
+        }
+        let server = if o.serve_store {
+            Some(
+                StoreServer::start(&o.store)
+                    .await
+                    .map_err(|e| CollectiveError::Store(e.to_string()))?,
+            )
+        } else {
+            None
+        };
+        let url = StoreUrl::parse(&o.store).map_err(|e| CollectiveError::Store(e.to_string()))?;
+        let store = Store::connect(&url, o.timeout, None)
+            .await
+            .map_err(|e| CollectiveError::Store(e.to_string()))?;
+        let ctx = Context::new(o.pipe.clone())?;
+        let mesh = Mesh::build(&ctx, &store, &o.name, o.rank, o.world_size, &o.host, o.timeout).await?;
+        // Nobody leaves formation (and maybe takes the store with it) before all have formed.
+        store
+            .barrier(&format!("collective/{}/formed", o.name), o.world_size, o.timeout)
+            .await
+            .map_err(|e| CollectiveError::Store(e.to_string()))?;
+        Ok(Group {
+            inner: Arc::new(Inner {
+                mesh,
+                seq: AtomicU64::new(0),
+                _ctx: ctx,
+                _store: store,
+                _server: server,
+            }),
+        })
+    }
+
+    pub fn rank(&self) -> u32 {
+        self.inner.mesh.rank
+    }
+
+    pub fn world_size(&self) -> u32 {
+        self.inner.mesh.world
+    }
+
+    /// Why the group failed, if it has (a lost rank, an abort, a close).
+    pub fn failed(&self) -> Option<CollectiveError> {
+        self.inner.mesh.failed()
+    }
+
+    /// Fails the group on every rank with `why` (each pending operation ends with it).
+    pub fn abort(&self, why: &str) {
+        let e = CollectiveError::Aborted {
+            by: self.rank(),
+            why: why.to_owned(),
+        };
+        self.inner.mesh.fail(e);
+    }
+
+    /// Leaves the group with the others: returns once every rank has called `close` (then the
+    /// pipes close), or with the error that failed the group. Dropping the last handle without
+    /// it closes the pipes at once, which the other ranks see as this rank lost.
+    pub async fn close(self) -> Result<()> {
+        if let Some(e) = self.failed() {
+            self.inner.mesh.close();
+            return Err(e);
+        }
+        let r = self.inner.mesh.leave().await;
+        self.inner.mesh.close();
+        r
+    }
+
+    /// Sends `data` to rank `to` under `tag` (matched by `recv(self.rank, tag)` there).
+    pub async fn send(&self, to: u32, tag: u64, data: Bytes) -> Result<()> {
+        self.peer(to)?;
+        self.inner.mesh.send(to, Kind::User, tag, data).await
+    }
+
+    /// The next message rank `from` sent under `tag`.
+    pub async fn recv(&self, from: u32, tag: u64) -> Result<Bytes> {
+        self.peer(from)?;
+        self.inner.mesh.recv(from, Kind::User, tag).await
+    }
+
+    fn peer(&self, r: u32) -> Result<()> {
+        if r == self.rank() || r >= self.world_size() {
+            return Err(CollectiveError::Invalid(format!(
+                "rank {r} is not a peer of rank {} in a group of {}",
+                self.rank(),
+                self.world_size()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The next collective's sequence number (taken when a collective is called).
+    fn next(&self) -> Op {
+        Op {
+            mesh: self.inner.mesh.clone(),
+            seq: self.inner.seq.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
+    /// Returns once every rank has called it.
+    pub fn barrier(&self) -> impl std::future::Future<Output = Result<()>> + '_ {
+        let op = self.next();
+        async move { algorithm::all_gather(&op, &[], &mut []).await }
+    }
+
+    /// Every rank's `buf` becomes `op` over all ranks' `buf`s (the same bytes everywhere).
+    pub fn all_reduce<'a>(
+        &'a self,
+        buf: &'a mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> impl std::future::Future<Output = Result<()>> + 'a {
+        let o = self.next();
+        async move {
+            reduce::check(dtype, op)?;
+            reduce::elements(dtype, buf.len())?;
+            algorithm::all_reduce(&o, buf, dtype, op).await
+        }
+    }
+
+    /// Rank `root`'s `buf` is copied into every other rank's `buf`.
+    pub fn broadcast<'a>(&'a self, root: u32, buf: &'a mut [u8]) -> impl std::future::Future<Output = Result<()>> + 'a {
+        let o = self.next();
+        async move {
+            o.root(root)?;
+            algorithm::broadcast(&o, root, buf).await
+        }
+    }
+
+    /// Rank `root`'s `buf` becomes `op` over all ranks' `buf`s (the others' are unchanged).
+    pub fn reduce<'a>(
+        &'a self,
+        root: u32,
+        buf: &'a mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> impl std::future::Future<Output = Result<()>> + 'a {
+        let o = self.next();
+        async move {
+            o.root(root)?;
+            reduce::check(dtype, op)?;
+            reduce::elements(dtype, buf.len())?;
+            algorithm::reduce(&o, root, buf, dtype, op).await
+        }
+    }
+
+    /// `out` (world × `input.len()` bytes) becomes every rank's `input`, in rank order.
+    pub fn all_gather<'a>(
+        &'a self,
+        input: &'a [u8],
+        out: &'a mut [u8],
+    ) -> impl std::future::Future<Output = Result<()>> + 'a {
+        let o = self.next();
+        async move {
+            o.sized(out.len(), input.len(), "all_gather output")?;
+            algorithm::all_gather(&o, input, out).await
+        }
+    }
+
+    /// On `root`, `out` (world × `input.len()` bytes) becomes every rank's `input` in rank
+    /// order; other ranks pass an empty `out`.
+    pub fn gather<'a>(
+        &'a self,
+        root: u32,
+        input: &'a [u8],
+        out: &'a mut [u8],
+    ) -> impl std::future::Future<Output = Result<()>> + 'a {
+        let o = self.next();
+        async move {
+            o.root(root)?;
+            if o.mesh.rank == root {
+                o.sized(out.len(), input.len(), "gather output")?;
+            }
+            algorithm::gather(&o, root, input, out).await
+        }
+    }
+
+    /// Rank `r`'s `out` becomes piece `r` of `root`'s `input` (world × `out.len()` bytes; other
+    /// ranks pass an empty `input`).
+    pub fn scatter<'a>(
+        &'a self,
+        root: u32,
+        input: &'a [u8],
+        out: &'a mut [u8],
+    ) -> impl std::future::Future<Output = Result<()>> + 'a {
+        let o = self.next();
+        async move {
+            o.root(root)?;
+            if o.mesh.rank == root {
+                o.sized(input.len(), out.len(), "scatter input")?;
+            }
+            algorithm::scatter(&o, root, input, out).await
+        }
+    }
+
+    /// Rank `r`'s `out` becomes `op` over piece `r` of every rank's `input` (world ×
+    /// `out.len()` bytes).
+    pub fn reduce_scatter<'a>(
+        &'a self,
+        input: &'a [u8],
+        out: &'a mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> impl std::future::Future<Output = Result<()>> + 'a {
+        let o = self.next();
+        async move {
+            reduce::check(dtype, op)?;
+            reduce::elements(dtype, out.len())?;
+            o.sized(input.len(), out.len(), "reduce_scatter input")?;
+            algorithm::reduce_scatter(&o, input, out, dtype, op).await
+        }
+    }
+
+    /// Piece `j` of rank `i`'s `input` becomes piece `i` of rank `j`'s `out` (both world ×
+    /// piece bytes).
+    pub fn all_to_all<'a>(
+        &'a self,
+        input: &'a [u8],
+        out: &'a mut [u8],
+    ) -> impl std::future::Future<Output = Result<()>> + 'a {
+        let o = self.next();
+        async move {
+            if input.len() != out.len() || !input.len().is_multiple_of(o.mesh.world as usize) {
+                return Err(CollectiveError::Invalid(format!(
+                    "all_to_all of {} bytes into {} bytes over {} ranks",
+                    input.len(),
+                    out.len(),
+                    o.mesh.world
+                )));
+            }
+            algorithm::all_to_all(&o, input, out).await
+        }
+    }
+}
+
+/// One collective in flight: its sequence number and the mesh.
+pub(crate) struct Op {
+    mesh: Arc<Mesh>,
+    seq: u64,
+}
+
+impl Op {
+    fn key(&self, step: u32) -> u64 {
+        (self.seq << STEP_BITS) | step as u64
+    }
+
+    async fn send(&self, to: u32, step: u32, data: Bytes) -> Result<()> {
+        self.mesh.send(to, Kind::Coll, self.key(step), data).await
+    }
+
+    /// Receives step `step` from `from`, which must be `len` bytes long.
+    async fn recv(&self, from: u32, step: u32, len: usize) -> Result<Bytes> {
+        let got = self.mesh.recv(from, Kind::Coll, self.key(step)).await?;
+        if got.len() != len {
+            let e = CollectiveError::Invalid(format!(
+                "rank {from} sent {} bytes where rank {} expected {len} (buffer sizes differ across ranks?)",
+                got.len(),
+                self.mesh.rank
+            ));
+            return Err(e);
+        }
+        Ok(got)
+    }
+
+    fn root(&self, root: u32) -> Result<()> {
+        if root >= self.mesh.world {
+            return Err(CollectiveError::Invalid(format!(
+                "root {root} in a group of {}",
+                self.mesh.world
+            )));
+        }
+        Ok(())
+    }
+
+    fn sized(&self, whole: usize, piece: usize, what: &str) -> Result<()> {
+        if whole != piece * self.mesh.world as usize {
+            return Err(CollectiveError::Invalid(format!(
+                "{what} of {whole} bytes for pieces of {piece} bytes over {} ranks",
+                self.mesh.world
+            )));
+        }
+        Ok(())
+    }
+}
+
+pub mod algorithm;

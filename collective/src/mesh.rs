@@ -1,0 +1,479 @@
+//! The group's wiring: one pipe between every pair of ranks, found through the store, and the
+//! mailbox that sorts what arrives by sender and key.
+//!
+//! Every message is one pipe message: a fixed 32-byte header as its metadata (magic, version,
+//! kind, the group's id, the sender's rank, a key) and at most one CPU tensor holding the data.
+//! Bytes from a peer are parsed, never trusted: a header of the wrong size, magic, version or
+//! group, or a sender that is not the pipe's peer, fails the group naming that rank.
+//!
+//! Keys: a point-to-point message's key is its user tag; a collective's is its sequence number
+//! in the group (every rank calls collectives in the same order, as in MPI) and the step within
+//! it, so messages of different operations never meet.
+//!
+//! Failure: when a pipe fails, the rank at its other end is lost. The group is then failed for
+//! good: every pending and later operation ends with an error naming the lost rank, and every
+//! other peer is told (an abort message), so ranks that were not talking to the lost one stop
+//! waiting too.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use sluice_agent::store::Store;
+use sluice_channel::{Allocation, Context, Message, Pipe, Tensor};
+use tokio::sync::oneshot;
+
+use crate::CollectiveError;
+
+const MAGIC: u32 = u32::from_le_bytes(*b"SLCO");
+const VERSION: u16 = 1;
+const HEADER: usize = 32;
+
+/// What a message is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u16)]
+pub(crate) enum Kind {
+    /// The first message on a pipe: who is calling.
+    Hello = 1,
+    /// Point-to-point data under a user tag.
+    User = 2,
+    /// A step of a collective.
+    Coll = 3,
+    /// The group failed; the data says why.
+    Abort = 4,
+    /// Leaving: key 0, "I am done sending"; key 1, "I have everyone's key 0".
+    Bye = 5,
+}
+
+impl Kind {
+    fn from_u16(v: u16) -> Option<Kind> {
+        Some(match v {
+            1 => Kind::Hello,
+            2 => Kind::User,
+            3 => Kind::Coll,
+            4 => Kind::Abort,
+            5 => Kind::Bye,
+            _ => return None,
+        })
+    }
+}
+
+/// A message's header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Header {
+    pub kind: Kind,
+    pub group: u64,
+    pub from: u32,
+    pub key: u64,
+}
+
+impl Header {
+    pub fn encode(&self) -> Bytes {
+        let mut b = Vec::with_capacity(HEADER);
+        b.extend_from_slice(&MAGIC.to_le_bytes());
+        b.extend_from_slice(&VERSION.to_le_bytes());
+        b.extend_from_slice(&(self.kind as u16).to_le_bytes());
+        b.extend_from_slice(&self.group.to_le_bytes());
+        b.extend_from_slice(&self.from.to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes());
+        b.extend_from_slice(&self.key.to_le_bytes());
+        Bytes::from(b)
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Header, String> {
+        if b.len() != HEADER {
+            return Err(format!("a header of {} bytes (expected {HEADER})", b.len()));
+        }
+        let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        if u32_at(0) != MAGIC {
+            return Err("a message that is not a collective's (bad magic)".into());
+        }
+        if u16_at(4) != VERSION {
+            return Err(format!(
+                "collective wire version {} (this build speaks {VERSION})",
+                u16_at(4)
+            ));
+        }
+        let kind = Kind::from_u16(u16_at(6)).ok_or_else(|| format!("unknown message kind {}", u16_at(6)))?;
+        Ok(Header {
+            kind,
+            group: u64_at(8),
+            from: u32_at(16),
+            key: u64_at(24),
+        })
+    }
+}
+
+/// A stable id for a group name (FNV-1a), carried in every header.
+pub(crate) fn group_id(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// Where a received message waits for its receiver (or a receiver for its message).
+#[derive(Default)]
+struct Slot {
+    arrived: VecDeque<Bytes>,
+    waiting: VecDeque<oneshot::Sender<Result<Bytes, CollectiveError>>>,
+}
+
+#[derive(Default)]
+struct Boxes {
+    slots: HashMap<(u32, Kind, u64), Slot>,
+    failed: Option<CollectiveError>,
+}
+
+/// Pipes to every other rank and the mailbox of what they delivered.
+pub(crate) struct Mesh {
+    pub rank: u32,
+    pub world: u32,
+    pub group: u64,
+    pub name: String,
+    /// `pipes[r]`: the pipe to rank `r` (`None` for this rank).
+    pipes: Vec<Option<Pipe>>,
+    boxes: Mutex<Boxes>,
+    pub timeout: Duration,
+    /// `bye[r]`: rank `r` said it is leaving (its first goodbye arrived): its pipe closing
+    /// after that is its graceful exit, not a loss.
+    bye: Vec<std::sync::atomic::AtomicBool>,
+}
+
+impl Mesh {
+    /// Connects this rank to every other: each publishes its listener's address in the store;
+    /// a rank connects to every higher rank and accepts the lower ones (who say who they are).
+    pub async fn build(
+        ctx: &Context,
+        store: &Store,
+        name: &str,
+        rank: u32,
+        world: u32,
+        host: &str,
+        timeout: Duration,
+    ) -> Result<Arc<Mesh>, CollectiveError> {
+        let group = group_id(name);
+        let mut listener = ctx.listen(&format!("{host}:0")).await?;
+        let key = |r: u32| format!("collective/{name}/addr/{r}");
+        store
+            .set(&key(rank), listener.address().as_bytes().to_vec())
+            .await
+            .map_err(|e| CollectiveError::Store(e.to_string()))?;
+        let mut pipes: Vec<Option<Pipe>> = (0..world).map(|_| None).collect();
+        // Accept the lower ranks while connecting to the higher ones.
+        let lower = rank as usize;
+        let accepting = async {
+            let mut got = Vec::new();
+            for _ in 0..lower {
+                let pipe = listener.accept().await?;
+                let d = pipe.read_descriptor().await?;
+                let h = Header::decode(&d.metadata).map_err(|e| CollectiveError::Peer {
+                    rank: None,
+                    detail: format!("{}: {e}", pipe.info().peer),
+                })?;
+                if h.kind != Kind::Hello || h.group != group || h.from >= rank {
+                    return Err(CollectiveError::Peer {
+                        rank: Some(h.from),
+                        detail: format!("an unexpected first message ({h:?}) for group {name}"),
+                    });
+                }
+                pipe.read(Allocation::for_descriptor(&d)).await.map_err(|e| e.error)?;
+                got.push((h.from, pipe));
+            }
+            Ok::<_, CollectiveError>(got)
+        };
+        let connecting = async {
+            let mut got = Vec::new();
+            for r in rank + 1..world {
+                let addr = store
+                    .get(&key(r), timeout)
+                    .await
+                    .map_err(|e| CollectiveError::Store(format!("rank {r}'s address: {e}")))?;
+                let addr = String::from_utf8_lossy(&addr).into_owned();
+                let pipe = ctx.connect(&addr).await?;
+                let hello = Header {
+                    kind: Kind::Hello,
+                    group,
+                    from: rank,
+                    key: 0,
+                };
+                pipe.write(&Message {
+                    metadata: hello.encode(),
+                    ..Message::default()
+                })
+                .await?;
+                got.push((r, pipe));
+            }
+            Ok::<_, CollectiveError>(got)
+        };
+        let (accepted, connected) = tokio::time::timeout(timeout, async { tokio::try_join!(accepting, connecting) })
+            .await
+            .map_err(|_| CollectiveError::Timeout(format!("forming group {name} (rank {rank} of {world})")))??;
+        for (r, pipe) in accepted.into_iter().chain(connected) {
+            if pipes[r as usize].replace(pipe).is_some() {
+                return Err(CollectiveError::Peer {
+                    rank: Some(r),
+                    detail: "connected twice".into(),
+                });
+            }
+        }
+        let mesh = Arc::new(Mesh {
+            rank,
+            world,
+            group,
+            name: name.to_owned(),
+            pipes,
+            boxes: Mutex::new(Boxes::default()),
+            timeout,
+            bye: (0..world).map(|_| std::sync::atomic::AtomicBool::new(false)).collect(),
+        });
+        for r in 0..world {
+            if r != rank {
+                let m = mesh.clone();
+                tokio::spawn(async move { m.serve(r).await });
+            }
+        }
+        Ok(mesh)
+    }
+
+    fn pipe(&self, r: u32) -> Result<&Pipe, CollectiveError> {
+        self.pipes
+            .get(r as usize)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| CollectiveError::Invalid(format!("rank {r} is not a peer in a group of {}", self.world)))
+    }
+
+    /// Reads rank `r`'s messages into the mailbox until its pipe ends.
+    async fn serve(self: Arc<Self>, r: u32) {
+        let pipe = self.pipes[r as usize].as_ref().expect("a peer's pipe").clone();
+        loop {
+            let d = match pipe.read_descriptor().await {
+                Ok(d) => d,
+                Err(_) if self.bye[r as usize].load(std::sync::atomic::Ordering::Acquire) => {
+                    // Gone after saying goodbye: that stands for its second goodbye.
+                    return self.deliver(r, Kind::Bye, 1, Bytes::new());
+                }
+                Err(e) => return self.lost(r, e.to_string()),
+            };
+            let h = match Header::decode(&d.metadata) {
+                Ok(h) if h.group != self.group => {
+                    return self.lost(r, format!("sent a message of another group ({:#x})", h.group))
+                }
+                Ok(h) if h.from != r => return self.lost(r, format!("sent a message claiming to be rank {}", h.from)),
+                Ok(h) if h.kind == Kind::Hello => return self.lost(r, "said hello twice".into()),
+                Ok(_) if d.tensors.len() > 1 => {
+                    return self.lost(
+                        r,
+                        format!("sent {} tensors in one message (at most 1)", d.tensors.len()),
+                    )
+                }
+                Ok(h) => h,
+                Err(e) => return self.lost(r, format!("sent {e}")),
+            };
+            let got = match pipe.read(Allocation::for_descriptor(&d)).await {
+                Ok(a) => a,
+                Err(e) => return self.lost(r, e.error.to_string()),
+            };
+            let data = got
+                .tensors
+                .into_iter()
+                .next()
+                .and_then(|t| t.into_cpu())
+                .unwrap_or_default();
+            if h.kind == Kind::Bye && h.key == 0 {
+                self.bye[r as usize].store(true, std::sync::atomic::Ordering::Release);
+            }
+            if h.kind == Kind::Abort {
+                let why = String::from_utf8_lossy(&data).into_owned();
+                self.fail(CollectiveError::Aborted { by: r, why });
+                return;
+            }
+            self.deliver(r, h.kind, h.key, data);
+        }
+    }
+
+    fn deliver(&self, from: u32, kind: Kind, key: u64, data: Bytes) {
+        let mut boxes = self.boxes.lock().expect("mailbox");
+        let slot = boxes.slots.entry((from, kind, key)).or_default();
+        let mut data = Some(data);
+        while let Some(w) = slot.waiting.pop_front() {
+            match w.send(Ok(data.take().expect("not yet delivered"))) {
+                Ok(()) => break,
+                // That receiver gave up (timed out): the next one gets it.
+                Err(back) => data = Some(back.expect("sent Ok")),
+            }
+        }
+        if let Some(d) = data {
+            slot.arrived.push_back(d);
+        }
+        if slot.arrived.is_empty() && slot.waiting.is_empty() {
+            boxes.slots.remove(&(from, kind, key));
+        }
+    }
+
+    /// Rank `r`'s pipe failed: the group fails, naming it, and the others are told.
+    fn lost(&self, r: u32, why: String) {
+        let e = CollectiveError::PeerLost { rank: r, why };
+        if self.fail(e.clone()) {
+            self.tell_others(r, &e.to_string());
+        }
+    }
+
+    /// Fails the group with `e` (the first failure wins); returns whether it was the first.
+    pub fn fail(&self, e: CollectiveError) -> bool {
+        let waiting: Vec<_> = {
+            let mut boxes = self.boxes.lock().expect("mailbox");
+            if boxes.failed.is_some() {
+                return false;
+            }
+            tracing::warn!(group = %self.name, rank = self.rank, "collective group failed: {e}");
+            boxes.failed = Some(e.clone());
+            boxes.slots.drain().flat_map(|(_, s)| s.waiting).collect()
+        };
+        for w in waiting {
+            let _ = w.send(Err(e.clone()));
+        }
+        true
+    }
+
+    fn tell_others(&self, except: u32, why: &str) {
+        let header = Header {
+            kind: Kind::Abort,
+            group: self.group,
+            from: self.rank,
+            key: 0,
+        };
+        for (r, p) in self.pipes.iter().enumerate() {
+            if let (Some(p), true) = (p, r as u32 != except) {
+                let p = p.clone();
+                let m = Message {
+                    metadata: header.encode(),
+                    payloads: Vec::new(),
+                    tensors: vec![Tensor::cpu(Bytes::from(why.as_bytes().to_vec()))],
+                };
+                tokio::spawn(async move {
+                    let _ = p.write(&m).await;
+                });
+            }
+        }
+    }
+
+    /// Why the group failed, if it has.
+    pub fn failed(&self) -> Option<CollectiveError> {
+        self.boxes.lock().expect("mailbox").failed.clone()
+    }
+
+    /// Sends `data` to rank `to` under (`kind`, `key`).
+    pub async fn send(&self, to: u32, kind: Kind, key: u64, data: Bytes) -> Result<(), CollectiveError> {
+        if let Some(e) = self.failed() {
+            return Err(e);
+        }
+        let header = Header {
+            kind,
+            group: self.group,
+            from: self.rank,
+            key,
+        };
+        let m = Message {
+            metadata: header.encode(),
+            payloads: Vec::new(),
+            tensors: vec![Tensor::cpu(data)],
+        };
+        let pipe = self.pipe(to)?;
+        match tokio::time::timeout(self.timeout, pipe.write(&m)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => {
+                self.lost(to, e.to_string());
+                Err(self.failed().unwrap_or(CollectiveError::PeerLost {
+                    rank: to,
+                    why: e.to_string(),
+                }))
+            }
+            Err(_) => Err(CollectiveError::Timeout(format!(
+                "sending to rank {to} in group {} took longer than {:?}",
+                self.name, self.timeout
+            ))),
+        }
+    }
+
+    /// The next message from rank `from` under (`kind`, `key`).
+    pub async fn recv(&self, from: u32, kind: Kind, key: u64) -> Result<Bytes, CollectiveError> {
+        self.pipe(from)?;
+        let rx = {
+            let mut boxes = self.boxes.lock().expect("mailbox");
+            if let Some(e) = &boxes.failed {
+                return Err(e.clone());
+            }
+            let slot = boxes.slots.entry((from, kind, key)).or_default();
+            if let Some(d) = slot.arrived.pop_front() {
+                if slot.arrived.is_empty() && slot.waiting.is_empty() {
+                    boxes.slots.remove(&(from, kind, key));
+                }
+                return Ok(d);
+            }
+            let (tx, rx) = oneshot::channel();
+            slot.waiting.push_back(tx);
+            rx
+        };
+        match tokio::time::timeout(self.timeout, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(self
+                .failed()
+                .unwrap_or(CollectiveError::Invalid("the group was dropped".into()))),
+            Err(_) => Err(CollectiveError::Timeout(format!(
+                "waiting for rank {from} in group {} took longer than {:?}",
+                self.name, self.timeout
+            ))),
+        }
+    }
+
+    /// Leaves with every other rank: each says goodbye and waits for everyone's, then says it
+    /// has them all and waits for that from everyone (or for the pipe of a rank that said
+    /// goodbye to close), so that no rank closes a pipe whose other end still waits on it.
+    pub async fn leave(&self) -> Result<(), CollectiveError> {
+        for round in 0..2u64 {
+            for r in (0..self.world).filter(|&r| r != self.rank) {
+                self.send(r, Kind::Bye, round, Bytes::new()).await?;
+            }
+            for r in (0..self.world).filter(|&r| r != self.rank) {
+                self.recv(r, Kind::Bye, round).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Closes every pipe (the group is done).
+    pub fn close(&self) {
+        self.fail(CollectiveError::Closed);
+        for p in self.pipes.iter().flatten() {
+            p.close();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip_and_bad_ones_are_named() {
+        let h = Header {
+            kind: Kind::Coll,
+            group: group_id("g"),
+            from: 3,
+            key: 77,
+        };
+        assert_eq!(Header::decode(&h.encode()).unwrap(), h);
+        let mut bad = h.encode().to_vec();
+        bad[4] = 9;
+        assert!(Header::decode(&bad).unwrap_err().contains("version 9"));
+        bad = h.encode().to_vec();
+        bad[6] = 42;
+        assert!(Header::decode(&bad).unwrap_err().contains("kind 42"));
+        assert!(Header::decode(&bad[..31]).unwrap_err().contains("31 bytes"));
+        assert!(Header::decode(&[0u8; 32]).unwrap_err().contains("magic"));
+        assert_ne!(group_id("a"), group_id("b"));
+    }
+}
