@@ -44,26 +44,14 @@ fn modn(x: i64, n: u32) -> usize {
     x.rem_euclid(n as i64) as usize
 }
 
-/// Sends each `(to, step, data)` at once and waits for all.
-async fn send_all(op: &Op, sends: Vec<(u32, u32, Bytes)>) -> Result<()> {
-    let tasks: Vec<_> = sends
-        .into_iter()
-        .map(|(to, step, data)| {
-            let mesh = op.mesh.clone();
-            let key = op.key(step);
-            tokio::spawn(async move { mesh.send(to, crate::mesh::Kind::Coll, key, data).await })
-        })
-        .collect();
-    let mut first = Ok(());
-    for t in tasks {
-        let r = t
-            .await
-            .unwrap_or_else(|e| Err(crate::CollectiveError::Invalid(format!("a send task failed: {e}"))));
-        if first.is_ok() {
-            first = r;
-        }
+/// Sends each `(to, step, data)`, one after another: a write finishes once its bytes are on
+/// their way (in the peer's ring or segment), so nothing waits on the peer here, and no task
+/// hand-off is paid per message.
+async fn send_all(op: &Op, sends: Vec<(u32, u32, &[u8])>) -> Result<()> {
+    for (to, step, data) in sends {
+        op.send(to, step, data).await?;
     }
-    first
+    Ok(())
 }
 
 /// The other ranks, in order.
@@ -93,8 +81,10 @@ pub(crate) async fn all_reduce(op: &Op, buf: &mut [u8], dtype: DType, rop: Reduc
     for s in 0..n as i64 - 1 {
         let (out, inn) = (modn(me + 1 - s, n), modn(me - s, n));
         let step = (n as i64 - 1 + s) as u32;
-        let data = Bytes::copy_from_slice(&buf[p[out].clone()]);
-        let (sent, got) = tokio::join!(op.send(right, step, data), op.recv(left, step, p[inn].len()));
+        let (sent, got) = tokio::join!(
+            op.send(right, step, &buf[p[out].clone()]),
+            op.recv(left, step, p[inn].len())
+        );
         sent?;
         buf[p[inn].clone()].copy_from_slice(&got?);
     }
@@ -118,8 +108,10 @@ async fn ring_reduce_scatter(
     let left = modn(me - 1, n) as u32;
     for s in 0..n as i64 - 1 {
         let (out, inn) = (modn(me - s + shift, n), modn(me - s - 1 + shift, n));
-        let data = Bytes::copy_from_slice(&buf[p[out].clone()]);
-        let (sent, got) = tokio::join!(op.send(right, s as u32, data), op.recv(left, s as u32, p[inn].len()));
+        let (sent, got) = tokio::join!(
+            op.send(right, s as u32, &buf[p[out].clone()]),
+            op.recv(left, s as u32, p[inn].len())
+        );
         sent?;
         reduce::combine(&mut buf[p[inn].clone()], &got?, dtype, rop);
     }
@@ -129,8 +121,7 @@ async fn ring_reduce_scatter(
 /// Sends `buf` to every other rank and returns every rank's buffer, in rank order (this rank's
 /// as `None`).
 async fn exchange(op: &Op, buf: &[u8]) -> Result<Vec<Option<Bytes>>> {
-    let data = Bytes::copy_from_slice(buf);
-    let sends = others(op).map(|r| (r, 0, data.clone())).collect();
+    let sends = others(op).map(|r| (r, 0, buf)).collect();
     let (sent, got) = tokio::join!(send_all(op, sends), async {
         let mut all = Vec::with_capacity(op.mesh.world as usize);
         for r in 0..op.mesh.world {
@@ -164,8 +155,7 @@ fn combine_in_order(buf: &mut [u8], all: &[Option<Bytes>], dtype: DType, rop: Re
 
 pub(crate) async fn broadcast(op: &Op, root: u32, buf: &mut [u8]) -> Result<()> {
     if op.mesh.rank == root {
-        let data = Bytes::copy_from_slice(buf);
-        send_all(op, others(op).map(|r| (r, 0, data.clone())).collect()).await
+        send_all(op, others(op).map(|r| (r, 0, &*buf)).collect()).await
     } else {
         let got = op.recv(root, 0, buf.len()).await?;
         buf.copy_from_slice(&got);
@@ -182,7 +172,7 @@ pub(crate) async fn reduce(op: &Op, root: u32, buf: &mut [u8], dtype: DType, rop
     }
     if buf.len() <= DIRECT_MAX || buf.len() / dtype.size() < n as usize {
         if me != root {
-            return op.send(root, 0, Bytes::copy_from_slice(buf)).await;
+            return op.send(root, 0, buf).await;
         }
         let mut all = Vec::with_capacity(n as usize);
         for r in 0..n {
@@ -204,7 +194,7 @@ pub(crate) async fn reduce(op: &Op, root: u32, buf: &mut [u8], dtype: DType, rop
     let mine = p[modn(me as i64 + 1, n)].clone();
     reduce::finish(&mut work[mine.clone()], dtype, rop, n);
     if me != root {
-        return op.send(root, step, Bytes::copy_from_slice(&work[mine])).await;
+        return op.send(root, step, &work[mine]).await;
     }
     buf[mine.clone()].copy_from_slice(&work[mine]);
     for r in others(op) {
@@ -226,7 +216,7 @@ pub(crate) async fn all_gather(op: &Op, input: &[u8], out: &mut [u8]) -> Result<
 
 pub(crate) async fn gather(op: &Op, root: u32, input: &[u8], out: &mut [u8]) -> Result<()> {
     if op.mesh.rank != root {
-        return op.send(root, 0, Bytes::copy_from_slice(input)).await;
+        return op.send(root, 0, input).await;
     }
     let len = input.len();
     out[root as usize * len..(root as usize + 1) * len].copy_from_slice(input);
@@ -245,10 +235,7 @@ pub(crate) async fn scatter(op: &Op, root: u32, input: &[u8], out: &mut [u8]) ->
         return Ok(());
     }
     let sends = others(op)
-        .map(|r| {
-            let piece = Bytes::copy_from_slice(&input[r as usize * len..(r as usize + 1) * len]);
-            (r, 0, piece)
-        })
+        .map(|r| (r, 0, &input[r as usize * len..(r as usize + 1) * len]))
         .collect();
     out.copy_from_slice(&input[root as usize * len..(root as usize + 1) * len]);
     send_all(op, sends).await
@@ -265,9 +252,7 @@ pub(crate) async fn reduce_scatter(op: &Op, input: &[u8], out: &mut [u8], dtype:
         return Ok(());
     }
     if input.len() <= DIRECT_MAX {
-        let sends = others(op)
-            .map(|r| (r, 0, Bytes::copy_from_slice(&input[piece(r)])))
-            .collect();
+        let sends = others(op).map(|r| (r, 0, &input[piece(r)])).collect();
         let (sent, got) = tokio::join!(send_all(op, sends), async {
             let mut all = Vec::with_capacity(n as usize);
             for r in 0..n {
@@ -294,9 +279,7 @@ pub(crate) async fn all_to_all(op: &Op, input: &[u8], out: &mut [u8]) -> Result<
     let me = op.mesh.rank;
     let len = input.len() / n as usize;
     let piece = |r: u32| r as usize * len..(r as usize + 1) * len;
-    let sends = others(op)
-        .map(|r| (r, 0, Bytes::copy_from_slice(&input[piece(r)])))
-        .collect();
+    let sends = others(op).map(|r| (r, 0, &input[piece(r)])).collect();
     out[piece(me)].copy_from_slice(&input[piece(me)]);
     let (sent, got) = tokio::join!(send_all(op, sends), async {
         let mut got = Vec::new();

@@ -407,8 +407,9 @@ impl Op {
         (self.seq << STEP_BITS) | step as u64
     }
 
-    async fn send(&self, to: u32, step: u32, data: Bytes) -> Result<()> {
-        self.mesh.send(to, Kind::Coll, self.key(step), data).await
+    /// Sends a copy of `data` as step `step` to `to`.
+    async fn send(&self, to: u32, step: u32, data: &[u8]) -> Result<()> {
+        self.mesh.send_copy(to, Kind::Coll, self.key(step), data).await
     }
 
     /// Receives step `step` from `from`, which must be `len` bytes long.

@@ -140,7 +140,13 @@ pub(crate) struct Mesh {
     /// `bye[r]`: rank `r` said it is leaving (its first goodbye arrived): its pipe closing
     /// after that is its graceful exit, not a loss.
     bye: Vec<std::sync::atomic::AtomicBool>,
+    /// Send buffers kept for reuse (large copies into fresh memory fault in every page).
+    spare: Mutex<Vec<bytes::BytesMut>>,
 }
+
+/// Send buffers at least this long are kept for reuse, at most [`SPARE_BYTES`] in all.
+const SPARE_MIN: usize = 256 << 10;
+const SPARE_BYTES: usize = 256 << 20;
 
 impl Mesh {
     /// Connects this rank to every other: each publishes its listener's address in the store;
@@ -228,6 +234,7 @@ impl Mesh {
             boxes: Mutex::new(Boxes::default()),
             timeout,
             bye: (0..world).map(|_| std::sync::atomic::AtomicBool::new(false)).collect(),
+            spare: Mutex::new(Vec::new()),
         });
         for r in 0..world {
             if r != rank {
@@ -396,6 +403,33 @@ impl Mesh {
                 self.name, self.timeout
             ))),
         }
+    }
+
+    /// Sends a copy of `data` (into a kept buffer of its length where there is one, given back
+    /// once the write is done with it).
+    pub async fn send_copy(&self, to: u32, kind: Kind, key: u64, data: &[u8]) -> Result<(), CollectiveError> {
+        let mut buf = if data.len() >= SPARE_MIN {
+            let mut spare = self.spare.lock().expect("spare buffers");
+            match spare.iter().position(|b| b.len() == data.len()) {
+                Some(i) => spare.swap_remove(i),
+                None => bytes::BytesMut::zeroed(data.len()),
+            }
+        } else {
+            bytes::BytesMut::zeroed(data.len())
+        };
+        buf.copy_from_slice(data);
+        let frozen = buf.freeze();
+        let r = self.send(to, kind, key, frozen.clone()).await;
+        if let Ok(back) = frozen.try_into_mut() {
+            if back.len() >= SPARE_MIN {
+                let mut spare = self.spare.lock().expect("spare buffers");
+                let kept: usize = spare.iter().map(|b| b.len()).sum();
+                if kept + back.len() <= SPARE_BYTES {
+                    spare.push(back);
+                }
+            }
+        }
+        r
     }
 
     /// The next message from rank `from` under (`kind`, `key`).

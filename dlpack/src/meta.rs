@@ -36,7 +36,8 @@ pub enum DType {
 }
 
 impl DType {
-    const ALL: [DType; 15] = [
+    /// Every dtype, in this order.
+    pub const ALL: [DType; 15] = [
         DType::Bool,
         DType::I8,
         DType::I16,

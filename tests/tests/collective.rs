@@ -156,23 +156,7 @@ fn runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-const DTYPES: [DType; 15] = [
-    DType::Bool,
-    DType::I8,
-    DType::I16,
-    DType::I32,
-    DType::I64,
-    DType::U8,
-    DType::U16,
-    DType::U32,
-    DType::U64,
-    DType::F16,
-    DType::BF16,
-    DType::F32,
-    DType::F64,
-    DType::C64,
-    DType::C128,
-];
+const DTYPES: [DType; 15] = DType::ALL;
 
 worker_test!(every_collective_dtype_and_op_matches_the_reference, 4, |env| {
     let rt = runtime();
@@ -289,9 +273,10 @@ worker_test!(two_groups_over_the_same_ranks_do_not_mix, 3, |env| {
     });
 });
 
-/// Rank 2 dies while the others are in an allreduce (large: the ring, where rank 0 does not
-/// talk to rank 2 directly in a 4-rank ring's every step): every survivor's allreduce fails
-/// with an error naming rank 2, within the group's timeout, and later calls fail at once.
+/// Rank 2 dies while the others are in an allreduce (large: the ring, in which rank 0 never
+/// talks to rank 2): every survivor's allreduce fails with an error naming rank 2, well within
+/// the group's timeout (the ranks that see the loss tell the others), and later calls fail at
+/// once.
 #[test]
 fn a_rank_killed_mid_allreduce_fails_the_others_naming_it() {
     const TEST: &str = "a_rank_killed_mid_allreduce_fails_the_others_naming_it";
@@ -306,6 +291,9 @@ fn a_rank_killed_mid_allreduce_fails_the_others_naming_it() {
             g.all_reduce(&mut buf, DType::F32, ReduceOp::Sum).await.unwrap();
             g.barrier().await.unwrap();
             if g.rank() == 2 {
+                // Dies once the others are inside the next allreduce (waiting on it), not while
+                // some are still leaving the barrier.
+                std::thread::sleep(Duration::from_millis(300));
                 std::process::abort();
             }
             let started = std::time::Instant::now();
@@ -319,6 +307,9 @@ fn a_rank_killed_mid_allreduce_fails_the_others_naming_it() {
             );
             let again = g.barrier().await.unwrap_err();
             assert!(again.to_string().contains("rank 2"), "{again}");
+            // Survivors stay until all of them have seen the loss: a survivor's exit is a loss
+            // too, and a rank that saw it first would name that rank instead.
+            tokio::time::sleep(Duration::from_secs(1)).await;
             assert!(g.close().await.unwrap_err().to_string().contains("rank 2"));
         });
     });
