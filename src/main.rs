@@ -59,7 +59,7 @@ enum Commands {
         /// reason where not installed).
         #[arg(
             long,
-            default_value = "raw,transport,pipe,idle,rpc,autograd,cuda,ibverbs,peers",
+            default_value = "raw,transport,pipe,idle,rpc,collective,autograd,cuda,ibverbs,peers",
             value_delimiter = ','
         )]
         suites: Vec<String>,

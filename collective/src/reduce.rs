@@ -73,12 +73,29 @@ pub fn elements(dtype: DType, len: usize) -> Result<usize, CollectiveError> {
     Ok(len / size)
 }
 
+/// `dst[i] = f(dst[i], src[i])` over elements of `T`, when both buffers are aligned for `T`
+/// (the common case: a vectorizable loop); `false` when they are not.
+fn aligned<T: bytemuck::Pod>(dst: &mut [u8], src: &[u8], f: impl Fn(T, T) -> T) -> bool {
+    match (
+        bytemuck::try_cast_slice_mut::<u8, T>(dst),
+        bytemuck::try_cast_slice::<u8, T>(src),
+    ) {
+        (Ok(d), Ok(s)) => {
+            d.iter_mut().zip(s).for_each(|(a, b)| *a = f(*a, *b));
+            true
+        }
+        _ => false,
+    }
+}
+
 macro_rules! fold {
     ($dst:expr, $src:expr, $t:ty, $n:expr, |$a:ident, $b:ident| $f:expr) => {{
-        for (d, s) in $dst.chunks_exact_mut($n).zip($src.chunks_exact($n)) {
-            let $a = <$t>::from_ne_bytes(d.try_into().expect("element"));
-            let $b = <$t>::from_ne_bytes(s.try_into().expect("element"));
-            d.copy_from_slice(&($f).to_ne_bytes());
+        if !aligned::<$t>($dst, $src, |$a: $t, $b: $t| $f) {
+            for (d, s) in $dst.chunks_exact_mut($n).zip($src.chunks_exact($n)) {
+                let $a = <$t>::from_ne_bytes(d.try_into().expect("element"));
+                let $b = <$t>::from_ne_bytes(s.try_into().expect("element"));
+                d.copy_from_slice(&($f).to_ne_bytes());
+            }
         }
     }};
 }
@@ -254,6 +271,25 @@ mod tests {
         let mut t = vec![0u8, 1, 1, 0];
         combine(&mut t, &[0, 0, 1, 1], DType::Bool, ReduceOp::Product);
         assert_eq!(t, [0, 0, 1, 0]);
+    }
+
+    #[test]
+    fn unaligned_buffers_take_the_byte_path_with_the_same_result() {
+        let a: Vec<u8> = (0..64u32).flat_map(|i| (i as f64 * 0.5).to_ne_bytes()).collect();
+        let b: Vec<u8> = (0..64u32).flat_map(|i| (3.0 - i as f64).to_ne_bytes()).collect();
+        let mut aligned = a.clone();
+        combine(&mut aligned, &b, DType::F64, ReduceOp::Max);
+        // The same bytes one byte into larger buffers: no longer 8-aligned.
+        let mut d = vec![0u8; a.len() + 1];
+        d[1..].copy_from_slice(&a);
+        let mut s = vec![0u8; b.len() + 1];
+        s[1..].copy_from_slice(&b);
+        assert!(
+            bytemuck::try_cast_slice::<u8, f64>(&d[1..]).is_err(),
+            "the test needs unaligned data"
+        );
+        combine(&mut d[1..], &s[1..], DType::F64, ReduceOp::Max);
+        assert_eq!(&d[1..], &aligned[..]);
     }
 
     #[test]
