@@ -16,4 +16,5 @@ mod orphan;
 pub use sluice_agent as agent;
 pub use sluice_autograd as autograd;
 pub use sluice_channel as channel;
+pub use sluice_collective as collective;
 pub use sluice_transport as transport;

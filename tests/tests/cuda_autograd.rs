@@ -6,7 +6,7 @@
 
 use sluice_autograd::{cross_entropy, linear, DType, Optimizer, OptimizerKind, Parameter, Tensor, UpdateMode};
 use sluice_channel::Device;
-use sluice_tests::gpu::gpu_or_skip;
+use sluice_tests::gpu::compute_or_skip;
 
 const GPU: Device = Device::Cuda(0);
 
@@ -47,7 +47,7 @@ fn rand(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
 
 #[test]
 fn every_op_matches_the_cpu_forward_and_backward() {
-    if !gpu_or_skip("every_op_matches_the_cpu_forward_and_backward") {
+    if !compute_or_skip("every_op_matches_the_cpu_forward_and_backward") {
         return;
     }
     for (dtype, tol) in [(DType::F64, 1e-9), (DType::F32, 2e-4)] {
@@ -121,7 +121,7 @@ fn every_op_matches_the_cpu_forward_and_backward() {
 
 #[test]
 fn dtype_and_device_moves_round_trip() {
-    if !gpu_or_skip("dtype_and_device_moves_round_trip") {
+    if !compute_or_skip("dtype_and_device_moves_round_trip") {
         return;
     }
     let a = rand(&[3, 4], 9, DType::F32);
@@ -146,7 +146,7 @@ fn dtype_and_device_moves_round_trip() {
 
 #[test]
 fn training_steps_match_the_cpu_for_every_optimizer() {
-    if !gpu_or_skip("training_steps_match_the_cpu_for_every_optimizer") {
+    if !compute_or_skip("training_steps_match_the_cpu_for_every_optimizer") {
         return;
     }
     let x = rand(&[16, 8], 11, DType::F32);

@@ -208,7 +208,8 @@ worker_test!(rrefs_owned_on_a_gpu_keep_their_event, 2, |env: WorkerEnv| {
 });
 
 worker_test!(distributed_backward_across_a_device_map, 2, |env: WorkerEnv| {
-    if !gpu_or_skip("distributed_backward_across_a_device_map") {
+    // Computes on the GPU (autograd's kernels): needs NVRTC and cuBLAS too.
+    if !sluice_tests::gpu::compute_or_skip("distributed_backward_across_a_device_map") {
         return;
     }
     let agent = mapped(&env, GPU, GPU);
