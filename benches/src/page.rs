@@ -7,7 +7,8 @@
 //!   baselines dashed;
 //! - `bw.svg`: bandwidth against size, likewise;
 //! - `rpc.svg`: call rates (bars), Sluice's RPC next to PyTorch's;
-//! - `step.svg`: the training step (bars), local and distributed, Sluice's and PyTorch's.
+//! - `step.svg`: the training step (bars), local and distributed, Sluice's and PyTorch's;
+//! - `collective.svg`: allreduce bandwidth against size, Sluice's collectives and Gloo's.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -66,6 +67,45 @@ pub fn figures(records: &[Record]) -> anyhow::Result<Vec<Figure>> {
             });
         }
     }
+    // Allreduce bandwidth against size: Sluice's collectives and Gloo's (its buffer over its
+    // p50, as ours).
+    let mut allreduce: BTreeMap<String, Series> = BTreeMap::new();
+    for r in records {
+        let point = match (r.suite, r.metric) {
+            ("collective", "bw") => r.gbps,
+            ("peer", "rtt") if r.backend.starts_with("gloo-") => r.p50_ns.map(|ns| r.bytes as f64 / ns),
+            _ => None,
+        };
+        if let Some(y) = point.filter(|y| *y > 0.0 && r.bytes > 0) {
+            let name = format!("{} {}", r.suite, r.backend);
+            allreduce
+                .entry(name.clone())
+                .or_insert_with(|| Series {
+                    name,
+                    points: Vec::new(),
+                    colour: colour_of(r),
+                    dashed: r.suite == "peer",
+                })
+                .points
+                .push((r.bytes as f64, y));
+        }
+    }
+    let series: Vec<Series> = allreduce
+        .into_values()
+        .filter(|s| s.points.len() > 1)
+        .map(|mut s| {
+            s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
+            s
+        })
+        .collect();
+    if !series.is_empty() {
+        let title = "Allreduce (f32, sum) against size";
+        out.push(Figure {
+            file: "collective.svg",
+            title,
+            svg: lines(title, "bandwidth (GB/s)", &series)?,
+        });
+    }
     let rates: Vec<(String, f64, RGBColor)> = records
         .iter()
         .filter(|r| r.metric == "rate" && matches!(r.suite, "rpc" | "peer"))
@@ -106,7 +146,7 @@ struct Series {
 fn size_series(records: &[Record], metric: &str) -> Vec<Series> {
     let mut by_line: BTreeMap<(usize, String), Series> = BTreeMap::new();
     for r in records {
-        let charted = matches!(r.suite, "raw" | "transport" | "pipe" | "peer")
+        let charted = (matches!(r.suite, "raw" | "transport" | "pipe" | "peer") && !r.backend.starts_with("gloo-"))
             || (r.suite == "rpc" && metric == "bw" && r.backend.contains("echo"));
         if r.metric != metric || !charted || r.bytes == 0 {
             continue;
@@ -445,6 +485,8 @@ mod tests {
             out.push(Record::bw("raw", "memcpy", size, 20.0, 3));
             out.push(Record::bw("pipe", "cma/shm", size, 9.0, 3));
             out.push(Record::bw("peer", "openmpi", size, 4.0, 3));
+            out.push(Record::bw("collective", "allreduce-f32-2p", size, 3.0, 3));
+            out.push(Record::rtt("peer", "gloo-allreduce-f32-2p", size, vec![5e3, 5e3, 5e3]));
         }
         out.push(Record::rate("rpc", "rpc_async-64/cma/shm", 0, 530_000.0, 100));
         out.push(Record::rate("peer", "pytorch-rpc_async-64", 0, 30_000.0, 100));
@@ -458,14 +500,17 @@ mod tests {
         let records = sample();
         let figures = figures(&records).unwrap();
         let files: Vec<_> = figures.iter().map(|f| f.file).collect();
-        assert_eq!(files, ["rtt.svg", "bw.svg", "rpc.svg", "step.svg"]);
+        assert_eq!(files, ["rtt.svg", "bw.svg", "collective.svg", "rpc.svg", "step.svg"]);
         for f in &figures {
             assert!(f.svg.contains("<svg") && f.svg.contains("</svg>"), "{}", f.file);
         }
         // Lines are named in the legend, the baseline among them; peers are there too.
         assert!(figures[1].svg.contains("raw memcpy") && figures[1].svg.contains("peer openmpi"));
+        // Allreduce lines have their own figure, Gloo's beside ours, and stay off the others.
+        assert!(figures[2].svg.contains("collective allreduce-f32-2p") && figures[2].svg.contains("gloo-allreduce"));
+        assert!(!figures[0].svg.contains("gloo") && !figures[1].svg.contains("allreduce"));
         let page = html(&records, &RunInfo::default(), &figures);
-        assert_eq!(page.matches("<svg").count(), 4);
+        assert_eq!(page.matches("<svg").count(), 5);
         assert!(page.contains("kernel") && page.contains("commit") && page.contains("CPU"));
     }
 
