@@ -1,7 +1,8 @@
 //! `sluice bench collective`: allreduce (float32, sum) of 4 KiB to 64 MiB on 2 and 4 processes
 //! of this host through `sluice-collective`, against PyTorch's Gloo in the same run (when torch
-//! is installed for `$SLUICE_BENCH_PYTHON`): the same sizes and iteration counts, each call timed
-//! on rank 0. Bandwidth is the buffer's size over the call's p50 (what PyTorch calls algbw).
+//! is installed for `$SLUICE_BENCH_PYTHON`) and OpenMPI's `MPI_Allreduce` (when installed): the
+//! same sizes and call counts, each call timed on rank 0. Bandwidth is the buffer's size over
+//! the call's p50 (what PyTorch calls algbw).
 //!
 //! This process is rank 0 (it serves the group's store); it starts the others with `sluice
 //! bench --collective-worker STORE,RANK,WORLD,QUICK`.
@@ -124,6 +125,9 @@ pub fn run(
         }
     }
     let (gloo, note) = crate::peers::gloo_allreduce(&sizes(quick), &WORLDS, quick);
+    let (mpi, mpi_notes) = crate::peers::mpi_allreduce(&sizes(quick), &WORLDS, quick);
+    // Each of our rows against Gloo's (the baseline the targets name); OpenMPI's rows stand
+    // beside them in the table and the figure.
     for theirs in &gloo {
         let Some(ours) = theirs.backend.strip_prefix("gloo-") else {
             continue;
@@ -147,10 +151,28 @@ pub fn run(
         }
     }
     let mut notes = Vec::new();
-    if let Some(n) = note {
+    for n in note.into_iter().chain(mpi_notes) {
         eprintln!("collective: {n}");
         notes.push(n);
     }
+    for theirs in &mpi {
+        let Some(ours) = theirs.backend.strip_prefix("openmpi-") else {
+            continue;
+        };
+        if let Some(r) = records
+            .iter()
+            .find(|r| r.backend == ours && r.bytes == theirs.bytes && r.metric == "rtt")
+        {
+            eprintln!(
+                "collective: {ours} {} B: Sluice {:.1} µs, OpenMPI {:.1} µs ({:.2}x)",
+                theirs.bytes,
+                r.p50_ns.unwrap_or(f64::NAN) / 1e3,
+                theirs.p50_ns.unwrap_or(f64::NAN) / 1e3,
+                r.p50_ns.unwrap_or(f64::NAN) / theirs.p50_ns.unwrap_or(f64::NAN)
+            );
+        }
+    }
     records.extend(gloo);
+    records.extend(mpi);
     Ok((records, notes))
 }

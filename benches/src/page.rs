@@ -73,7 +73,7 @@ pub fn figures(records: &[Record]) -> anyhow::Result<Vec<Figure>> {
     for r in records {
         let point = match (r.suite, r.metric) {
             ("collective", "bw") => r.gbps,
-            ("peer", "rtt") if r.backend.starts_with("gloo-") => r.p50_ns.map(|ns| r.bytes as f64 / ns),
+            ("peer", "rtt") if r.backend.contains("allreduce") => r.p50_ns.map(|ns| r.bytes as f64 / ns),
             _ => None,
         };
         if let Some(y) = point.filter(|y| *y > 0.0 && r.bytes > 0) {
@@ -146,7 +146,7 @@ struct Series {
 fn size_series(records: &[Record], metric: &str) -> Vec<Series> {
     let mut by_line: BTreeMap<(usize, String), Series> = BTreeMap::new();
     for r in records {
-        let charted = (matches!(r.suite, "raw" | "transport" | "pipe" | "peer") && !r.backend.starts_with("gloo-"))
+        let charted = (matches!(r.suite, "raw" | "transport" | "pipe" | "peer") && !r.backend.contains("allreduce"))
             || (r.suite == "rpc" && metric == "bw" && r.backend.contains("echo"));
         if r.metric != metric || !charted || r.bytes == 0 {
             continue;

@@ -25,6 +25,7 @@ use crate::run::BenchOptions;
 const MPI_SOURCE: &str = include_str!("../peers/mpi_p2p.c");
 const TORCH_SCRIPT: &str = include_str!("../peers/pytorch_rpc.py");
 const GLOO_SCRIPT: &str = include_str!("../peers/gloo_allreduce.py");
+const MPI_ALLREDUCE_SOURCE: &str = include_str!("../peers/mpi_allreduce.c");
 
 /// What the peers suite measured, and a line for each peer it skipped or lost.
 #[derive(Debug, Default)]
@@ -237,6 +238,56 @@ pub fn gloo_allreduce(sizes: &[usize], worlds: &[u32], quick: bool) -> (Vec<Reco
         Ok(Outcome::Ran(records, failure)) => (records, failure.map(|f| format!("gloo: {f}"))),
         Err(e) => (Vec::new(), Some(format!("gloo: {e:#}"))),
     }
+}
+
+/// OpenMPI's `MPI_Allreduce` (f32 sum) at `sizes` on each of `worlds` processes, a baseline of
+/// the collective suite: its records, and a note per world when it was skipped or failed.
+pub fn mpi_allreduce(sizes: &[usize], worlds: &[u32], quick: bool) -> (Vec<Record>, Vec<String>) {
+    let (Some(mpicc), Some(mpirun)) = (on_path("mpicc"), on_path("mpirun")) else {
+        let why = "OpenMPI is not installed (no mpicc or mpirun on PATH; Debian: openmpi-bin libopenmpi-dev)";
+        return (Vec::new(), vec![format!("openmpi-allreduce: skipped: {why}")]);
+    };
+    let build = || -> anyhow::Result<PathBuf> {
+        let dir = scratch()?.join("allreduce");
+        std::fs::create_dir_all(&dir)?;
+        let source = dir.join("mpi_allreduce.c");
+        let exe = dir.join("mpi_allreduce");
+        std::fs::write(&source, MPI_ALLREDUCE_SOURCE)?;
+        let built = run_bounded(
+            "mpicc",
+            Command::new(&mpicc).arg("-O2").arg("-o").arg(&exe).arg(&source),
+            Duration::from_secs(120),
+        )?;
+        if let Some(why) = &built.failure {
+            bail!("building {}: {why}\n{}", source.display(), built.stderr_tail());
+        }
+        Ok(exe)
+    };
+    let exe = match build() {
+        Ok(exe) => exe,
+        Err(e) => return (Vec::new(), vec![format!("openmpi-allreduce: {e:#}")]),
+    };
+    let (mut records, mut notes) = (Vec::new(), Vec::new());
+    for world in worlds {
+        let mut cmd = Command::new(&mpirun);
+        cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", &world.to_string()])
+            .arg(&exe)
+            .arg(if quick { "1" } else { "0" })
+            .args(sizes.iter().map(|s| s.to_string()));
+        let name = format!("openmpi-allreduce ({world} processes)");
+        match run_bounded(&name, &mut cmd, Duration::from_secs(600)).and_then(|ran| ran.into_outcome(&name)) {
+            Ok(Outcome::Ran(r, failure)) => {
+                records.extend(r);
+                notes.extend(failure.map(|f| format!("{name}: {f}")));
+            }
+            Ok(Outcome::Skipped(why)) => notes.push(format!("{name}: skipped: {why}")),
+            Err(e) => notes.push(format!("{name}: {e:#}")),
+        }
+    }
+    if let Some(dir) = exe.parent() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    (records, notes)
 }
 
 /// `Some(skip)` with the reason when `python -c 'import MODULES'` fails (`why` says what that
