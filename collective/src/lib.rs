@@ -80,12 +80,16 @@ type Result<T> = std::result::Result<T, CollectiveError>;
 #[derive(Debug, Clone)]
 pub struct GroupOptions {
     /// The group's name: groups of different names over the same ranks never mix messages.
+    /// Unique for the store's lifetime: a group formed again under the same name over the same
+    /// store would find the first one's addresses there.
     pub name: String,
     pub rank: u32,
     pub world_size: u32,
     /// The store's address (`host:port`), the same one the RPC agent uses.
     pub store: String,
-    /// Whether this rank serves the store (rank 0 by default, unless a launcher serves it).
+    /// Whether this rank serves the store (rank 0 by default, unless a launcher serves it). Set
+    /// it to false when something else in the job already serves it at that address (an RPC
+    /// agent, or an earlier group).
     pub serve_store: bool,
     /// The address this rank listens on for its peers (routable across hosts).
     pub host: String,
