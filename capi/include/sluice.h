@@ -240,8 +240,9 @@ int sluice_context_new(const char *transports,
  * CPU tensors into for this process (default 1 GiB of address space, touched as used; the
  * tensors then arrive lent, read-only); 0: no segment, so tensors of 4 KiB and more arrive by
  * cross-memory attach straight into memory of this process's own, which
- * `sluice_received_tensor_take` hands out without a copy. Unknown keys and malformed values
- * are `SLUICE_INVALID_ARGUMENT`.
+ * `sluice_received_tensor_take` hands out without a copy. `spin_us=N`: how long the
+ * shared-memory transport spins on an empty ring before parking (default 50). Unknown keys and
+ * malformed values are `SLUICE_INVALID_ARGUMENT`.
  */
 int sluice_context_new_with(const char *transports,
                             const char *channels,

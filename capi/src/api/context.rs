@@ -41,8 +41,9 @@ pub unsafe extern "C" fn sluice_context_new(
 /// CPU tensors into for this process (default 1 GiB of address space, touched as used; the
 /// tensors then arrive lent, read-only); 0: no segment, so tensors of 4 KiB and more arrive by
 /// cross-memory attach straight into memory of this process's own, which
-/// `sluice_received_tensor_take` hands out without a copy. Unknown keys and malformed values
-/// are `SLUICE_INVALID_ARGUMENT`.
+/// `sluice_received_tensor_take` hands out without a copy. `spin_us=N`: how long the
+/// shared-memory transport spins on an empty ring before parking (default 50). Unknown keys and
+/// malformed values are `SLUICE_INVALID_ARGUMENT`.
 #[no_mangle]
 pub unsafe extern "C" fn sluice_context_new_with(
     transports: *const c_char,
