@@ -27,6 +27,10 @@ use tokio::sync::oneshot;
 use crate::CollectiveError;
 
 const MAGIC: u32 = u32::from_le_bytes(*b"SLCO");
+
+/// The largest piece of data a peer may send in one message (a collective's step or a
+/// point-to-point message); larger announcements fail the group before anything is allocated.
+pub const MAX_MESSAGE_BYTES: u64 = 16 << 30;
 const VERSION: u16 = 1;
 const HEADER: usize = 32;
 
@@ -274,6 +278,17 @@ impl Mesh {
                     return self.lost(
                         r,
                         format!("sent {} tensors in one message (at most 1)", d.tensors.len()),
+                    )
+                }
+                // Checked before anything is allocated for it.
+                Ok(_) if d.tensors.iter().any(|t| t.length > MAX_MESSAGE_BYTES) || !d.payload_lengths.is_empty() => {
+                    return self.lost(
+                        r,
+                        format!(
+                            "sent a message of {:?} payload bytes and {:?} tensor bytes (no payloads, one tensor of at most {MAX_MESSAGE_BYTES} bytes)",
+                            d.payload_lengths,
+                            d.tensors.iter().map(|t| t.length).collect::<Vec<_>>()
+                        ),
                     )
                 }
                 Ok(h) => h,

@@ -314,3 +314,99 @@ fn a_rank_killed_mid_allreduce_fails_the_others_naming_it() {
         });
     });
 }
+
+/// Rank 1 is an impostor speaking the wire by hand: whatever malformed message it sends (bad
+/// magic, another group's id, another sender, a short header), rank 0's pending operation
+/// fails at once with an error naming rank 1 and what it sent. (Lengths are bounded before
+/// allocation, `MAX_MESSAGE_BYTES`; a forged oversized announcement needs a forged pipe
+/// descriptor, which the pipe's own hostile-input tests cover.)
+#[test]
+fn a_peer_sending_malformed_messages_fails_the_group_naming_it() {
+    use bytes::Bytes;
+    use sluice_agent::store::{Store, StoreUrl};
+    use sluice_channel::{Allocation, Context, ContextOptions, Message, Tensor};
+
+    let rt = runtime();
+    let header = |magic: &[u8; 4], group: u64, from: u32| {
+        let mut h = Vec::new();
+        h.extend_from_slice(magic);
+        h.extend_from_slice(&1u16.to_le_bytes());
+        h.extend_from_slice(&3u16.to_le_bytes()); // a collective's step
+        h.extend_from_slice(&group.to_le_bytes());
+        h.extend_from_slice(&from.to_le_bytes());
+        h.extend_from_slice(&0u32.to_le_bytes());
+        h.extend_from_slice(&0u64.to_le_bytes());
+        h
+    };
+    for (case, says) in [
+        ("magic", "bad magic"),
+        ("group", "another group"),
+        ("sender", "claiming to be rank 5"),
+        ("short", "header of 7 bytes"),
+    ] {
+        rt.block_on(async {
+            let port = sluice_tests::workers::free_port();
+            let store = format!("127.0.0.1:{port}");
+            let name = format!("hostile-{case}");
+            let o0 = GroupOptions {
+                name: name.clone(),
+                rank: 0,
+                world_size: 2,
+                store: store.clone(),
+                serve_store: true,
+                host: "127.0.0.1".into(),
+                timeout: Duration::from_secs(20),
+                pipe: ContextOptions::default(),
+            };
+            let honest = tokio::spawn(async move {
+                let g = Group::new(o0).await?;
+                let mut buf = vec![0u8; 16];
+                g.all_reduce(&mut buf, DType::F32, ReduceOp::Sum).await
+            });
+            // The impostor: publishes an address, accepts rank 0's pipe, reads its hello, joins
+            // the formation barrier, then sends one malformed message.
+            let s = loop {
+                match Store::connect(&StoreUrl::parse(&store).unwrap(), Duration::from_secs(5), None).await {
+                    Ok(s) => break s,
+                    Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+                }
+            };
+            let ctx = Context::new(ContextOptions::default()).unwrap();
+            let mut listener = ctx.listen("127.0.0.1:0").await.unwrap();
+            s.set(
+                &format!("collective/{name}/addr/1"),
+                listener.address().as_bytes().to_vec(),
+            )
+            .await
+            .unwrap();
+            let pipe = listener.accept().await.unwrap();
+            let d = pipe.read_descriptor().await.unwrap();
+            pipe.read(Allocation::for_descriptor(&d)).await.unwrap();
+            let group = u64::from_le_bytes(d.metadata[8..16].try_into().unwrap());
+            s.barrier(&format!("collective/{name}/formed"), 2, Duration::from_secs(10))
+                .await
+                .unwrap();
+            let metadata = match case {
+                "magic" => header(b"XXXX", group, 1),
+                "group" => header(b"SLCO", group ^ 1, 1),
+                "sender" => header(b"SLCO", group, 5),
+                _ => header(b"SLCO", group, 1)[..7].to_vec(),
+            };
+            pipe.write(&Message {
+                metadata: Bytes::from(metadata),
+                payloads: Vec::new(),
+                tensors: vec![Tensor::cpu(Bytes::from_static(&[0; 16]))],
+            })
+            .await
+            .unwrap();
+            let started = std::time::Instant::now();
+            let e = honest.await.unwrap().unwrap_err().to_string();
+            assert!(e.contains("rank 1") && e.contains(says), "{case}: {e}");
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "{case}: took {:?}",
+                started.elapsed()
+            );
+        });
+    }
+}
