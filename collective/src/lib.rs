@@ -115,13 +115,22 @@ impl GroupOptions {
             Ok(s) => s,
             Err(_) => format!("{}:{}", var("MASTER_ADDR")?, var("MASTER_PORT")?),
         };
+        // The address peers reach this rank at: `SLUICE_HOST`, else the interface that routes
+        // to the store's host (no packet is sent), else loopback.
+        let host = std::env::var("SLUICE_HOST").ok().unwrap_or_else(|| {
+            std::net::UdpSocket::bind("0.0.0.0:0")
+                .and_then(|s| s.connect(&store).map(|()| s))
+                .and_then(|s| s.local_addr())
+                .map(|a| a.ip().to_string())
+                .unwrap_or_else(|_| "127.0.0.1".into())
+        });
         Ok(GroupOptions {
             name: name.to_owned(),
             rank,
             world_size,
             store,
             serve_store: rank == 0 && std::env::var_os("SLUICE_STORE_SERVED").is_none(),
-            host: "127.0.0.1".into(),
+            host,
             timeout: Duration::from_secs(60),
             pipe: ContextOptions::default(),
         })
@@ -164,7 +173,8 @@ impl Group {
                 o.rank, o.world_size
             )));
         }
-        if o.world_size as u64 > 1 << 20 {
+        // A collective's steps are numbered in 16 bits and the ring takes 2 (n - 1) of them.
+        if o.world_size > 1 << 15 {
             return Err(CollectiveError::Invalid(format!("a world of {} ranks", o.world_size)));
         }
         let server = if o.serve_store {
@@ -183,10 +193,13 @@ impl Group {
         let ctx = Context::new(o.pipe.clone())?;
         let mesh = Mesh::build(&ctx, &store, &o.name, o.rank, o.world_size, &o.host, o.timeout).await?;
         // Nobody leaves formation (and maybe takes the store with it) before all have formed.
-        store
+        if let Err(e) = store
             .barrier(&format!("collective/{}/formed", o.name), o.world_size, o.timeout)
             .await
-            .map_err(|e| CollectiveError::Store(e.to_string()))?;
+        {
+            mesh.close();
+            return Err(CollectiveError::Store(e.to_string()));
+        }
         Ok(Group {
             inner: Arc::new(Inner {
                 mesh,
@@ -217,7 +230,9 @@ impl Group {
             by: self.rank(),
             why: why.to_owned(),
         };
-        self.inner.mesh.fail(e);
+        if self.inner.mesh.fail(e) {
+            self.inner.mesh.tell_others(self.rank(), why);
+        }
     }
 
     /// Leaves the group with the others: returns once every rank has called `close` (then the

@@ -310,9 +310,12 @@ impl Mesh {
             if h.kind == Kind::Abort {
                 let why = String::from_utf8_lossy(&data).into_owned();
                 self.fail(CollectiveError::Aborted { by: r, why });
-                return;
             }
-            self.deliver(r, h.kind, h.key, data);
+            // Once the group has failed, what still arrives is read and dropped, so that a
+            // peer's writes queued behind its abort are not left waiting on this side.
+            if self.failed().is_none() {
+                self.deliver(r, h.kind, h.key, data);
+            }
         }
     }
 
@@ -360,7 +363,7 @@ impl Mesh {
         true
     }
 
-    fn tell_others(&self, except: u32, why: &str) {
+    pub fn tell_others(&self, except: u32, why: &str) {
         let header = Header {
             kind: Kind::Abort,
             group: self.group,
@@ -413,10 +416,18 @@ impl Mesh {
                     why: e.to_string(),
                 }))
             }
-            Err(_) => Err(CollectiveError::Timeout(format!(
-                "sending to rank {to} in group {} took longer than {:?}",
-                self.name, self.timeout
-            ))),
+            Err(_) => {
+                // A write abandoned midway leaves the pipe's state unknown (an acknowledgement
+                // may still arrive for it): the group cannot go on.
+                let e = CollectiveError::Timeout(format!(
+                    "sending to rank {to} in group {} took longer than {:?}",
+                    self.name, self.timeout
+                ));
+                if self.fail(e.clone()) {
+                    self.tell_others(self.rank, &e.to_string());
+                }
+                Err(self.failed().unwrap_or(e))
+            }
         }
     }
 
@@ -471,10 +482,13 @@ impl Mesh {
             Ok(Err(_)) => Err(self
                 .failed()
                 .unwrap_or(CollectiveError::Invalid("the group was dropped".into()))),
-            Err(_) => Err(CollectiveError::Timeout(format!(
-                "waiting for rank {from} in group {} took longer than {:?}",
-                self.name, self.timeout
-            ))),
+            // The group may have failed meanwhile (the error that says why beats the timeout).
+            Err(_) => Err(self.failed().unwrap_or_else(|| {
+                CollectiveError::Timeout(format!(
+                    "waiting for rank {from} in group {} took longer than {:?}",
+                    self.name, self.timeout
+                ))
+            })),
         }
     }
 

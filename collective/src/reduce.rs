@@ -1,8 +1,9 @@
 //! Element-wise reductions over raw buffers, for every dtype Sluice carries.
 //!
 //! Buffers are bytes in native order, read and written without alignment assumptions (received
-//! memory has none). f16 and bf16 are accumulated in f32 for one step and rounded back; sums of
-//! integers wrap, as PyTorch's do. Booleans reduce as logic (sum and max: or; product and min:
+//! memory has none). f16 and bf16 are accumulated in f32 for one step and rounded back (so a sum
+//! whose partial results leave f16's range overflows to infinity before an average divides it);
+//! sums of integers wrap, as PyTorch's do. Booleans reduce as logic (sum and max: or; product and min:
 //! and). Complex numbers take sum, product and average; min and max are refused.
 
 use half::{bf16, f16};

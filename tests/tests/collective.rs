@@ -410,3 +410,28 @@ fn a_peer_sending_malformed_messages_fails_the_group_naming_it() {
         });
     }
 }
+
+worker_test!(an_abort_reaches_every_rank_with_its_reason, 3, |env| {
+    let rt = runtime();
+    rt.block_on(async {
+        let g = Group::new(options(&env, "abort")).await.expect("group");
+        g.barrier().await.unwrap();
+        if g.rank() == 1 {
+            // The others are waiting for this rank in the allreduce below.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            g.abort("the data loader failed");
+        }
+        let started = std::time::Instant::now();
+        let mut buf = vec![0u8; 64];
+        let e = g.all_reduce(&mut buf, DType::F32, ReduceOp::Sum).await.unwrap_err();
+        assert!(
+            matches!(&e, CollectiveError::Aborted { by: 1, why } if why.contains("data loader")),
+            "rank {}: {e}",
+            g.rank()
+        );
+        assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
+        // Everyone has seen it before anyone leaves (a leaving rank would be a loss too).
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(g.close().await.is_err());
+    });
+});
