@@ -373,37 +373,31 @@ fn recorded_path() -> anyhow::Result<std::path::PathBuf> {
     Ok(dir.join(format!("{}-{commit}.jsonl", &date[..10])))
 }
 
-/// Starts rank 1 of the rpc and autograd suites.
-fn spawn_rpc_worker(store: &str) -> anyhow::Result<Box<dyn std::any::Any>> {
+/// Starts this executable as `sluice bench ARGS` (a suite's other process), killed on drop.
+fn spawn_bench_child(args: &[&str], what: &str) -> anyhow::Result<Box<dyn std::any::Any>> {
     let exe = std::env::current_exe()?;
     let child = Command::new(exe)
-        .args(["bench", "--rpc-worker", store])
+        .arg("bench")
+        .args(args)
         .stdin(Stdio::null())
         .spawn()
-        .context("starting the rpc worker")?;
+        .with_context(|| format!("starting {what}"))?;
     Ok(Box::new(KillOnDrop(child)) as Box<dyn std::any::Any>)
+}
+
+/// Starts rank 1 of the rpc and autograd suites.
+fn spawn_rpc_worker(store: &str) -> anyhow::Result<Box<dyn std::any::Any>> {
+    spawn_bench_child(&["--rpc-worker", store], "the rpc worker")
 }
 
 /// Starts one rank of the collective suite.
 fn spawn_collective_worker(spec: &str) -> anyhow::Result<Box<dyn std::any::Any>> {
-    let exe = std::env::current_exe()?;
-    let child = Command::new(exe)
-        .args(["bench", "--collective-worker", spec])
-        .stdin(Stdio::null())
-        .spawn()
-        .context("starting a collective worker")?;
-    Ok(Box::new(KillOnDrop(child)) as Box<dyn std::any::Any>)
+    spawn_bench_child(&["--collective-worker", spec], "a collective worker")
 }
 
 /// Starts the cuda suite's peer, connecting to `addr` and offering `channels`.
 fn spawn_cuda_peer(addr: &str, channels: &str) -> anyhow::Result<Box<dyn std::any::Any>> {
-    let exe = std::env::current_exe()?;
-    let child = Command::new(exe)
-        .args(["bench", "--cuda-peer", addr, "--cuda-channels", channels])
-        .stdin(Stdio::null())
-        .spawn()
-        .context("starting the cuda peer")?;
-    Ok(Box::new(KillOnDrop(child)) as Box<dyn std::any::Any>)
+    spawn_bench_child(&["--cuda-peer", addr, "--cuda-channels", channels], "the cuda peer")
 }
 
 /// A child process killed and reaped when dropped.

@@ -168,70 +168,84 @@ fn openmpi(sizes: &[usize], budget: Duration) -> anyhow::Result<Outcome> {
 
 /// PyTorch's RPC benchmark on `backend` (`tensorpipe` or `sluice`).
 fn pytorch(sizes: &[usize], budget: Duration, backend: &str) -> anyhow::Result<Outcome> {
-    let python = std::env::var("SLUICE_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
-    if let Some(skip) = cannot_import(
-        &python,
+    const TORCH: (&str, &str) = (
         "torch, torch.distributed.rpc",
         "PyTorch is not installed there; set SLUICE_BENCH_PYTHON to a Python that has it",
-    ) {
-        return Ok(skip);
-    }
-    if backend == "sluice" {
-        if let Some(skip) = cannot_import(
-            &python,
-            "sluice_torch",
-            "Sluice's torch backend is not installed there: pip install --no-build-isolation ./python/torch",
-        ) {
+    );
+    const BACKEND: (&str, &str) = (
+        "sluice_torch",
+        "Sluice's torch backend is not installed there: pip install --no-build-isolation ./python/torch",
+    );
+    let needs: &[(&str, &str)] = if backend == "sluice" {
+        &[TORCH, BACKEND]
+    } else {
+        &[TORCH]
+    };
+    let list: Vec<String> = sizes.iter().map(|s| s.to_string()).collect();
+    let args = [
+        "--budget-ms".to_owned(),
+        budget.as_millis().to_string(),
+        "--sizes".to_owned(),
+        list.join(","),
+        "--backend".to_owned(),
+        backend.to_owned(),
+    ];
+    let deadline = budget * (2 * sizes.len() as u32 + 6) + Duration::from_secs(120);
+    let name = format!("pytorch-rpc ({backend})");
+    python_peer(&name, "pytorch_rpc.py", TORCH_SCRIPT, needs, &args, deadline)
+}
+
+/// Runs the Python program `source` (saved as `file`) with `args` under `$SLUICE_BENCH_PYTHON`
+/// (`python3` by default), bounded by `deadline`; skipped with the reason when one of `needs`
+/// (modules to import, and what to say if they do not) fails to import there.
+fn python_peer(
+    name: &str,
+    file: &str,
+    source: &str,
+    needs: &[(&str, &str)],
+    args: &[String],
+    deadline: Duration,
+) -> anyhow::Result<Outcome> {
+    let python = std::env::var("SLUICE_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    for (modules, why) in needs {
+        if let Some(skip) = cannot_import(&python, modules, why) {
             return Ok(skip);
         }
     }
     let dir = scratch()?;
-    let script = dir.join("pytorch_rpc.py");
-    std::fs::write(&script, TORCH_SCRIPT)?;
-    let list: Vec<String> = sizes.iter().map(|s| s.to_string()).collect();
-    let mut cmd = Command::new(&python);
-    cmd.arg(&script)
-        .arg("--budget-ms")
-        .arg(budget.as_millis().to_string())
-        .arg("--sizes")
-        .arg(list.join(","))
-        .arg("--backend")
-        .arg(backend);
-    let deadline = budget * (2 * sizes.len() as u32 + 6) + Duration::from_secs(120);
-    let name = format!("pytorch-rpc ({backend})");
-    let ran = run_bounded(&name, &mut cmd, deadline)?;
+    let script = dir.join(file);
+    std::fs::write(&script, source)?;
+    let ran = run_bounded(name, Command::new(&python).arg(&script).args(args), deadline)?;
     let _ = std::fs::remove_dir_all(&dir);
-    ran.into_outcome(&name)
+    ran.into_outcome(name)
 }
 
 /// PyTorch's Gloo allreduce (f32 sum) at `sizes` on each of `worlds` processes, the baseline of
 /// the collective suite: its records, and a note when it was skipped or failed.
 pub fn gloo_allreduce(sizes: &[usize], worlds: &[u32], quick: bool) -> (Vec<Record>, Option<String>) {
-    let run = || -> anyhow::Result<Outcome> {
-        let python = std::env::var("SLUICE_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
-        if let Some(skip) = cannot_import(
-            &python,
-            "torch, torch.distributed",
-            "PyTorch is not installed there; set SLUICE_BENCH_PYTHON to a Python that has it",
-        ) {
-            return Ok(skip);
-        }
-        let dir = scratch()?;
-        let script = dir.join("gloo_allreduce.py");
-        std::fs::write(&script, GLOO_SCRIPT)?;
-        let list = |v: Vec<String>| v.join(",");
-        let mut cmd = Command::new(&python);
-        cmd.arg(&script)
-            .arg("--sizes")
-            .arg(list(sizes.iter().map(|s| s.to_string()).collect()))
-            .arg("--worlds")
-            .arg(list(worlds.iter().map(|w| w.to_string()).collect()));
-        if quick {
-            cmd.arg("--quick");
-        }
-        let ran = run_bounded("gloo", &mut cmd, Duration::from_secs(600))?;
-        let _ = std::fs::remove_dir_all(&dir);
-        ran.into_outcome("gloo")
+    let list = |v: Vec<String>| v.join(",");
+    let mut args = vec![
+        "--sizes".to_owned(),
+        list(sizes.iter().map(|s| s.to_string()).collect()),
+        "--worlds".to_owned(),
+        list(worlds.iter().map(|w| w.to_string()).collect()),
+    ];
+    if quick {
+        args.push("--quick".to_owned());
+    }
+    let needs = [(
+        "torch, torch.distributed",
+        "PyTorch is not installed there; set SLUICE_BENCH_PYTHON to a Python that has it",
+    )];
+    let run = || {
+        python_peer(
+            "gloo",
+            "gloo_allreduce.py",
+            GLOO_SCRIPT,
+            &needs,
+            &args,
+            Duration::from_secs(600),
+        )
     };
     match run() {
         Ok(Outcome::Skipped(why)) => (Vec::new(), Some(format!("gloo: skipped: {why}"))),

@@ -55,8 +55,9 @@ pub fn give_back(b: BytesMut) {
     }
 }
 
-/// Bytes kept now (tests).
-pub fn kept() -> usize {
+/// Bytes kept now.
+#[cfg(test)]
+fn kept() -> usize {
     POOL.lock().unwrap_or_else(|e| e.into_inner()).bytes
 }
 

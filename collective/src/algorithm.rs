@@ -122,19 +122,22 @@ async fn ring_reduce_scatter(
 /// as `None`).
 async fn exchange(op: &Op, buf: &[u8]) -> Result<Vec<Option<Bytes>>> {
     let sends = others(op).map(|r| (r, 0, buf)).collect();
-    let (sent, got) = tokio::join!(send_all(op, sends), async {
-        let mut all = Vec::with_capacity(op.mesh.world as usize);
-        for r in 0..op.mesh.world {
-            all.push(if r == op.mesh.rank {
-                None
-            } else {
-                Some(op.recv(r, 0, buf.len()).await?)
-            });
-        }
-        Ok::<_, crate::CollectiveError>(all)
-    });
+    let (sent, got) = tokio::join!(send_all(op, sends), recv_all(op, buf.len()));
     sent?;
     got
+}
+
+/// Step 0 from every other rank (`len` bytes each), in rank order, this rank's place `None`.
+async fn recv_all(op: &Op, len: usize) -> Result<Vec<Option<Bytes>>> {
+    let mut all = Vec::with_capacity(op.mesh.world as usize);
+    for r in 0..op.mesh.world {
+        all.push(if r == op.mesh.rank {
+            None
+        } else {
+            Some(op.recv(r, 0, len).await?)
+        });
+    }
+    Ok(all)
 }
 
 /// `buf` becomes the reduction of every rank's contribution in rank order (`None`: `buf`'s own).
@@ -174,14 +177,7 @@ pub(crate) async fn reduce(op: &Op, root: u32, buf: &mut [u8], dtype: DType, rop
         if me != root {
             return op.send(root, 0, buf).await;
         }
-        let mut all = Vec::with_capacity(n as usize);
-        for r in 0..n {
-            all.push(if r == me {
-                None
-            } else {
-                Some(op.recv(r, 0, buf.len()).await?)
-            });
-        }
+        let all = recv_all(op, buf.len()).await?;
         combine_in_order(buf, &all, dtype, rop);
         return Ok(());
     }
@@ -253,13 +249,7 @@ pub(crate) async fn reduce_scatter(op: &Op, input: &[u8], out: &mut [u8], dtype:
     }
     if input.len() <= DIRECT_MAX {
         let sends = others(op).map(|r| (r, 0, &input[piece(r)])).collect();
-        let (sent, got) = tokio::join!(send_all(op, sends), async {
-            let mut all = Vec::with_capacity(n as usize);
-            for r in 0..n {
-                all.push(if r == me { None } else { Some(op.recv(r, 0, len).await?) });
-            }
-            Ok::<_, crate::CollectiveError>(all)
-        });
+        let (sent, got) = tokio::join!(send_all(op, sends), recv_all(op, len));
         sent?;
         out.copy_from_slice(&input[piece(me)]);
         combine_in_order(out, &got?, dtype, rop);

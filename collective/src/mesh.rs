@@ -311,16 +311,17 @@ impl Mesh {
                 let why = String::from_utf8_lossy(&data).into_owned();
                 self.fail(CollectiveError::Aborted { by: r, why });
             }
-            // Once the group has failed, what still arrives is read and dropped, so that a
-            // peer's writes queued behind its abort are not left waiting on this side.
-            if self.failed().is_none() {
-                self.deliver(r, h.kind, h.key, data);
-            }
+            self.deliver(r, h.kind, h.key, data);
         }
     }
 
+    /// Files `data` for its receiver. Once the group has failed, what still arrives is read and
+    /// dropped here, so that a peer's writes queued behind its abort are not left waiting.
     fn deliver(&self, from: u32, kind: Kind, key: u64, data: Bytes) {
         let mut boxes = self.boxes.lock().expect("mailbox");
+        if boxes.failed.is_some() {
+            return;
+        }
         let slot = boxes.slots.entry((from, kind, key)).or_default();
         let mut data = Some(data);
         while let Some(w) = slot.waiting.pop_front() {

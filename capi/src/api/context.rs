@@ -24,16 +24,8 @@ pub unsafe extern "C" fn sluice_context_new(
     channels: *const c_char,
     out: *mut *mut SluiceContext,
 ) -> c_int {
-    guard("sluice_context_new", || {
-        // SAFETY: the caller passes a writable `sluice_context*` place or NULL.
-        let out = unsafe { out_handle(out, "out") }?;
-        // SAFETY: the caller passes NUL-terminated strings or NULL.
-        let transports = unsafe { opt_str(transports, "transports") }?;
-        // SAFETY: as above.
-        let channels = unsafe { opt_str(channels, "channels") }?;
-        give(out, SluiceContext::new(transports, channels)?);
-        Ok(SLUICE_OK)
-    })
+    // SAFETY: the caller's contract is `sluice_context_new_with`'s, with no options.
+    unsafe { new_context("sluice_context_new", transports, channels, std::ptr::null(), out) }
 }
 
 /// Like `sluice_context_new`, with `options` (NULL or empty: none): comma-separated
@@ -51,7 +43,22 @@ pub unsafe extern "C" fn sluice_context_new_with(
     options: *const c_char,
     out: *mut *mut SluiceContext,
 ) -> c_int {
-    guard("sluice_context_new_with", || {
+    // SAFETY: the caller's contract, forwarded.
+    unsafe { new_context("sluice_context_new_with", transports, channels, options, out) }
+}
+
+/// The body of both constructors; errors are reported under `name`.
+///
+/// # Safety
+/// The strings are NUL-terminated or NULL; `out` is a writable `sluice_context*` place or NULL.
+unsafe fn new_context(
+    name: &str,
+    transports: *const c_char,
+    channels: *const c_char,
+    options: *const c_char,
+    out: *mut *mut SluiceContext,
+) -> c_int {
+    guard(name, || {
         // SAFETY: the caller passes a writable `sluice_context*` place or NULL.
         let out = unsafe { out_handle(out, "out") }?;
         // SAFETY: the caller passes NUL-terminated strings or NULL.
