@@ -118,3 +118,52 @@ impl ReadDone {
         }
     }
 }
+
+/// Caller memory an operation reads or writes in place until its completion callback runs
+/// (a collective's buffers).
+pub(crate) struct Region {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: `Region::new`'s caller lends the memory to the operation alone, from any thread,
+// until the operation's completion callback has run.
+unsafe impl Send for Region {}
+
+impl Region {
+    /// # Safety
+    /// `len` bytes at `ptr` (which may be dangling or NULL when `len` is 0) must stay readable,
+    /// and writable if [`bytes_mut`](Self::bytes_mut) is used, and must not be touched by
+    /// anyone else, until the completion callback of the operation that holds this region has
+    /// been called.
+    pub(crate) unsafe fn new(ptr: *mut u8, len: usize) -> Region {
+        Region { ptr, len }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether these bytes and `other`'s share any byte.
+    pub(crate) fn overlaps(&self, other: &Region) -> bool {
+        let (a, b) = (self.ptr as usize, other.ptr as usize);
+        self.len > 0 && other.len > 0 && a < b.saturating_add(other.len) && b < a.saturating_add(self.len)
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: `new`'s contract: `len` readable bytes, nobody else's until completion.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: `new`'s contract: `len` writable bytes nobody else touches until completion;
+        // `&mut self` keeps this the only view through this region.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}

@@ -64,6 +64,11 @@ impl SluiceContext {
         })
     }
 
+    /// The context itself.
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+
     /// Starts accepting pipes on `addr` (`host:port`; empty: 127.0.0.1 on a free port).
     pub fn listen(&self, addr: &str) -> Result<SluiceListener> {
         let listener = runtime::block_on(self.ctx.listen(addr))??;

@@ -26,6 +26,7 @@ pub mod context;
 pub mod message;
 pub mod op;
 pub mod pipe;
+pub mod group;
 pub mod pool;
 pub mod received;
 pub mod runtime;
@@ -33,6 +34,10 @@ pub mod status;
 
 pub use api::*;
 pub use context::{SluiceContext, SluiceListener};
+pub use group::{
+    SluiceGroup, SluiceGroupBound, SLUICE_REDUCE_AVG, SLUICE_REDUCE_MAX, SLUICE_REDUCE_MIN, SLUICE_REDUCE_PRODUCT,
+    SLUICE_REDUCE_SUM,
+};
 pub use message::SluiceMessage;
 pub use op::SluiceOp;
 pub use pipe::SluicePipe;

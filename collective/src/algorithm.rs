@@ -264,23 +264,36 @@ pub(crate) async fn reduce_scatter(op: &Op, input: &[u8], out: &mut [u8], dtype:
     Ok(())
 }
 
-pub(crate) async fn all_to_all(op: &Op, input: &[u8], out: &mut [u8]) -> Result<()> {
-    let n = op.mesh.world;
-    let me = op.mesh.rank;
-    let len = input.len() / n as usize;
-    let piece = |r: u32| r as usize * len..(r as usize + 1) * len;
-    let sends = others(op).map(|r| (r, 0, &input[piece(r)])).collect();
-    out[piece(me)].copy_from_slice(&input[piece(me)]);
+/// Piece `r` of `input` (`send[r]`) goes to rank `r`; piece `r` of `out` (`recv[r]`) comes from
+/// rank `r`. Pieces may differ in length (all-to-all-v); each rank's `send[j]` must be as long
+/// as rank `j`'s `recv[i]`.
+pub(crate) async fn all_to_all(
+    op: &Op,
+    input: &[u8],
+    send: &[Range<usize>],
+    out: &mut [u8],
+    recv: &[Range<usize>],
+) -> Result<()> {
+    let me = op.mesh.rank as usize;
+    let sends = others(op).map(|r| (r, 0, &input[send[r as usize].clone()])).collect();
+    if send[me].len() != recv[me].len() {
+        return Err(crate::CollectiveError::Invalid(format!(
+            "all_to_all: rank {me} sends itself {} bytes into a piece of {}",
+            send[me].len(),
+            recv[me].len()
+        )));
+    }
+    out[recv[me].clone()].copy_from_slice(&input[send[me].clone()]);
     let (sent, got) = tokio::join!(send_all(op, sends), async {
         let mut got = Vec::new();
         for r in others(op) {
-            got.push((r, op.recv(r, 0, len).await?));
+            got.push((r, op.recv(r, 0, recv[r as usize].len()).await?));
         }
         Ok::<_, crate::CollectiveError>(got)
     });
     sent?;
     for (r, b) in got? {
-        out[piece(r)].copy_from_slice(&b);
+        out[recv[r as usize].clone()].copy_from_slice(&b);
     }
     Ok(())
 }

@@ -147,7 +147,7 @@ struct Inner {
     mesh: Arc<Mesh>,
     seq: AtomicU64,
     _ctx: Context,
-    _store: Store,
+    _store: Option<Store>,
     _server: Option<StoreServer>,
 }
 
@@ -155,6 +155,43 @@ impl Drop for Inner {
     fn drop(&mut self) {
         self.mesh.close();
     }
+}
+
+/// A rank's listener, bound before its group forms (see [`Group::bind`]).
+pub struct Bound {
+    ctx: Context,
+    listener: sluice_channel::PipeListener,
+}
+
+impl Bound {
+    /// Where the other ranks reach this one (`host:port`).
+    pub fn address(&self) -> &str {
+        self.listener.address()
+    }
+
+    /// Forms the group `name` from every rank's address (`addresses[r]` is rank `r`'s; this
+    /// rank's own entry is not read): every rank calls it with the same name, world and
+    /// addresses. A rank connects to the higher ranks and accepts the lower ones, so it returns
+    /// once all of its own pipes are up (others may still be forming).
+    pub async fn form(self, name: &str, rank: u32, addresses: &[String], timeout: Duration) -> Result<Group> {
+        let world = u32::try_from(addresses.len())
+            .map_err(|_| CollectiveError::Invalid(format!("a world of {} ranks", addresses.len())))?;
+        check_world(rank, world)?;
+        let lookup = |r: u32| std::future::ready(Ok(addresses[r as usize].clone()));
+        let mesh = Mesh::build(&self.ctx, self.listener, name, rank, world, timeout, lookup).await?;
+        Ok(Group::with(mesh, self.ctx, None, None))
+    }
+}
+
+fn check_world(rank: u32, world: u32) -> Result<()> {
+    if world == 0 || rank >= world {
+        return Err(CollectiveError::Invalid(format!("rank {rank} in a world of {world}")));
+    }
+    // A collective's steps are numbered in 16 bits and the ring takes 2 (n - 1) of them.
+    if world > 1 << 15 {
+        return Err(CollectiveError::Invalid(format!("a world of {world} ranks")));
+    }
+    Ok(())
 }
 
 /// Buffers at most this long take the direct algorithms; longer ones the ring.
@@ -167,16 +204,7 @@ impl Group {
     /// Forms the group: every rank must call this with the same name and world size.
     pub async fn new(options: GroupOptions) -> Result<Group> {
         let o = options;
-        if o.world_size == 0 || o.rank >= o.world_size {
-            return Err(CollectiveError::Invalid(format!(
-                "rank {} in a world of {}",
-                o.rank, o.world_size
-            )));
-        }
-        // A collective's steps are numbered in 16 bits and the ring takes 2 (n - 1) of them.
-        if o.world_size > 1 << 15 {
-            return Err(CollectiveError::Invalid(format!("a world of {} ranks", o.world_size)));
-        }
+        check_world(o.rank, o.world_size)?;
         let server = if o.serve_store {
             Some(
                 StoreServer::start(&o.store)
@@ -190,17 +218,45 @@ impl Group {
         let store = Store::connect(&url, o.timeout, None)
             .await
             .map_err(|e| CollectiveError::Store(e.to_string()))?;
-        let ctx = Context::new(o.pipe.clone())?;
-        let mesh = Mesh::build(&ctx, &store, &o.name, o.rank, o.world_size, &o.host, o.timeout).await?;
+        let bound = Group::bind(Context::new(o.pipe.clone())?, &o.host).await?;
+        let name = &o.name;
+        let key = |r: u32| format!("collective/{name}/addr/{r}");
+        store
+            .set(&key(o.rank), bound.address().as_bytes().to_vec())
+            .await
+            .map_err(|e| CollectiveError::Store(e.to_string()))?;
+        let lookup = |r: u32| {
+            let (store, key) = (&store, key(r));
+            async move {
+                let addr = store
+                    .get(&key, o.timeout)
+                    .await
+                    .map_err(|e| CollectiveError::Store(format!("rank {r}'s address: {e}")))?;
+                Ok(String::from_utf8_lossy(&addr).into_owned())
+            }
+        };
+        let mesh = Mesh::build(&bound.ctx, bound.listener, name, o.rank, o.world_size, o.timeout, lookup).await?;
         // Nobody leaves formation (and maybe takes the store with it) before all have formed.
         if let Err(e) = store
-            .barrier(&format!("collective/{}/formed", o.name), o.world_size, o.timeout)
+            .barrier(&format!("collective/{name}/formed"), o.world_size, o.timeout)
             .await
         {
             mesh.close();
             return Err(CollectiveError::Store(e.to_string()));
         }
-        Ok(Group {
+        Ok(Group::with(mesh, bound.ctx, Some(store), server))
+    }
+
+    /// Binds this rank's listener on `host` (port chosen by the system), for a group formed
+    /// through another rendezvous (a framework's own store): publish [`Bound::address`] there,
+    /// then [`Bound::form`] with every rank's address.
+    pub async fn bind(ctx: Context, host: &str) -> Result<Bound> {
+        let listener = ctx.listen(&format!("{host}:0")).await?;
+        Ok(Bound { ctx, listener })
+    }
+
+    fn with(mesh: Arc<Mesh>, ctx: Context, store: Option<Store>, server: Option<StoreServer>) -> Group {
+        Group {
             inner: Arc::new(Inner {
                 mesh,
                 seq: AtomicU64::new(0),
@@ -208,7 +264,7 @@ impl Group {
                 _store: store,
                 _server: server,
             }),
-        })
+        }
     }
 
     pub fn rank(&self) -> u32 {
@@ -402,17 +458,65 @@ impl Group {
     ) -> impl std::future::Future<Output = Result<()>> + 'a {
         let o = self.next();
         async move {
-            if input.len() != out.len() || !input.len().is_multiple_of(o.mesh.world as usize) {
+            let n = o.mesh.world as usize;
+            if input.len() != out.len() || !input.len().is_multiple_of(n) {
                 return Err(CollectiveError::Invalid(format!(
-                    "all_to_all of {} bytes into {} bytes over {} ranks",
+                    "all_to_all of {} bytes into {} bytes over {n} ranks",
                     input.len(),
                     out.len(),
-                    o.mesh.world
                 )));
             }
-            algorithm::all_to_all(&o, input, out).await
+            let even = vec![input.len() / n; n];
+            let p = splits(&even, input.len(), "all_to_all")?;
+            algorithm::all_to_all(&o, input, &p, out, &p).await
         }
     }
+
+    /// All-to-all with pieces of their own lengths: `input`'s piece `j` (`send_lens[j]` bytes,
+    /// in rank order) goes to rank `j`, and `out`'s piece `i` (`recv_lens[i]` bytes) comes from
+    /// rank `i`. Rank `i`'s `send_lens[j]` must equal rank `j`'s `recv_lens[i]` (a mismatch is
+    /// an error on rank `j`).
+    pub fn all_to_all_v<'a>(
+        &'a self,
+        input: &'a [u8],
+        send_lens: &'a [usize],
+        out: &'a mut [u8],
+        recv_lens: &'a [usize],
+    ) -> impl std::future::Future<Output = Result<()>> + 'a {
+        let o = self.next();
+        async move {
+            let n = o.mesh.world as usize;
+            if send_lens.len() != n || recv_lens.len() != n {
+                return Err(CollectiveError::Invalid(format!(
+                    "all_to_all_v with {} send and {} receive lengths over {n} ranks",
+                    send_lens.len(),
+                    recv_lens.len()
+                )));
+            }
+            let send = splits(send_lens, input.len(), "all_to_all_v input")?;
+            let recv = splits(recv_lens, out.len(), "all_to_all_v output")?;
+            algorithm::all_to_all(&o, input, &send, out, &recv).await
+        }
+    }
+}
+
+/// Consecutive ranges of `lens`, which must cover exactly `total` bytes.
+fn splits(lens: &[usize], total: usize, what: &str) -> Result<Vec<std::ops::Range<usize>>> {
+    let mut at = 0usize;
+    let ranges = lens
+        .iter()
+        .map(|&l| {
+            let r = at..at.saturating_add(l);
+            at = r.end;
+            r
+        })
+        .collect();
+    if at != total {
+        return Err(CollectiveError::Invalid(format!(
+            "{what}: pieces of {lens:?} bytes for a buffer of {total} bytes"
+        )));
+    }
+    Ok(ranges)
 }
 
 /// One collective in flight: its sequence number and the mesh.

@@ -20,8 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use sluice_agent::store::Store;
-use sluice_channel::{Allocation, Context, Message, Pipe, Tensor};
+use sluice_channel::{Allocation, Context, Message, Pipe, PipeListener, Tensor};
 use tokio::sync::oneshot;
 
 use crate::CollectiveError;
@@ -153,24 +152,24 @@ const SPARE_MIN: usize = 256 << 10;
 const SPARE_BYTES: usize = 256 << 20;
 
 impl Mesh {
-    /// Connects this rank to every other: each publishes its listener's address in the store;
-    /// a rank connects to every higher rank and accepts the lower ones (who say who they are).
-    pub async fn build(
+    /// Connects this rank to every other through `listener` (already bound, its address
+    /// published where the others find it): a rank connects to every higher rank, whose address
+    /// `lookup` finds, and accepts the lower ones (who say who they are).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn build<L, F>(
         ctx: &Context,
-        store: &Store,
+        mut listener: PipeListener,
         name: &str,
         rank: u32,
         world: u32,
-        host: &str,
         timeout: Duration,
-    ) -> Result<Arc<Mesh>, CollectiveError> {
+        lookup: L,
+    ) -> Result<Arc<Mesh>, CollectiveError>
+    where
+        L: Fn(u32) -> F,
+        F: std::future::Future<Output = Result<String, CollectiveError>>,
+    {
         let group = group_id(name);
-        let mut listener = ctx.listen(&format!("{host}:0")).await?;
-        let key = |r: u32| format!("collective/{name}/addr/{r}");
-        store
-            .set(&key(rank), listener.address().as_bytes().to_vec())
-            .await
-            .map_err(|e| CollectiveError::Store(e.to_string()))?;
         let mut pipes: Vec<Option<Pipe>> = (0..world).map(|_| None).collect();
         // Accept the lower ranks while connecting to the higher ones.
         let lower = rank as usize;
@@ -197,11 +196,7 @@ impl Mesh {
         let connecting = async {
             let mut got = Vec::new();
             for r in rank + 1..world {
-                let addr = store
-                    .get(&key(r), timeout)
-                    .await
-                    .map_err(|e| CollectiveError::Store(format!("rank {r}'s address: {e}")))?;
-                let addr = String::from_utf8_lossy(&addr).into_owned();
+                let addr = lookup(r).await?;
                 let pipe = ctx.connect(&addr).await?;
                 let hello = Header {
                     kind: Kind::Hello,

@@ -17,6 +17,7 @@ use crate::runtime::panic_message;
 use crate::status::{set_last_error, Error, Result, SLUICE_PANIC};
 
 mod context;
+mod group;
 mod message;
 mod op;
 mod pipe;
@@ -24,6 +25,7 @@ mod received;
 mod status;
 
 pub use context::*;
+pub use group::*;
 pub use message::*;
 pub use op::*;
 pub use pipe::*;
