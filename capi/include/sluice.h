@@ -104,16 +104,6 @@ SLUICE_LAYOUT_ASSERT(offsetof(DLTensor, shape) == sizeof(void *) + 16, "DLTensor
 #define SLUICE_REDUCE_MAX 4
 
 /**
- * Buffers smaller than this are not kept (fresh ones cost little).
- */
-#define MIN (256 << 10)
-
-/**
- * The most bytes kept for reuse in a process.
- */
-#define KEEP ((256 << 10) << 10)
-
-/**
  * Success.
  */
 #define SLUICE_OK 0

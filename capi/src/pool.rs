@@ -13,10 +13,10 @@ use std::sync::Mutex;
 use bytes::BytesMut;
 
 /// Buffers smaller than this are not kept (fresh ones cost little).
-pub const MIN: usize = 256 << 10;
+pub(crate) const MIN: usize = 256 << 10;
 
 /// The most bytes kept for reuse in a process.
-pub const KEEP: usize = 256 << 10 << 10;
+pub(crate) const KEEP: usize = 256 << 10 << 10;
 
 struct Pool {
     buffers: VecDeque<BytesMut>,

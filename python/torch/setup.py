@@ -67,7 +67,7 @@ setup(
     ext_modules=[
         CppExtension(
             "sluice_torch._C",
-            ["sluice_torch/csrc/agent.cpp"],
+            ["sluice_torch/csrc/agent.cpp", "sluice_torch/csrc/process_group.cpp"],
             include_dirs=[str(ROOT / "capi/include")],
             library_dirs=[str(package)],
             libraries=["sluice_c"],

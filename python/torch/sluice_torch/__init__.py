@@ -1,19 +1,30 @@
-"""Sluice as a ``torch.distributed.rpc`` backend.
+"""Sluice under ``torch.distributed``: an RPC backend and a process group.
 
-Importing this package registers the backend ``SLUICE``; the rest of a program is unchanged::
+Importing this package registers the RPC backend ``SLUICE`` and the process-group backend
+``"sluice"``; the rest of a program is unchanged::
 
     import sluice_torch
     rpc.init_rpc("worker0", rank=0, world_size=2, backend=sluice_torch.BACKEND)
     # or backend=rpc.BackendType.SLUICE, or rpc.backend_registry.BackendType["SLUICE"]
+
+    dist.init_process_group("sluice", rank=rank, world_size=world)   # DDP, FSDP, collectives
+    # or "cpu:sluice,cuda:nccl" beside NCCL
+
+The process group carries dense, contiguous CPU tensors: every collective, ``send``/``recv``
+with tags, ``barrier`` and ``monitored_barrier``. Ranks reach each other at ``SLUICE_HOST``, else
+at the address that routes to ``MASTER_ADDR``, else on loopback.
 
 Options: ``sluice_torch.SluiceRpcBackendOptions`` (``rpc_timeout``, ``init_method``,
 ``num_worker_threads``, plus Sluice's ``transports``, ``channels`` and ``host``). Static groups
 only (``world_size`` given); CPU tensors only so far (no device maps).
 """
 
+import os
+import socket
 import time
 
 import torch
+import torch.distributed as dist
 from torch.distributed import rpc
 from torch.distributed.rpc import api, backend_registry, constants
 
@@ -27,7 +38,7 @@ if torch.__version__ != _build.TORCH_VERSION:
 
 from . import _C  # noqa: E402  (after the version check: a mismatched build may not load)
 
-__all__ = ["BACKEND", "SluiceRpcBackendOptions"]
+__all__ = ["BACKEND", "PROCESS_GROUP", "SluiceRpcBackendOptions"]
 
 
 class SluiceRpcBackendOptions(rpc.RpcBackendOptions):
@@ -127,3 +138,38 @@ def _register():
 
 
 BACKEND = _register()
+
+
+# --- the process group -------------------------------------------------------------------------
+
+PROCESS_GROUP = "sluice"
+
+
+def _routable_host():
+    """The address the other ranks reach this one at (no packet is sent to find it)."""
+    if os.environ.get("SLUICE_HOST"):
+        return os.environ["SLUICE_HOST"]
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
+                return s.getsockname()[0]
+        except OSError:
+            pass
+    return "127.0.0.1"
+
+
+def _new_process_group(opts, _backend_options=None):
+    return _C.new_process_group(
+        opts.store,
+        opts.group_rank,
+        opts.group_size,
+        opts.timeout,
+        f"torch:{opts.group_id}",
+        _routable_host(),
+    )
+
+
+if PROCESS_GROUP.upper() not in dist.Backend._plugins:
+    dist.Backend.register_backend(PROCESS_GROUP, _new_process_group, extended_api=True, devices=["cpu"])

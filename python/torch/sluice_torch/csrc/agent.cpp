@@ -896,6 +896,9 @@ class SluiceAgent : public RpcAgent {
   std::atomic<uint64_t> gilWaits_{0};
 };
 
+// process_group.cpp: the c10d backend "sluice".
+void bindProcessGroup(py::module& m);
+
 }  // namespace sluice_torch
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -922,4 +925,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("get_worker_info", py::overload_cast<rpc::worker_id_t>(&SluiceAgent::getWorkerInfo, py::const_),
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("address", &SluiceAgent::address);
+  sluice_torch::bindProcessGroup(m);
 }
