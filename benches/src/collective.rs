@@ -124,7 +124,8 @@ pub fn run(
             ));
         }
     }
-    let (gloo, note) = crate::peers::gloo_allreduce(&sizes(quick), &WORLDS, quick);
+    let (torch, note) = crate::peers::torch_collectives(&sizes(quick), &WORLDS, quick);
+    let gloo: Vec<Record> = torch.iter().filter(|r| r.backend.starts_with("gloo-")).cloned().collect();
     let (mpi, mpi_notes) = crate::peers::mpi_allreduce(&sizes(quick), &WORLDS, quick);
     // Each of our rows against Gloo's (the baseline the targets name); OpenMPI's rows stand
     // beside them in the table and the figure.
@@ -172,7 +173,40 @@ pub fn run(
             );
         }
     }
-    records.extend(gloo);
+    records.extend(torch_rows(torch));
     records.extend(mpi);
     Ok((records, notes))
+}
+
+/// torch.distributed's rows: Gloo's as they are; the "sluice" process group's allreduce against
+/// Gloo's at the same size and world; each DDP step against the same step without DDP.
+fn torch_rows(mut rows: Vec<Record>) -> Vec<Record> {
+    let find = |rows: &[Record], backend: &str, bytes: u64| {
+        rows.iter()
+            .find(|r| r.backend == backend && r.bytes == bytes && r.metric == "rtt")
+            .cloned()
+    };
+    let all = rows.clone();
+    for r in rows.iter_mut() {
+        let base = if let Some(rest) = r.backend.strip_prefix("torch-sluice-") {
+            find(&all, &format!("gloo-{rest}"), r.bytes)
+        } else if r.backend.starts_with("ddp-step-") && r.backend != "ddp-step-none" {
+            find(&all, "ddp-step-none", r.bytes)
+        } else {
+            None
+        };
+        if let Some(b) = base {
+            r.against(&b);
+            eprintln!(
+                "collective: {} {} B: {:.1} µs against {} {:.1} µs ({:.2}x)",
+                r.backend,
+                r.bytes,
+                r.p50_ns.unwrap_or(f64::NAN) / 1e3,
+                b.backend,
+                b.p50_ns.unwrap_or(f64::NAN) / 1e3,
+                r.ratio.unwrap_or(f64::NAN)
+            );
+        }
+    }
+    rows
 }

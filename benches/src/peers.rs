@@ -24,7 +24,7 @@ use crate::run::BenchOptions;
 
 const MPI_SOURCE: &str = include_str!("../peers/mpi_p2p.c");
 const TORCH_SCRIPT: &str = include_str!("../peers/pytorch_rpc.py");
-const GLOO_SCRIPT: &str = include_str!("../peers/gloo_allreduce.py");
+const TORCH_COLLECTIVES_SCRIPT: &str = include_str!("../peers/torch_collectives.py");
 const MPI_ALLREDUCE_SOURCE: &str = include_str!("../peers/mpi_allreduce.c");
 
 /// What the peers suite measured, and a line for each peer it skipped or lost.
@@ -220,15 +220,34 @@ fn python_peer(
     ran.into_outcome(name)
 }
 
-/// PyTorch's Gloo allreduce (f32 sum) at `sizes` on each of `worlds` processes, the baseline of
-/// the collective suite: its records, and a note when it was skipped or failed.
-pub fn gloo_allreduce(sizes: &[usize], worlds: &[u32], quick: bool) -> (Vec<Record>, Option<String>) {
+/// torch.distributed's allreduce (f32 sum) at `sizes` on each of `worlds` processes through
+/// Gloo (the collective suite's baseline) and, when `sluice_torch` imports, Sluice's "sluice"
+/// process group; and the DDP step on 2 processes without DDP and under DDP on each: the
+/// records, and notes for what was skipped or failed.
+pub fn torch_collectives(sizes: &[usize], worlds: &[u32], quick: bool) -> (Vec<Record>, Vec<String>) {
     let list = |v: Vec<String>| v.join(",");
+    let python = std::env::var("SLUICE_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let mut notes = Vec::new();
+    let backends = match cannot_import(
+        &python,
+        "sluice_torch",
+        "Sluice's torch backend is not installed there: pip install --no-build-isolation ./python/torch",
+    ) {
+        None => "gloo,sluice",
+        Some(Outcome::Skipped(why)) => {
+            notes.push(format!("torch-sluice: skipped: {why}"));
+            "gloo"
+        }
+        Some(Outcome::Ran(..)) => "gloo",
+    };
     let mut args = vec![
         "--sizes".to_owned(),
         list(sizes.iter().map(|s| s.to_string()).collect()),
         "--worlds".to_owned(),
         list(worlds.iter().map(|w| w.to_string()).collect()),
+        "--backends".to_owned(),
+        backends.to_owned(),
+        "--ddp".to_owned(),
     ];
     if quick {
         args.push("--quick".to_owned());
@@ -237,21 +256,23 @@ pub fn gloo_allreduce(sizes: &[usize], worlds: &[u32], quick: bool) -> (Vec<Reco
         "torch, torch.distributed",
         "PyTorch is not installed there; set SLUICE_BENCH_PYTHON to a Python that has it",
     )];
-    let run = || {
-        python_peer(
-            "gloo",
-            "gloo_allreduce.py",
-            GLOO_SCRIPT,
-            &needs,
-            &args,
-            Duration::from_secs(600),
-        )
-    };
-    match run() {
-        Ok(Outcome::Skipped(why)) => (Vec::new(), Some(format!("gloo: skipped: {why}"))),
-        Ok(Outcome::Ran(records, failure)) => (records, failure.map(|f| format!("gloo: {f}"))),
-        Err(e) => (Vec::new(), Some(format!("gloo: {e:#}"))),
+    let ran = python_peer(
+        "torch collectives",
+        "torch_collectives.py",
+        TORCH_COLLECTIVES_SCRIPT,
+        &needs,
+        &args,
+        Duration::from_secs(900),
+    );
+    match ran {
+        Ok(Outcome::Skipped(why)) => notes.push(format!("torch collectives: skipped: {why}")),
+        Ok(Outcome::Ran(records, failure)) => {
+            notes.extend(failure.map(|f| format!("torch collectives: {f}")));
+            return (records, notes);
+        }
+        Err(e) => notes.push(format!("torch collectives: {e:#}")),
     }
+    (Vec::new(), notes)
 }
 
 /// OpenMPI's `MPI_Allreduce` (f32 sum) at `sizes` on each of `worlds` processes, a baseline of
