@@ -187,3 +187,33 @@ fn the_gpu_parameter_server_says_why_it_cannot_start() {
     let t = text(&o);
     assert!(t.contains("--gpu needs CUDA") && t.contains("libcuda"), "{t}");
 }
+
+#[test]
+fn the_data_parallel_demo_trains_identical_replicas_as_well_as_the_parameter_server() {
+    let accuracy = |t: &str, line: &str| -> String {
+        let l = t
+            .lines()
+            .find(|l| l.starts_with(line))
+            .unwrap_or_else(|| panic!("no `{line}` line in:\n{t}"));
+        l.rsplit_once('→')
+            .unwrap()
+            .1
+            .split('%')
+            .next()
+            .unwrap()
+            .trim()
+            .to_owned()
+    };
+    let o = run(&["demo", "ddp", "--workers", "3", "--epochs", "20"]);
+    let ddp = text(&o);
+    assert!(o.status.success(), "{ddp}");
+    assert!(ddp.contains("replicas identical"), "{ddp}");
+    let o = run(&["demo", "ps", "--trainers", "3", "--epochs", "20", "--sync", "mean"]);
+    let ps = text(&o);
+    assert!(o.status.success(), "{ps}");
+    // The same update (the mean of one batch's gradient per worker) on the same data: the same
+    // held-out accuracy, whichever way the gradients travelled.
+    let (a, b) = (accuracy(&ddp, "data parallel"), accuracy(&ps, "parameter server"));
+    assert_eq!(a, b, "{ddp}\n{ps}");
+    assert!(a.parse::<f64>().unwrap() > 60.0, "{ddp}");
+}

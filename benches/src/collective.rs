@@ -125,7 +125,11 @@ pub fn run(
         }
     }
     let (torch, note) = crate::peers::torch_collectives(&sizes(quick), &WORLDS, quick);
-    let gloo: Vec<Record> = torch.iter().filter(|r| r.backend.starts_with("gloo-")).cloned().collect();
+    let gloo: Vec<Record> = torch
+        .iter()
+        .filter(|r| r.backend.starts_with("gloo-"))
+        .cloned()
+        .collect();
     let (mpi, mpi_notes) = crate::peers::mpi_allreduce(&sizes(quick), &WORLDS, quick);
     // Each of our rows against Gloo's (the baseline the targets name); OpenMPI's rows stand
     // beside them in the table and the figure.

@@ -23,10 +23,10 @@
 pub mod api;
 mod borrowed;
 pub mod context;
+pub mod group;
 pub mod message;
 pub mod op;
 pub mod pipe;
-pub mod group;
 pub mod pool;
 pub mod received;
 pub mod runtime;

@@ -45,10 +45,6 @@ fn run(start: impl FnOnce(SluiceDoneFn, *mut c_void) -> c_int) -> (c_int, String
     got.take().unwrap()
 }
 
-struct Rank(*mut SluiceGroup);
-// SAFETY: groups may be used from any thread (the API's contract).
-unsafe impl Send for Rank {}
-
 /// Forms a group of `world` ranks (threads), each running `body(rank, group)`.
 fn with_group(name: &str, world: u32, body: impl Fn(u32, *const SluiceGroup) + Sync) {
     let addresses = Mutex::new(vec![String::new(); world as usize]);
@@ -62,7 +58,10 @@ fn with_group(name: &str, world: u32, body: impl Fn(u32, *const SluiceGroup) + S
                 let mut group = null_mut();
                 // SAFETY: valid out-places; NULL names the defaults.
                 unsafe {
-                    ok(sluice_context_new(std::ptr::null(), std::ptr::null(), &mut ctx), "context");
+                    ok(
+                        sluice_context_new(std::ptr::null(), std::ptr::null(), &mut ctx),
+                        "context",
+                    );
                     ok(sluice_group_bind(ctx, std::ptr::null(), &mut bound), "bind");
                 }
                 // SAFETY: a live bound listener's address.
@@ -98,13 +97,16 @@ fn reductions_gathers_and_all_to_all_match_a_reference() {
     let world = 3;
     with_group("c-ref", world, |rank, g| {
         // SAFETY: a live group.
-        assert_eq!(unsafe { (sluice_group_rank(g), sluice_group_world_size(g)) }, (rank, world));
+        let (r, w) = unsafe { (sluice_group_rank(g), sluice_group_world_size(g)) };
+        assert_eq!((r, w), (rank, world));
         // Small (direct) and large (ring) sums.
         for n in [1usize, 1000, 300_001] {
             let mut v: Vec<f32> = (0..n).map(|i| (i % 97) as f32 + rank as f32).collect();
             let (rc, e) = run(|d, u| {
                 // SAFETY: `v` outlives the operation (run waits for it).
-                unsafe { sluice_group_all_reduce(g, v.as_mut_ptr().cast(), n * 4, dl(DType::F32), SLUICE_REDUCE_SUM, d, u) }
+                unsafe {
+                    sluice_group_all_reduce(g, v.as_mut_ptr().cast(), n * 4, dl(DType::F32), SLUICE_REDUCE_SUM, d, u)
+                }
             });
             ok(rc, &e);
             for (i, x) in v.iter().enumerate() {
@@ -124,7 +126,9 @@ fn reductions_gathers_and_all_to_all_match_a_reference() {
         out[rank as usize * 4..rank as usize * 4 + 4].copy_from_slice(&[rank as u8 + 1; 4]);
         let input = out[rank as usize * 4..].as_ptr();
         // SAFETY: both regions inside `out`, which outlives the operation.
-        let (rc, e) = run(|d, u| unsafe { sluice_group_all_gather(g, input.cast(), 4, out.as_mut_ptr().cast(), out.len(), d, u) });
+        let (rc, e) = run(|d, u| unsafe {
+            sluice_group_all_gather(g, input.cast(), 4, out.as_mut_ptr().cast(), out.len(), d, u)
+        });
         ok(rc, &e);
         assert_eq!(out, [1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]);
         // Uneven all-to-all: rank i sends (i + j + 1) bytes of value 10 i + j to rank j.
@@ -197,7 +201,9 @@ fn mismatches_and_aborts_are_errors_on_every_rank() {
         // Arguments refused at the call: an unknown reduction, no callback.
         let mut x = [0f32; 2];
         // SAFETY: refused before anything is lent.
-        let rc = unsafe { sluice_group_all_reduce(g, x.as_mut_ptr().cast(), 8, dl(DType::F32), 99, Some(heard), null_mut()) };
+        let rc = unsafe {
+            sluice_group_all_reduce(g, x.as_mut_ptr().cast(), 8, dl(DType::F32), 99, Some(heard), null_mut())
+        };
         assert_eq!(rc, SLUICE_INVALID_ARGUMENT);
         assert!(last_error().contains("unknown reduction 99"), "{}", last_error());
         // SAFETY: refused before anything is lent.

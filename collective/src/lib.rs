@@ -101,7 +101,7 @@ pub struct GroupOptions {
 
 impl GroupOptions {
     /// Options from torchrun's variables: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`
-    /// (or `SLUICE_STORE=host:port`); rank 0 serves the store unless `SLUICE_STORE_SERVED` is set.
+    /// (or `SLUICE_STORE=[tcp://]host:port`, as `sluice launch` sets it); rank 0 serves the store unless `SLUICE_STORE_SERVED` is set.
     pub fn from_env(name: &str) -> Result<GroupOptions> {
         let var = |k: &str| std::env::var(k).map_err(|_| CollectiveError::Invalid(format!("{k} is not set")));
         let number = |k: &str| -> Result<u32> {
@@ -119,7 +119,7 @@ impl GroupOptions {
         // to the store's host (no packet is sent), else loopback.
         let host = std::env::var("SLUICE_HOST").ok().unwrap_or_else(|| {
             std::net::UdpSocket::bind("0.0.0.0:0")
-                .and_then(|s| s.connect(&store).map(|()| s))
+                .and_then(|s| s.connect(store.strip_prefix("tcp://").unwrap_or(&store)).map(|()| s))
                 .and_then(|s| s.local_addr())
                 .map(|a| a.ip().to_string())
                 .unwrap_or_else(|_| "127.0.0.1".into())
@@ -235,7 +235,16 @@ impl Group {
                 Ok(String::from_utf8_lossy(&addr).into_owned())
             }
         };
-        let mesh = Mesh::build(&bound.ctx, bound.listener, name, o.rank, o.world_size, o.timeout, lookup).await?;
+        let mesh = Mesh::build(
+            &bound.ctx,
+            bound.listener,
+            name,
+            o.rank,
+            o.world_size,
+            o.timeout,
+            lookup,
+        )
+        .await?;
         // Nobody leaves formation (and maybe takes the store with it) before all have formed.
         if let Err(e) = store
             .barrier(&format!("collective/{name}/formed"), o.world_size, o.timeout)

@@ -3,6 +3,7 @@
 //! re-run with the torchrun variables and `SLUICE_DEMO` set), so one command runs the group.
 
 pub mod data;
+pub mod ddp;
 pub mod pipeline;
 pub mod ps;
 pub mod rl;
@@ -27,6 +28,8 @@ pub enum Demo {
         /// The server's parameters live on `cuda:0`.
         gpu: bool,
     },
+    /// Data parallelism: workers, epochs.
+    Ddp { workers: u32, epochs: u32 },
     /// Pipeline parallelism over `stages` workers.
     Pipeline(pipeline::Settings),
     /// Agent and observers: observers, rounds.
@@ -37,6 +40,7 @@ impl Demo {
     fn world_size(&self) -> u32 {
         match self {
             Demo::Ps { trainers, .. } => trainers + 1,
+            Demo::Ddp { workers, .. } => *workers,
             Demo::Pipeline(s) => pipeline::world_size(s),
             Demo::Rl { observers, .. } => observers + 1,
         }
@@ -47,6 +51,7 @@ impl Demo {
         match (self, rank) {
             (Demo::Ps { .. }, 0) => "ps".to_owned(),
             (Demo::Ps { .. }, r) => format!("trainer{r}"),
+            (Demo::Ddp { .. }, r) => format!("worker{r}"),
             (Demo::Pipeline(_), r) => format!("stage{r}"),
             (Demo::Rl { .. }, 0) => "agent".to_owned(),
             (Demo::Rl { .. }, r) => format!("observer{r}"),
@@ -57,6 +62,7 @@ impl Demo {
     pub fn check(&self) -> anyhow::Result<()> {
         match self {
             Demo::Ps { trainers, .. } => anyhow::ensure!(*trainers >= 1, "--trainers must be at least 1"),
+            Demo::Ddp { workers, .. } => anyhow::ensure!(*workers >= 1, "--workers must be at least 1"),
             Demo::Pipeline(s) => pipeline::check(s)?,
             Demo::Rl { observers, rounds } => {
                 anyhow::ensure!(*observers >= 1, "--observers must be at least 1");
@@ -78,6 +84,7 @@ impl Demo {
     fn run_rank(&self, rank: u32) -> anyhow::Result<()> {
         match self {
             Demo::Ps { .. } => ps::run(self, rank),
+            Demo::Ddp { .. } => ddp::run(self, rank),
             Demo::Pipeline { .. } => pipeline::run(self, rank),
             Demo::Rl { .. } => rl::run(self, rank),
         }
@@ -100,6 +107,14 @@ pub enum DemoCommand {
         /// the GPU `cuda:0`; trainers stay on the CPU.
         #[arg(long)]
         gpu: bool,
+    },
+    /// Data parallelism: the parameter server's model and data, a replica per worker, the
+    /// gradients averaged by allreduce every step (compare `ps --sync mean`).
+    Ddp {
+        #[arg(long, default_value_t = 2, value_parser = at_least_one())]
+        workers: u32,
+        #[arg(long, default_value_t = 100)]
+        epochs: u32,
     },
     /// Pipeline parallelism: an MLP on handwritten digits split over stages, micro-batched
     /// (GPipe, 1F1B or asynchronous 1F1B), partitioned from a profile, checkpointed every epoch.
@@ -174,6 +189,7 @@ impl From<DemoCommand> for Demo {
                 reducer: sync,
                 gpu,
             },
+            DemoCommand::Ddp { workers, epochs } => Demo::Ddp { workers, epochs },
             DemoCommand::Pipeline {
                 stages,
                 micro_batches,

@@ -28,7 +28,9 @@ pub unsafe extern "C" fn sluice_group_bind(
         // SAFETY: the caller passes a live context or NULL.
         let ctx = unsafe { handle(ctx, "ctx") }?;
         // SAFETY: the caller passes a NUL-terminated string or NULL.
-        let host = unsafe { opt_str(host, "host") }?.filter(|h| !h.is_empty()).unwrap_or("127.0.0.1");
+        let host = unsafe { opt_str(host, "host") }?
+            .filter(|h| !h.is_empty())
+            .unwrap_or("127.0.0.1");
         give(out, SluiceGroupBound::bind(ctx, host)?);
         Ok(SLUICE_OK)
     })
@@ -101,7 +103,10 @@ pub unsafe extern "C" fn sluice_group_form(
                     .ok_or_else(|| Error::invalid(format!("rank {r}'s address is NULL")))
             })
             .collect::<Result<Vec<_>>>()?;
-        give(out, bound.form(name, rank, &addresses, Duration::from_millis(timeout_ms))?);
+        give(
+            out,
+            bound.form(name, rank, &addresses, Duration::from_millis(timeout_ms))?,
+        );
         Ok(SLUICE_OK)
     })
 }
@@ -110,14 +115,22 @@ pub unsafe extern "C" fn sluice_group_form(
 #[no_mangle]
 pub unsafe extern "C" fn sluice_group_rank(group: *const SluiceGroup) -> u32 {
     // SAFETY: the caller passes a live group or NULL.
-    guard_or("sluice_group_rank", |_| 0, || Ok(unsafe { handle(group, "group") }?.rank()))
+    guard_or(
+        "sluice_group_rank",
+        |_| 0,
+        || Ok(unsafe { handle(group, "group") }?.rank()),
+    )
 }
 
 /// The number of ranks in the group (0 if `group` is NULL).
 #[no_mangle]
 pub unsafe extern "C" fn sluice_group_world_size(group: *const SluiceGroup) -> u32 {
     // SAFETY: the caller passes a live group or NULL.
-    guard_or("sluice_group_world_size", |_| 0, || Ok(unsafe { handle(group, "group") }?.world_size()))
+    guard_or(
+        "sluice_group_world_size",
+        |_| 0,
+        || Ok(unsafe { handle(group, "group") }?.world_size()),
+    )
 }
 
 /// Fails the group on every rank: each pending and later operation ends with an error that
@@ -161,7 +174,11 @@ pub unsafe extern "C" fn sluice_group_free(group: *mut SluiceGroup) {
 ///
 /// # Safety
 /// `group` is NULL or live; `done` is callable once with `user` from any thread.
-unsafe fn op_parts<'a>(group: *const SluiceGroup, done: SluiceDoneFn, user: *mut c_void) -> Result<(&'a SluiceGroup, Done)> {
+unsafe fn op_parts<'a>(
+    group: *const SluiceGroup,
+    done: SluiceDoneFn,
+    user: *mut c_void,
+) -> Result<(&'a SluiceGroup, Done)> {
     // SAFETY: forwarded contract.
     let group = unsafe { handle(group, "group") }?;
     if done.is_none() {
@@ -203,19 +220,20 @@ pub unsafe extern "C" fn sluice_group_all_reduce(
     done: SluiceDoneFn,
     user: *mut c_void,
 ) -> c_int {
-    guard("sluice_group_all_reduce", || {
-        // SAFETY: the caller's contract (above).
-        let (group, done) = unsafe { op_parts(group, done, user) }?;
-        // SAFETY: the caller lends `len` bytes until `done`.
-        let mut buf = unsafe { region(buf, len, "buf") }?;
-        let (dt, op) = (dtype(dt)?, reduce_op(op)?);
-        group.start(
+    let which = |d, o| One::AllReduce(d, o);
+    // SAFETY: the caller's contract, forwarded.
+    unsafe {
+        one_buffer(
             "sluice_group_all_reduce",
-            |g| async move { g.all_reduce(buf.bytes_mut(), dt, op).await },
+            group,
+            buf,
+            len,
+            Some((dt, op)),
+            which,
             done,
-        )?;
-        Ok(SLUICE_OK)
-    })
+            user,
+        )
+    }
 }
 
 /// Rank `root`'s `buf` is copied into every other rank's `buf` (`len` bytes everywhere). See
@@ -229,23 +247,15 @@ pub unsafe extern "C" fn sluice_group_broadcast(
     done: SluiceDoneFn,
     user: *mut c_void,
 ) -> c_int {
-    guard("sluice_group_broadcast", || {
-        // SAFETY: the caller's contract.
-        let (group, done) = unsafe { op_parts(group, done, user) }?;
-        // SAFETY: the caller lends `len` bytes until `done`.
-        let mut buf = unsafe { region(buf, len, "buf") }?;
-        group.start(
-            "sluice_group_broadcast",
-            |g| async move { g.broadcast(root, buf.bytes_mut()).await },
-            done,
-        )?;
-        Ok(SLUICE_OK)
-    })
+    let which = |_, _| One::Broadcast(root);
+    // SAFETY: the caller's contract, forwarded.
+    unsafe { one_buffer("sluice_group_broadcast", group, buf, len, None, which, done, user) }
 }
 
 /// Rank `root`'s `buf` becomes `op` over all ranks' `buf`s; the others' are left as they were.
 /// See `sluice_group_all_reduce` for the conventions.
 #[no_mangle]
+#[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn sluice_group_reduce(
     group: *const SluiceGroup,
     root: u32,
@@ -256,15 +266,67 @@ pub unsafe extern "C" fn sluice_group_reduce(
     done: SluiceDoneFn,
     user: *mut c_void,
 ) -> c_int {
-    guard("sluice_group_reduce", || {
-        // SAFETY: the caller's contract.
-        let (group, done) = unsafe { op_parts(group, done, user) }?;
-        // SAFETY: the caller lends `len` bytes until `done`.
-        let mut buf = unsafe { region(buf, len, "buf") }?;
-        let (dt, op) = (dtype(dt)?, reduce_op(op)?);
-        group.start(
+    let which = move |d, o| One::Reduce(root, d, o);
+    // SAFETY: the caller's contract, forwarded.
+    unsafe {
+        one_buffer(
             "sluice_group_reduce",
-            |g| async move { g.reduce(root, buf.bytes_mut(), dt, op).await },
+            group,
+            buf,
+            len,
+            Some((dt, op)),
+            which,
+            done,
+            user,
+        )
+    }
+}
+
+/// Which collective a one-buffer call is.
+#[derive(Clone, Copy)]
+enum One {
+    AllReduce(sluice_collective::DType, sluice_collective::ReduceOp),
+    Broadcast(u32),
+    Reduce(u32, sluice_collective::DType, sluice_collective::ReduceOp),
+}
+
+/// The body of the collectives on one buffer, reduced in place or overwritten. `reduction`
+/// (the C dtype and operation, checked here) is given to `which`; without one, `which` gets
+/// placeholders it ignores.
+///
+/// # Safety
+/// `group` is NULL or live; `buf` is lent as `Region::new` says until `done`; `done` is
+/// callable once with `user` from any thread.
+#[allow(clippy::too_many_arguments)]
+unsafe fn one_buffer(
+    name: &'static str,
+    group: *const SluiceGroup,
+    buf: *mut c_void,
+    len: usize,
+    reduction: Option<(DLDataType, c_int)>,
+    which: impl FnOnce(sluice_collective::DType, sluice_collective::ReduceOp) -> One,
+    done: SluiceDoneFn,
+    user: *mut c_void,
+) -> c_int {
+    guard(name, || {
+        // SAFETY: forwarded contract.
+        let (group, done) = unsafe { op_parts(group, done, user) }?;
+        // SAFETY: forwarded contract.
+        let mut buf = unsafe { region(buf, len, "buf") }?;
+        let which = match reduction {
+            Some((dt, op)) => which(dtype(dt)?, reduce_op(op)?),
+            None => which(sluice_collective::DType::U8, sluice_collective::ReduceOp::Sum),
+        };
+        group.start(
+            name,
+            |g| async move {
+                let b = buf.bytes_mut();
+                match which {
+                    One::AllReduce(dt, op) => g.all_reduce(b, dt, op).await,
+                    One::Broadcast(root) => g.broadcast(root, b).await,
+                    One::Reduce(root, dt, op) => g.reduce(root, b, dt, op).await,
+                }
+            },
             done,
         )?;
         Ok(SLUICE_OK)
@@ -335,7 +397,19 @@ pub unsafe extern "C" fn sluice_group_all_gather(
     user: *mut c_void,
 ) -> c_int {
     // SAFETY: the caller's contract, forwarded.
-    unsafe { two_buffers("sluice_group_all_gather", group, input, input_len, out, out_len, Two::AllGather, done, user) }
+    unsafe {
+        two_buffers(
+            "sluice_group_all_gather",
+            group,
+            input,
+            input_len,
+            out,
+            out_len,
+            Two::AllGather,
+            done,
+            user,
+        )
+    }
 }
 
 /// On `root`, `out` (`world × input_len` bytes) becomes every rank's `input` in rank order;
@@ -352,7 +426,19 @@ pub unsafe extern "C" fn sluice_group_gather(
     user: *mut c_void,
 ) -> c_int {
     // SAFETY: the caller's contract, forwarded.
-    unsafe { two_buffers("sluice_group_gather", group, input, input_len, out, out_len, Two::Gather(root), done, user) }
+    unsafe {
+        two_buffers(
+            "sluice_group_gather",
+            group,
+            input,
+            input_len,
+            out,
+            out_len,
+            Two::Gather(root),
+            done,
+            user,
+        )
+    }
 }
 
 /// Rank `r`'s `out` becomes piece `r` of `root`'s `input` (`world × out_len` bytes; the other
@@ -369,7 +455,19 @@ pub unsafe extern "C" fn sluice_group_scatter(
     user: *mut c_void,
 ) -> c_int {
     // SAFETY: the caller's contract, forwarded.
-    unsafe { two_buffers("sluice_group_scatter", group, input, input_len, out, out_len, Two::Scatter(root), done, user) }
+    unsafe {
+        two_buffers(
+            "sluice_group_scatter",
+            group,
+            input,
+            input_len,
+            out,
+            out_len,
+            Two::Scatter(root),
+            done,
+            user,
+        )
+    }
 }
 
 /// Rank `r`'s `out` becomes `op` over piece `r` of every rank's `input` (`world × out_len`
@@ -392,7 +490,19 @@ pub unsafe extern "C" fn sluice_group_reduce_scatter(
         Err(e) => return guard("sluice_group_reduce_scatter", || Err(e)),
     };
     // SAFETY: the caller's contract, forwarded.
-    unsafe { two_buffers("sluice_group_reduce_scatter", group, input, input_len, out, out_len, which, done, user) }
+    unsafe {
+        two_buffers(
+            "sluice_group_reduce_scatter",
+            group,
+            input,
+            input_len,
+            out,
+            out_len,
+            which,
+            done,
+            user,
+        )
+    }
 }
 
 /// All-to-all: piece `j` of `input` (`send_lens[j]` bytes, pieces in rank order) goes to rank
@@ -419,7 +529,7 @@ pub unsafe extern "C" fn sluice_group_all_to_all(
         let world = group.world_size() as usize;
         let lens = |p: *const usize, total: usize| -> Result<Vec<usize>> {
             if p.is_null() {
-                if total % world != 0 {
+                if !total.is_multiple_of(world) {
                     return Err(Error::invalid(format!("{total} bytes in {world} even pieces")));
                 }
                 return Ok(vec![total / world; world]);
@@ -428,7 +538,9 @@ pub unsafe extern "C" fn sluice_group_all_to_all(
             Ok(unsafe { std::slice::from_raw_parts(p, world) }.to_vec())
         };
         if send_lens.is_null() != recv_lens.is_null() {
-            return Err(Error::invalid("send_lens and recv_lens must both be given or both be NULL"));
+            return Err(Error::invalid(
+                "send_lens and recv_lens must both be given or both be NULL",
+            ));
         }
         let (send, recv) = (lens(send_lens, input_len)?, lens(recv_lens, out_len)?);
         // SAFETY: the caller lends the buffers until `done` (the input only read).
@@ -447,7 +559,11 @@ pub unsafe extern "C" fn sluice_group_all_to_all(
 
 /// Finishes once every rank has called it. See `sluice_group_all_reduce` for the conventions.
 #[no_mangle]
-pub unsafe extern "C" fn sluice_group_barrier(group: *const SluiceGroup, done: SluiceDoneFn, user: *mut c_void) -> c_int {
+pub unsafe extern "C" fn sluice_group_barrier(
+    group: *const SluiceGroup,
+    done: SluiceDoneFn,
+    user: *mut c_void,
+) -> c_int {
     guard("sluice_group_barrier", || {
         // SAFETY: the caller's contract.
         let (group, done) = unsafe { op_parts(group, done, user) }?;
@@ -475,7 +591,11 @@ pub unsafe extern "C" fn sluice_group_send(
         let (group, done) = unsafe { op_parts(group, done, user) }?;
         // SAFETY: `len` readable bytes at `data` during the call.
         let data = bytes::Bytes::copy_from_slice(unsafe { super::bytes(data.cast(), len, "data") }?);
-        group.start("sluice_group_send", |g| async move { g.send(to, tag, data).await }, done)?;
+        group.start(
+            "sluice_group_send",
+            |g| async move { g.send(to, tag, data).await },
+            done,
+        )?;
         Ok(SLUICE_OK)
     })
 }
@@ -517,4 +637,3 @@ pub unsafe extern "C" fn sluice_group_recv(
         Ok(SLUICE_OK)
     })
 }
-
