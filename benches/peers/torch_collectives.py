@@ -2,7 +2,8 @@
 of each size on 2 and 4 processes of this host through each process-group backend asked for
 (PyTorch's Gloo; Sluice's "sluice" when sluice_torch is importable), the same iteration counts
 as Sluice's own suite, each call timed on rank 0; and, with --ddp, a data-parallel training step
-(Linear(1024, 1024), batch 32, SGD) on 2 processes: without DDP, and under DDP on each backend,
+(Linear(1024, 1024), batch 32, SGD) on 2 processes: without DDP, under DDP with a comm hook that
+communicates nothing (DDP's own cost: the floor for any backend), and under DDP on each backend,
 in alternating turns. Prints one JSON record per row in `sluice bench`'s format."""
 
 import argparse
@@ -48,14 +49,23 @@ def allreduce(rank, world, sizes, quick, backends):
         dist.destroy_process_group(group)
 
 
+def no_communication(_state, bucket):
+    """A DDP comm hook that communicates nothing: DDP's own cost, the floor for any backend."""
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
 def ddp(rank, world, quick, backends):
     torch.manual_seed(0)
     groups = {name: dist.new_group(backend=name) for name in backends}
     models = {"none": torch.nn.Linear(1024, 1024)}
-    for name, group in groups.items():
+    for name, group in [("no-communication", groups[backends[0]])] + list(groups.items()):
         m = torch.nn.Linear(1024, 1024)
         m.load_state_dict(models["none"].state_dict())
         models[name] = torch.nn.parallel.DistributedDataParallel(m, process_group=group)
+        if name == "no-communication":
+            models[name].register_comm_hook(None, no_communication)
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.01) for k, m in models.items()}
     x, y = torch.randn(32, 1024), torch.randn(32, 1024)
     samples = {k: [] for k in models}
