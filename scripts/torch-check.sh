@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Sluice under PyTorch: builds sluice-torch (the SLUICE torch.distributed.rpc backend) against the
-# torch in the virtual environment (target/pyenv, made by python-check.sh or here), runs the
-# backend's own tests, then PyTorch's generic RPC suites against it.
+# Sluice under PyTorch: builds sluice-torch (the SLUICE torch.distributed.rpc backend and the
+# "sluice" process group) against the torch in the virtual environment (target/pyenv, made by
+# python-check.sh or here), runs their own tests, then PyTorch's generic RPC suites against it.
 #
 #   scripts/torch-check.sh          # the backend's tests and the CI subset of PyTorch's suites
 #   scripts/torch-check.sh full     # ... and every test of PyTorch's GENERIC_TESTS (about 50 minutes)
