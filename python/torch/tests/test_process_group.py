@@ -286,6 +286,18 @@ def _errors(rank, world, method):
         dist.recv(torch.empty(1))
     with pytest.raises(RuntimeError, match="list of 2 tensors"):
         dist.all_gather([torch.empty(1)], torch.ones(1))
+    with pytest.raises(RuntimeError, match="AVG on Int"):
+        dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.AVG)
+    with pytest.raises(RuntimeError, match="conjugated"):
+        dist.broadcast(torch.ones(2, dtype=torch.complex64).conj(), src=0)
+    twice = torch.ones(8)
+    with pytest.raises(RuntimeError, match="overlap"):
+        dist.all_reduce_coalesced([twice, twice[2:5]])
+    # Nothing above was sent: the group still works, and copies out under inference mode.
+    with torch.inference_mode():
+        outs = [torch.empty(2) for _ in range(world)]
+        dist.all_gather(outs, torch.full((2,), float(rank)))
+    assert [o.tolist() for o in outs] == [[float(r)] * 2 for r in range(world)]
     # Sizes that differ across ranks: an error in wait() on the ranks, never a hang.
     t = torch.ones(4 if rank == 0 else 6)
     with pytest.raises(RuntimeError, match="sizes differ"):

@@ -16,6 +16,7 @@
 //   library, so a rank that never calls an operation is an error on the others, not a hang.
 
 #include <ATen/DLConvertor.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -27,6 +28,7 @@
 
 #include "sluice.h"
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -34,6 +36,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 namespace sluice_torch {
@@ -88,7 +91,12 @@ class Completer {
           f = std::move(queue_.front());
           queue_.pop_front();
         }
-        f();
+        try {
+          f();
+        } catch (const std::exception& e) {
+          // A callback chained on a future threw: it must not end this thread (and the process).
+          TORCH_WARN("sluice: a completion callback threw: ", e.what());
+        }
       }
     }).detach();
   }
@@ -146,8 +154,22 @@ class SluiceWork : public c10d::Work {
 
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
 
-  // Tensors the operation reads or writes (temporaries included), kept alive until it ends.
+  // Complete once the future is too (the Work finishes first, so a future callback that waits
+  // on its own Work returns; wait() then waits the moment until the future holds its value).
+  bool isCompleted() override { return Work::isCompleted() && future_->completed(); }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    bool done = Work::wait(timeout);
+    future_->wait();
+    return done;
+  }
+
+  // The caller's tensors the operation reads or writes, kept alive until it ends (and freed
+  // with the Work: see Graveyard).
   void keep(const at::Tensor& t) { kept_.push_back(t); }
+
+  // A temporary of our own (no Python object), freed as soon as the operation ends.
+  void temp(const at::Tensor& t) { temps_.push_back(t); }
 
   // Runs on the completion thread before the Work completes, if every part succeeded.
   void after(std::function<void()> f) { after_ = std::move(f); }
@@ -158,7 +180,14 @@ class SluiceWork : public c10d::Work {
     pending_.fetch_add(1);
     c10::intrusive_ptr<SluiceWork> self = c10::intrusive_ptr<SluiceWork>::reclaim_copy(this);
     void* user = self.release();
-    int rc = start(&SluiceWork::onDone, user);
+    int rc;
+    try {
+      rc = start(&SluiceWork::onDone, user);
+    } catch (...) {
+      // Thrown before the library took `user` (an argument torch could not describe).
+      c10::intrusive_ptr<SluiceWork>::reclaim(static_cast<SluiceWork*>(user))->partDone("not started");
+      throw;
+    }
     if (rc != SLUICE_OK) {
       std::string why = groupError(rc);
       // The library did not take `user`: take it back and count this part as failed.
@@ -208,12 +237,18 @@ class SluiceWork : public c10d::Work {
       error = error_;
     }
     if (error.empty() && after_) {
+      // With the caller's thread-local state (inference mode, grad mode) for the copies.
+      at::ThreadLocalStateGuard tls(tls_);
       try {
         after_();
       } catch (const std::exception& e) {
         error = std::string("copying the result out: ") + e.what();
       }
     }
+    // Ours, without Python objects: freed here, on this thread (the caller's tensors the copy-out
+    // held are also the Work's outputs, which go with the Work).
+    after_ = nullptr;
+    temps_.clear();
     if (error.empty()) {
       finish();
       future_->markCompleted(c10::IValue(outputs_));
@@ -227,6 +262,8 @@ class SluiceWork : public c10d::Work {
   // Dropped with the Work (see Graveyard), never on the completion thread.
   std::vector<at::Tensor> outputs_;
   std::vector<at::Tensor> kept_;
+  std::vector<at::Tensor> temps_;
+  at::ThreadLocalState tls_;  // the caller's, captured when the Work is made
   std::function<void()> after_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::atomic<int64_t> pending_{1};
@@ -242,7 +279,12 @@ class SluiceBackend : public c10d::Backend {
     TORCH_CHECK(size > 0 && rank >= 0 && rank < size, "sluice: rank ", rank, " in a world of ", size);
     check(sluice_context_new(nullptr, nullptr, &ctx_), "making a context");
     sluice_group_bound* bound = nullptr;
-    check(sluice_group_bind(ctx_, host.c_str(), &bound), "binding on " + host);
+    int bindRc = sluice_group_bind(ctx_, host.c_str(), &bound);
+    if (bindRc != SLUICE_OK) {
+      std::string why = groupError(bindRc);
+      sluice_context_free(ctx_);
+      TORCH_CHECK(false, "sluice: binding on ", host, ": ", why);
+    }
     std::string mine = sluice_group_bound_address(bound);
     const std::string prefix = "sluice/addr/";
     std::vector<std::string> addresses(size);
@@ -300,6 +342,7 @@ class SluiceBackend : public c10d::Backend {
     auto& t = one(tensors, "reduce");
     auto root = checkedRoot(opts.rootRank);
     int op = reduceOp(opts.reduceOp, "reduce");
+    floatingForAvg(opts.reduceOp, t, "reduce");
     return run(c10d::OpType::REDUCE, tensors, [&](SluiceWork& w) {
       w.part([&](sluice_done_fn d, void* u) {
         return sluice_group_reduce(group_, root, t.data_ptr(), t.nbytes(), dtype(t), op, d, u);
@@ -316,7 +359,7 @@ class SluiceBackend : public c10d::Backend {
     auto flat = at::empty({static_cast<int64_t>(getSize()) * in.numel()}, in.options());
     return run(c10d::OpType::ALLGATHER, outs, [&](SluiceWork& w) {
       w.keep(in);
-      w.keep(flat);
+      w.temp(flat);
       w.after([flat, outs, n = in.numel()]() mutable { unflatten(flat, outs, n); });
       w.part([&](sluice_done_fn d, void* u) {
         return sluice_group_all_gather(group_, in.data_ptr(), in.nbytes(), flat.data_ptr(), flat.nbytes(), d, u);
@@ -349,7 +392,8 @@ class SluiceBackend : public c10d::Backend {
       TORCH_CHECK(outs[i].numel() == ins[i].numel() * getSize(), "sluice: allgather output ", i, " has ",
                   outs[i].numel(), " elements for an input of ", ins[i].numel(), " over ", getSize(), " ranks");
     }
-    return run(c10d::OpType::COALESCED, outs, [&](SluiceWork& w) {
+    disjoint(outs, ins, "allgather");
+    return run(c10d::OpType::ALLGATHER_INTO_TENSOR_COALESCED, outs, [&](SluiceWork& w) {
       for (size_t i = 0; i < ins.size(); i++) {
         w.keep(ins[i]);
         w.part([&](sluice_done_fn d, void* u) {
@@ -377,7 +421,7 @@ class SluiceBackend : public c10d::Backend {
     return run(c10d::OpType::GATHER, outs, [&](SluiceWork& w) {
       w.keep(in);
       if (isRoot) {
-        w.keep(flat);
+        w.temp(flat);
         w.after([flat, outs, n = in.numel()]() mutable { unflatten(flat, outs, n); });
       }
       w.part([&](sluice_done_fn d, void* u) {
@@ -402,7 +446,7 @@ class SluiceBackend : public c10d::Backend {
     }
     return run(c10d::OpType::SCATTER, outputs, [&](SluiceWork& w) {
       if (isRoot) {
-        w.keep(flat);
+        w.temp(flat);
       }
       w.part([&](sluice_done_fn d, void* u) {
         return sluice_group_scatter(group_, root, isRoot ? flat.data_ptr() : nullptr, isRoot ? flat.nbytes() : 0,
@@ -415,12 +459,13 @@ class SluiceBackend : public c10d::Backend {
                                           std::vector<std::vector<at::Tensor>>& inputs,
                                           const c10d::ReduceScatterOptions& opts) override {
     auto& out = one(outputs, "reduce_scatter");
+    floatingForAvg(opts.reduceOp, out, "reduce_scatter");
     TORCH_CHECK(inputs.size() == 1, "sluice: reduce_scatter takes one input list (got ", inputs.size(), ")");
     sameEach(inputs[0], out, getSize(), "reduce_scatter");
     int op = reduceOp(opts.reduceOp, "reduce_scatter");
     auto flat = flatten(inputs[0]);
     return run(c10d::OpType::REDUCE_SCATTER, outputs, [&](SluiceWork& w) {
-      w.keep(flat);
+      w.temp(flat);
       w.part([&](sluice_done_fn d, void* u) {
         return sluice_group_reduce_scatter(group_, flat.data_ptr(), flat.nbytes(), out.data_ptr(), out.nbytes(),
                                            dtype(out), op, d, u);
@@ -436,7 +481,7 @@ class SluiceBackend : public c10d::Backend {
 
   c10::intrusive_ptr<Work> reduce_scatter_single_coalesced(std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins,
                                                            const c10d::ReduceScatterOptions& opts) override {
-    return reduceScatterAll(outs, ins, opts, c10d::OpType::COALESCED);
+    return reduceScatterAll(outs, ins, opts, c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED);
   }
 
   c10::intrusive_ptr<Work> all_to_all_single(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& outSplits,
@@ -466,6 +511,7 @@ class SluiceBackend : public c10d::Backend {
       dense(ins[r], "all_to_all input");
       dense(outs[r], "all_to_all output");
       sameType(outs[r], ins[r], "all_to_all");
+      sameType(ins[r], ins[0], "all_to_all");
       inLens.push_back(ins[r].nbytes());
       outLens.push_back(outs[r].nbytes());
     }
@@ -476,8 +522,8 @@ class SluiceBackend : public c10d::Backend {
     }
     auto flatOut = at::empty({outElems}, outs[0].options());
     return run(c10d::OpType::ALLTOALL, outs, [&](SluiceWork& w) {
-      w.keep(flatIn);
-      w.keep(flatOut);
+      w.temp(flatIn);
+      w.temp(flatOut);
       w.after([flatOut, outs]() mutable {
         int64_t at = 0;
         for (auto& o : outs) {
@@ -573,7 +619,10 @@ class SluiceBackend : public c10d::Backend {
     int op = reduceOp(rop, "allreduce");
     for (auto& t : tensors) {
       dense(t, "allreduce tensor");
+      floatingForAvg(rop, t, "allreduce");
     }
+    std::vector<at::Tensor> none;
+    disjoint(tensors, none, "allreduce");
     return run(type, tensors, [&](SluiceWork& w) {
       for (auto& t : tensors) {
         w.part([&](sluice_done_fn d, void* u) {
@@ -591,9 +640,11 @@ class SluiceBackend : public c10d::Backend {
       dense(ins[i], "reduce_scatter_tensor input");
       dense(outs[i], "reduce_scatter_tensor output");
       sameType(outs[i], ins[i], "reduce_scatter_tensor");
+      floatingForAvg(opts.reduceOp, outs[i], "reduce_scatter_tensor");
       TORCH_CHECK(ins[i].numel() == outs[i].numel() * getSize(), "sluice: reduce_scatter_tensor input has ",
                   ins[i].numel(), " elements for an output of ", outs[i].numel(), " over ", getSize(), " ranks");
     }
+    disjoint(outs, ins, "reduce_scatter_tensor");
     return run(type, outs, [&](SluiceWork& w) {
       for (size_t i = 0; i < ins.size(); i++) {
         w.keep(ins[i]);
@@ -620,6 +671,42 @@ class SluiceBackend : public c10d::Backend {
                 " tensor; the sluice backend carries dense ones");
     TORCH_CHECK(t.is_contiguous(), "sluice: ", what, " is not contiguous (sizes ", t.sizes(), ", strides ",
                 t.strides(), "); pass a contiguous tensor (.contiguous())");
+    TORCH_CHECK(!t.is_conj() && !t.is_neg(), "sluice: ", what,
+                " is a lazily conjugated or negated view; pass .resolve_conj().resolve_neg()");
+  }
+
+  // AVG is for floating point and complex tensors (said at the call on every rank, so none
+  // waits for the others).
+  static void floatingForAvg(const c10d::ReduceOp& op, const at::Tensor& t, const char* what) {
+    TORCH_CHECK(op.op_ != c10d::ReduceOp::AVG || t.is_floating_point() || t.is_complex(), "sluice: ", what,
+                " with AVG on ", t.scalar_type(), " tensors; use SUM and divide");
+  }
+
+  // The parts of one coalesced call may not share memory: each part reads or writes its own
+  // tensors while the others run (part i is a[i] and, where given, b[i]; a part's own input and
+  // output may overlap, the library copies such an input first).
+  static void disjoint(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, const char* what) {
+    std::vector<std::tuple<uintptr_t, uintptr_t, size_t>> spans;
+    for (const auto* list : {&a, &b}) {
+      for (size_t i = 0; i < list->size(); i++) {
+        auto& t = (*list)[i];
+        if (t.nbytes() > 0) {
+          auto p = reinterpret_cast<uintptr_t>(t.data_ptr());
+          spans.emplace_back(p, p + t.nbytes(), i);
+        }
+      }
+    }
+    std::sort(spans.begin(), spans.end());
+    uintptr_t end = 0;
+    size_t endPart = 0;
+    for (auto& [start, stop, part] : spans) {
+      TORCH_CHECK(start >= end || part == endPart, "sluice: tensors of different parts of one ", what,
+                  " call overlap in memory; pass separate tensors");
+      if (stop > end) {
+        end = stop;
+        endPart = part;
+      }
+    }
   }
 
   static void sameType(const at::Tensor& a, const at::Tensor& b, const char* what) {
