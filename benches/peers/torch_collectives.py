@@ -1,5 +1,6 @@
-"""torch.distributed's collectives, beside `sluice bench collective`: float32 allreduce (sum)
-of each size on 2 and 4 processes of this host through each process-group backend asked for
+"""torch.distributed's collectives, beside `sluice bench collective`: float32 allreduce (sum),
+allgather, broadcast and reduce-scatter of each size (the whole buffer: allgather's output,
+reduce-scatter's input) on 2 and 4 processes of this host through each process-group backend asked for
 (PyTorch's Gloo; Sluice's "sluice" when sluice_torch is importable), the same iteration counts
 as Sluice's own suite, each call timed on rank 0; and, with --ddp, a data-parallel training step
 (Linear(1024, 1024), batch 32, SGD) on 2 processes: without DDP, under DDP with a comm hook that
@@ -32,20 +33,32 @@ def emit(backend, size, samples, rank):
                       "p99_ns": pick(0.99), "iterations": len(samples), "baseline": ""}), flush=True)
 
 
-def allreduce(rank, world, sizes, quick, backends):
+# Each collective on a whole buffer of `size` bytes (allgather's output, reduce-scatter's input)
+# and a rank's piece of it, as `sluice bench collective` names its rows.
+OPS = {
+    "allreduce": lambda whole, piece, g: dist.all_reduce(whole, group=g),
+    "allgather": lambda whole, piece, g: dist.all_gather_into_tensor(whole, piece, group=g),
+    "broadcast": lambda whole, piece, g: dist.broadcast(whole, src=0, group=g),
+    "reducescatter": lambda whole, piece, g: dist.reduce_scatter_tensor(piece, whole, group=g),
+}
+
+
+def collectives(rank, world, sizes, quick, backends):
     for name in backends:
         group = dist.new_group(backend=name)
-        for size in sizes:
-            t = torch.ones(size // 4, dtype=torch.float32)
-            for _ in range(2):
-                dist.all_reduce(t, group=group)
-            samples = []
-            for _ in range(iterations(size, quick)):
-                t0 = time.perf_counter_ns()
-                dist.all_reduce(t, group=group)
-                samples.append(time.perf_counter_ns() - t0)
-            tag = "gloo" if name == "gloo" else f"torch-{name}"
-            emit(f"{tag}-allreduce-f32-{world}p", size, samples, rank)
+        tag = "gloo" if name == "gloo" else f"torch-{name}"
+        for op, fn in OPS.items():
+            for size in sizes:
+                whole = torch.ones(size // 4, dtype=torch.float32)
+                piece = torch.ones(size // 4 // world, dtype=torch.float32)
+                for _ in range(2):
+                    fn(whole, piece, group)
+                samples = []
+                for _ in range(iterations(size, quick)):
+                    t0 = time.perf_counter_ns()
+                    fn(whole, piece, group)
+                    samples.append(time.perf_counter_ns() - t0)
+                emit(f"{tag}-{op}-f32-{world}p", size, samples, rank)
         dist.destroy_process_group(group)
 
 
@@ -92,7 +105,7 @@ def worker(rank, world, port, sizes, quick, backends, with_ddp):
     if "sluice" in backends:
         import sluice_torch  # noqa: F401  (registers the "sluice" process group)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    allreduce(rank, world, sizes, quick, backends)
+    collectives(rank, world, sizes, quick, backends)
     if with_ddp:
         ddp(rank, world, quick, backends)
     dist.destroy_process_group()

@@ -1,8 +1,10 @@
-//! `sluice bench collective`: allreduce (float32, sum) of 4 KiB to 64 MiB on 2 and 4 processes
-//! of this host through `sluice-collective`, against PyTorch's Gloo in the same run (when torch
-//! is installed for `$SLUICE_BENCH_PYTHON`) and OpenMPI's `MPI_Allreduce` (when installed): the
-//! same sizes and call counts, each call timed on rank 0. Bandwidth is the buffer's size over
-//! the call's p50 (what PyTorch calls algbw).
+//! `sluice bench collective`: allreduce (float32, sum), allgather, broadcast and reduce-scatter
+//! of 4 KiB to 64 MiB on 2 and 4 processes of this host through `sluice-collective`, against
+//! PyTorch's Gloo in the same run (when torch is installed for `$SLUICE_BENCH_PYTHON`) and
+//! OpenMPI's `MPI_Allreduce` (when installed; allreduce only): the same sizes and call counts,
+//! each call timed on rank 0. A size is the whole buffer: allgather's output, reduce-scatter's
+//! input (each rank's piece is size / world). Bandwidth is that size over the call's p50 (what
+//! PyTorch calls algbw).
 //!
 //! This process is rank 0 (it serves the group's store); it starts the others with `sluice
 //! bench --collective-worker STORE,RANK,WORLD,QUICK`.
@@ -48,22 +50,41 @@ fn group_options(store: &str, rank: u32, world: u32) -> GroupOptions {
     }
 }
 
-/// Every rank's loop: per size, two warm-up calls then the timed ones; rank 0 returns the
-/// times (ns) per size.
-async fn measure(group: &Group, quick: bool) -> anyhow::Result<Vec<(usize, Vec<f64>)>> {
+/// The collectives measured, as the rows name them.
+pub const OPS: [&str; 4] = ["allreduce", "allgather", "broadcast", "reducescatter"];
+
+/// One call of collective `op` on `size` bytes (`buf` is the whole buffer, `piece` a rank's
+/// share of it).
+async fn call(group: &Group, op: &str, buf: &mut [u8], piece: &mut [u8]) -> anyhow::Result<()> {
+    match op {
+        "allreduce" => group.all_reduce(buf, DType::F32, ReduceOp::Sum).await?,
+        "allgather" => group.all_gather(piece, buf).await?,
+        "broadcast" => group.broadcast(0, buf).await?,
+        _ => group.reduce_scatter(buf, piece, DType::F32, ReduceOp::Sum).await?,
+    }
+    Ok(())
+}
+
+/// Every rank's loop: per collective and size, two warm-up calls then the timed ones; rank 0
+/// returns the times (ns) per collective and size.
+async fn measure(group: &Group, quick: bool) -> anyhow::Result<Vec<(&'static str, usize, Vec<f64>)>> {
+    let world = group.world_size() as usize;
     let mut out = Vec::new();
-    for size in sizes(quick) {
-        let mut buf: Vec<u8> = (0..size / 4).flat_map(|i| ((i % 7) as f32).to_ne_bytes()).collect();
-        for _ in 0..2 {
-            group.all_reduce(&mut buf, DType::F32, ReduceOp::Sum).await?;
+    for op in OPS {
+        for size in sizes(quick) {
+            let mut buf: Vec<u8> = (0..size / 4).flat_map(|i| ((i % 7) as f32).to_ne_bytes()).collect();
+            let mut piece = vec![0u8; size / world];
+            for _ in 0..2 {
+                call(group, op, &mut buf, &mut piece).await?;
+            }
+            let mut samples = Vec::new();
+            for _ in 0..iterations(size, quick) {
+                let t0 = Instant::now();
+                call(group, op, &mut buf, &mut piece).await?;
+                samples.push(t0.elapsed().as_nanos() as f64);
+            }
+            out.push((op, size, samples));
         }
-        let mut samples = Vec::new();
-        for _ in 0..iterations(size, quick) {
-            let t0 = Instant::now();
-            group.all_reduce(&mut buf, DType::F32, ReduceOp::Sum).await?;
-            samples.push(t0.elapsed().as_nanos() as f64);
-        }
-        out.push((size, samples));
     }
     Ok(out)
 }
@@ -110,18 +131,12 @@ pub fn run(
             anyhow::Ok(m)
         })?;
         drop(workers);
-        for (size, samples) in measured {
+        for (op, size, samples) in measured {
             let n = samples.len() as u64;
-            let rtt = Record::rtt("collective", format!("allreduce-f32-{world}p"), size, samples);
+            let rtt = Record::rtt("collective", format!("{op}-f32-{world}p"), size, samples);
             let gbps = size as f64 / rtt.p50_ns.unwrap_or(f64::NAN);
             records.push(rtt);
-            records.push(Record::bw(
-                "collective",
-                format!("allreduce-f32-{world}p"),
-                size,
-                gbps,
-                n,
-            ));
+            records.push(Record::bw("collective", format!("{op}-f32-{world}p"), size, gbps, n));
         }
     }
     let (torch, note) = crate::peers::torch_collectives(&sizes(quick), &WORLDS, quick);

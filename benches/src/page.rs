@@ -8,7 +8,9 @@
 //! - `bw.svg`: bandwidth against size, likewise;
 //! - `rpc.svg`: call rates (bars), Sluice's RPC next to PyTorch's;
 //! - `step.svg`: the training step (bars), local and distributed, Sluice's and PyTorch's;
-//! - `collective.svg`: allreduce bandwidth against size, Sluice's collectives and Gloo's.
+//! - `collective.svg` (allreduce), `collective-allgather.svg`, `collective-broadcast.svg`,
+//!   `collective-reducescatter.svg`: bandwidth against size, Sluice's, Gloo's, the torch process
+//!   group's and OpenMPI's.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -67,44 +69,54 @@ pub fn figures(records: &[Record]) -> anyhow::Result<Vec<Figure>> {
             });
         }
     }
-    // Allreduce bandwidth against size: Sluice's collectives and Gloo's (its buffer over its
-    // p50, as ours).
-    let mut allreduce: BTreeMap<String, Series> = BTreeMap::new();
-    for r in records {
-        let point = match (r.suite, r.metric) {
-            ("collective", "bw") => r.gbps,
-            ("peer", "rtt") if r.backend.contains("allreduce") => r.p50_ns.map(|ns| r.bytes as f64 / ns),
-            _ => None,
-        };
-        if let Some(y) = point.filter(|y| *y > 0.0 && r.bytes > 0) {
-            let name = format!("{} {}", r.suite, r.backend);
-            allreduce
-                .entry(name.clone())
-                .or_insert_with(|| Series {
-                    name,
-                    points: Vec::new(),
-                    colour: colour_of(r),
-                    dashed: r.suite == "peer",
-                })
-                .points
-                .push((r.bytes as f64, y));
+    // Each collective's bandwidth against size: Sluice's, Gloo's and the "sluice" process
+    // group's through torch, OpenMPI's (a peer's buffer over its p50, as ours).
+    for (op, file, title) in [
+        ("allreduce", "collective.svg", "Allreduce (f32, sum) against size"),
+        ("allgather", "collective-allgather.svg", "Allgather (f32) against size"),
+        ("broadcast", "collective-broadcast.svg", "Broadcast (f32) against size"),
+        (
+            "reducescatter",
+            "collective-reducescatter.svg",
+            "Reduce-scatter (f32, sum) against size",
+        ),
+    ] {
+        let mut lines_of: BTreeMap<String, Series> = BTreeMap::new();
+        for r in records.iter().filter(|r| r.backend.contains(&format!("{op}-"))) {
+            let point = match (r.suite, r.metric) {
+                ("collective", "bw") => r.gbps,
+                ("peer", "rtt") => r.p50_ns.map(|ns| r.bytes as f64 / ns),
+                _ => None,
+            };
+            if let Some(y) = point.filter(|y| *y > 0.0 && r.bytes > 0) {
+                let name = format!("{} {}", r.suite, r.backend);
+                lines_of
+                    .entry(name.clone())
+                    .or_insert_with(|| Series {
+                        name,
+                        points: Vec::new(),
+                        colour: colour_of(r),
+                        dashed: r.suite == "peer",
+                    })
+                    .points
+                    .push((r.bytes as f64, y));
+            }
         }
-    }
-    let series: Vec<Series> = allreduce
-        .into_values()
-        .filter(|s| s.points.len() > 1)
-        .map(|mut s| {
-            s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
-            s
-        })
-        .collect();
-    if !series.is_empty() {
-        let title = "Allreduce (f32, sum) against size";
-        out.push(Figure {
-            file: "collective.svg",
-            title,
-            svg: lines(title, "bandwidth (GB/s)", &series)?,
-        });
+        let series: Vec<Series> = lines_of
+            .into_values()
+            .filter(|s| s.points.len() > 1)
+            .map(|mut s| {
+                s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
+                s
+            })
+            .collect();
+        if !series.is_empty() {
+            out.push(Figure {
+                file,
+                title,
+                svg: lines(title, "bandwidth (GB/s)", &series)?,
+            });
+        }
     }
     let rates: Vec<(String, f64, RGBColor)> = records
         .iter()
@@ -141,12 +153,20 @@ struct Series {
     dashed: bool,
 }
 
+/// Whether a peer's row is a collective or a training step (charted apart, not against the
+/// transports' sizes).
+fn is_collective(backend: &str) -> bool {
+    ["allreduce", "allgather", "broadcast", "reducescatter", "ddp-step"]
+        .iter()
+        .any(|c| backend.contains(c))
+}
+
 /// Which records go on the size charts: transports, pipes, raw baselines, peers, and the RPC
 /// echo (bandwidth); each (suite, backend) one line.
 fn size_series(records: &[Record], metric: &str) -> Vec<Series> {
     let mut by_line: BTreeMap<(usize, String), Series> = BTreeMap::new();
     for r in records {
-        let charted = (matches!(r.suite, "raw" | "transport" | "pipe" | "peer") && !r.backend.contains("allreduce"))
+        let charted = (matches!(r.suite, "raw" | "transport" | "pipe" | "peer") && !is_collective(&r.backend))
             || (r.suite == "rpc" && metric == "bw" && r.backend.contains("echo"));
         if r.metric != metric || !charted || r.bytes == 0 {
             continue;
@@ -487,7 +507,10 @@ mod tests {
             out.push(Record::bw("peer", "openmpi", size, 4.0, 3));
             out.push(Record::bw("collective", "allreduce-f32-2p", size, 3.0, 3));
             out.push(Record::rtt("peer", "gloo-allreduce-f32-2p", size, vec![5e3, 5e3, 5e3]));
+            out.push(Record::bw("collective", "allgather-f32-2p", size, 2.0, 3));
+            out.push(Record::rtt("peer", "torch-sluice-allgather-f32-2p", size, vec![4e3; 3]));
         }
+        out.push(Record::rtt("peer", "ddp-step-sluice", 4 << 20, vec![5e6; 3]));
         out.push(Record::rate("rpc", "rpc_async-64/cma/shm", 0, 530_000.0, 100));
         out.push(Record::rate("peer", "pytorch-rpc_async-64", 0, 30_000.0, 100));
         out.push(Record::rtt("autograd", "local-step-linear1024-b32", 0, vec![900e3; 4]));
@@ -500,7 +523,17 @@ mod tests {
         let records = sample();
         let figures = figures(&records).unwrap();
         let files: Vec<_> = figures.iter().map(|f| f.file).collect();
-        assert_eq!(files, ["rtt.svg", "bw.svg", "collective.svg", "rpc.svg", "step.svg"]);
+        assert_eq!(
+            files,
+            [
+                "rtt.svg",
+                "bw.svg",
+                "collective.svg",
+                "collective-allgather.svg",
+                "rpc.svg",
+                "step.svg"
+            ]
+        );
         for f in &figures {
             assert!(f.svg.contains("<svg") && f.svg.contains("</svg>"), "{}", f.file);
         }
@@ -509,8 +542,12 @@ mod tests {
         // Allreduce lines have their own figure, Gloo's beside ours, and stay off the others.
         assert!(figures[2].svg.contains("collective allreduce-f32-2p") && figures[2].svg.contains("gloo-allreduce"));
         assert!(!figures[0].svg.contains("gloo") && !figures[1].svg.contains("allreduce"));
+        // Each collective its own figure; the DDP step stays off the size charts.
+        assert!(figures[3].svg.contains("collective allgather-f32-2p") && !figures[3].svg.contains("allreduce"));
+        assert!(figures[3].svg.contains("torch-sluice-allgather"));
+        assert!(!figures[0].svg.contains("ddp-step") && !figures[2].svg.contains("allgather"));
         let page = html(&records, &RunInfo::default(), &figures);
-        assert_eq!(page.matches("<svg").count(), 5);
+        assert_eq!(page.matches("<svg").count(), 6);
         assert!(page.contains("kernel") && page.contains("commit") && page.contains("CPU"));
     }
 
