@@ -118,6 +118,48 @@ async fn ring_reduce_scatter(
     Ok(())
 }
 
+/// The ring's reduce-scatter reading `input` (left unchanged) cut into `p`: `dst` becomes this
+/// rank's piece `rank + 1 + shift` (mod n) reduced over every rank (not finished). Only the
+/// pieces in flight are written (a copy of the whole input would cost a pass over it and, for a
+/// fresh buffer, a page fault per 4 KiB); the last step reduces straight into `dst`.
+async fn ring_reduce_scatter_from(
+    op: &Op,
+    input: &[u8],
+    p: &[Range<usize>],
+    dtype: DType,
+    rop: ReduceOp,
+    shift: i64,
+    dst: &mut [u8],
+) -> Result<()> {
+    let n = op.mesh.world;
+    let me = op.mesh.rank as i64;
+    let right = ((me + 1) % n as i64) as u32;
+    let left = modn(me - 1, n) as u32;
+    let mut acc: Vec<u8> = Vec::new();
+    for s in 0..n as i64 - 1 {
+        let (out, inn) = (modn(me - s + shift, n), modn(me - s - 1 + shift, n));
+        // The piece sent is the input's at first, then the one reduced the step before.
+        let data: &[u8] = if s == 0 { &input[p[out].clone()] } else { &acc };
+        let (sent, got) = tokio::join!(op.send(right, s as u32, data), op.recv(left, s as u32, p[inn].len()));
+        sent?;
+        let got = got?;
+        let last = s == n as i64 - 2;
+        let into: &mut [u8] = if last {
+            dst
+        } else {
+            acc.clear();
+            acc.resize(p[inn].len(), 0);
+            &mut acc
+        };
+        into.copy_from_slice(&input[p[inn].clone()]);
+        reduce::combine(into, &got, dtype, rop);
+        if last {
+            break;
+        }
+    }
+    Ok(())
+}
+
 /// Sends `buf` to every other rank and returns every rank's buffer, in rank order (this rank's
 /// as `None`).
 async fn exchange(op: &Op, buf: &[u8]) -> Result<Vec<Option<Bytes>>> {
@@ -184,15 +226,15 @@ pub(crate) async fn reduce(op: &Op, root: u32, buf: &mut [u8], dtype: DType, rop
     // The ring's reduce-scatter on a copy (only the root's buffer changes), then every rank
     // sends its finished piece to the root.
     let p = pieces(buf.len(), dtype.size(), n as usize);
-    let mut work = buf.to_vec();
-    ring_reduce_scatter(op, &mut work, &p, dtype, rop, 0).await?;
-    let step = n - 1;
     let mine = p[modn(me as i64 + 1, n)].clone();
-    reduce::finish(&mut work[mine.clone()], dtype, rop, n);
+    let mut acc = vec![0u8; mine.len()];
+    ring_reduce_scatter_from(op, buf, &p, dtype, rop, 0, &mut acc).await?;
+    let step = n - 1;
+    reduce::finish(&mut acc, dtype, rop, n);
     if me != root {
-        return op.send(root, step, &work[mine]).await;
+        return op.send(root, step, &acc).await;
     }
-    buf[mine.clone()].copy_from_slice(&work[mine]);
+    buf[mine].copy_from_slice(&acc);
     for r in others(op) {
         let theirs = p[modn(r as i64 + 1, n)].clone();
         let got = op.recv(r, step, theirs.len()).await?;
@@ -257,9 +299,7 @@ pub(crate) async fn reduce_scatter(op: &Op, input: &[u8], out: &mut [u8], dtype:
     }
     // The ring, shifted by one so that this rank ends with its own piece.
     let p: Vec<_> = (0..n).map(piece).collect();
-    let mut work = input.to_vec();
-    ring_reduce_scatter(op, &mut work, &p, dtype, rop, -1).await?;
-    out.copy_from_slice(&work[piece(me)]);
+    ring_reduce_scatter_from(op, input, &p, dtype, rop, -1, out).await?;
     reduce::finish(out, dtype, rop, n);
     Ok(())
 }
