@@ -115,15 +115,7 @@ impl GroupOptions {
             Ok(s) => s,
             Err(_) => format!("{}:{}", var("MASTER_ADDR")?, var("MASTER_PORT")?),
         };
-        // The address peers reach this rank at: `SLUICE_HOST`, else the interface that routes
-        // to the store's host (no packet is sent), else loopback.
-        let host = std::env::var("SLUICE_HOST").ok().unwrap_or_else(|| {
-            std::net::UdpSocket::bind("0.0.0.0:0")
-                .and_then(|s| s.connect(store.strip_prefix("tcp://").unwrap_or(&store)).map(|()| s))
-                .and_then(|s| s.local_addr())
-                .map(|a| a.ip().to_string())
-                .unwrap_or_else(|_| "127.0.0.1".into())
-        });
+        let host = routable_host(&store);
         Ok(GroupOptions {
             name: name.to_owned(),
             rank,
@@ -135,6 +127,22 @@ impl GroupOptions {
             pipe: ContextOptions::default(),
         })
     }
+}
+
+/// The address peers reach this rank at: `SLUICE_HOST`, else the interface that routes to the
+/// store's host (no packet is sent), else loopback.
+fn routable_host(store: &str) -> String {
+    std::env::var("SLUICE_HOST").ok().unwrap_or_else(|| {
+        let addr = store.strip_prefix("tcp://").unwrap_or(store);
+        let addr = addr
+            .strip_prefix("etcd://")
+            .map_or(addr, |r| r.split('/').next().unwrap_or(r));
+        std::net::UdpSocket::bind("0.0.0.0:0")
+            .and_then(|s| s.connect(addr).map(|()| s))
+            .and_then(|s| s.local_addr())
+            .map(|a| a.ip().to_string())
+            .unwrap_or_else(|_| "127.0.0.1".into())
+    })
 }
 
 /// A group of ranks exchanging buffers. Cheap to clone (clones share the group).
@@ -254,6 +262,31 @@ impl Group {
             return Err(CollectiveError::Store(e.to_string()));
         }
         Ok(Group::with(mesh, bound.ctx, Some(store), server))
+    }
+
+    /// Forms group `name` over the workers of a running RPC agent, through its store: ranks in
+    /// the order of the workers' ids, this worker's among them. The members are those the agent
+    /// knows when called, so every worker must call it while the membership is the same (a
+    /// static group, or an elastic one between changes); each worker's address is the one that
+    /// routes to the store's host (`SLUICE_HOST` overrides).
+    pub async fn from_agent(agent: &sluice_agent::Agent, name: &str, timeout: Duration) -> Result<Group> {
+        let members = agent.workers();
+        let me = agent.info().id;
+        let rank = members.iter().position(|w| w.id == me).ok_or_else(|| {
+            CollectiveError::Invalid(format!("worker {} is not among the agent's members", agent.info()))
+        })?;
+        let store = agent.store_address();
+        Group::new(GroupOptions {
+            name: name.to_owned(),
+            rank: rank as u32,
+            world_size: members.len() as u32,
+            host: routable_host(&store),
+            store,
+            serve_store: false,
+            timeout,
+            pipe: ContextOptions::default(),
+        })
+        .await
     }
 
     /// Binds this rank's listener on `host` (port chosen by the system), for a group formed

@@ -240,6 +240,22 @@ worker_test!(every_collective_dtype_and_op_matches_the_reference, 4, |env| {
     });
 });
 
+worker_test!(a_group_forms_from_a_running_agents_members, 3, |env| {
+    let agent = sluice_agent::Agent::init(env.options(), sluice_agent::Registry::new()).expect("agent");
+    let rt = runtime();
+    rt.block_on(async {
+        let g = Group::from_agent(&agent, "from-agent", Duration::from_secs(30))
+            .await
+            .expect("group");
+        assert_eq!((g.rank(), g.world_size()), (env.rank, env.world_size));
+        let mut x = vec![g.rank() as u8 + 1; 100_000];
+        g.all_reduce(&mut x, DType::U8, ReduceOp::Sum).await.unwrap();
+        assert!(x.iter().all(|&v| v == 6));
+        g.close().await.unwrap();
+    });
+    agent.shutdown().expect("shutdown");
+});
+
 worker_test!(two_groups_over_the_same_ranks_do_not_mix, 3, |env| {
     let rt = runtime();
     rt.block_on(async {
