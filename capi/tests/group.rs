@@ -49,9 +49,12 @@ fn run(start: impl FnOnce(SluiceDoneFn, *mut c_void) -> c_int) -> (c_int, String
 fn with_group(name: &str, world: u32, body: impl Fn(u32, *const SluiceGroup) + Sync) {
     let addresses = Mutex::new(vec![String::new(); world as usize]);
     let published = Barrier::new(world as usize);
+    // Every rank is done before any frees its group (freeing closes the pipes at once, which the
+    // others would see as that rank lost, possibly before an abort it sent reaches them).
+    let finished = Barrier::new(world as usize);
     std::thread::scope(|s| {
         for rank in 0..world {
-            let (addresses, published, body) = (&addresses, &published, &body);
+            let (addresses, published, finished, body) = (&addresses, &published, &finished, &body);
             s.spawn(move || {
                 let mut ctx = null_mut();
                 let mut bound = null_mut();
@@ -77,6 +80,7 @@ fn with_group(name: &str, world: u32, body: impl Fn(u32, *const SluiceGroup) + S
                     "form",
                 );
                 body(rank, group);
+                finished.wait();
                 // SAFETY: live handles, freed once.
                 unsafe {
                     sluice_group_free(group);
