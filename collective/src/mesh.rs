@@ -128,6 +128,20 @@ struct Slot {
 struct Boxes {
     slots: HashMap<(u32, Kind, u64), Slot>,
     failed: Option<CollectiveError>,
+    /// `queued[r]`: bytes from rank `r` that arrived and wait for a receiver.
+    queued: Vec<u64>,
+}
+
+/// How many bytes one peer's messages may hold in this rank's mailbox before its pipe is read
+/// no further (until a receiver takes some): `SLUICE_COLLECTIVE_MAILBOX_BYTES`, default 1 GiB.
+/// A single larger message is still taken when nothing else of that peer waits.
+pub const MAILBOX_BYTES: u64 = 1 << 30;
+
+fn mailbox_bytes() -> u64 {
+    std::env::var("SLUICE_COLLECTIVE_MAILBOX_BYTES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(MAILBOX_BYTES)
 }
 
 /// Pipes to every other rank and the mailbox of what they delivered.
@@ -145,6 +159,9 @@ pub(crate) struct Mesh {
     bye: Vec<std::sync::atomic::AtomicBool>,
     /// Send buffers kept for reuse (large copies into fresh memory fault in every page).
     spare: Mutex<Vec<bytes::BytesMut>>,
+    /// Per-peer bound on the mailbox (see [`MAILBOX_BYTES`]), and the signal that room was made.
+    mailbox: u64,
+    room: tokio::sync::Notify,
 }
 
 /// Send buffers at least this long are kept for reuse, at most [`SPARE_BYTES`] in all.
@@ -230,10 +247,15 @@ impl Mesh {
             group,
             name: name.to_owned(),
             pipes,
-            boxes: Mutex::new(Boxes::default()),
+            boxes: Mutex::new(Boxes {
+                queued: vec![0; world as usize],
+                ..Boxes::default()
+            }),
             timeout,
             bye: (0..world).map(|_| std::sync::atomic::AtomicBool::new(false)).collect(),
             spare: Mutex::new(Vec::new()),
+            mailbox: mailbox_bytes(),
+            room: tokio::sync::Notify::new(),
         });
         for r in 0..world {
             if r != rank {
@@ -289,6 +311,10 @@ impl Mesh {
                 Ok(h) => h,
                 Err(e) => return self.lost(r, format!("sent {e}")),
             };
+            // Backpressure: a peer whose unclaimed messages fill its share of the mailbox is
+            // not read further until a receiver takes some (its writes then wait, and fail at
+            // the group's timeout if nobody ever receives).
+            self.room_for(r, d.tensors.first().map_or(0, |t| t.length)).await;
             let got = match pipe.read(Allocation::for_descriptor(&d)).await {
                 Ok(a) => a,
                 Err(e) => return self.lost(r, e.error.to_string()),
@@ -310,6 +336,24 @@ impl Mesh {
         }
     }
 
+    /// Returns once rank `r`'s queued bytes leave room for `len` more (or none are queued, or
+    /// the group has failed: then everything is read and dropped).
+    async fn room_for(&self, r: u32, len: u64) {
+        loop {
+            let notified = self.room.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let boxes = self.boxes.lock().expect("mailbox");
+                let queued = boxes.queued[r as usize];
+                if boxes.failed.is_some() || queued == 0 || queued.saturating_add(len) <= self.mailbox {
+                    return;
+                }
+            }
+            notified.await;
+        }
+    }
+
     /// Files `data` for its receiver. Once the group has failed, what still arrives is read and
     /// dropped here, so that a peer's writes queued behind its abort are not left waiting.
     fn deliver(&self, from: u32, kind: Kind, key: u64, data: Bytes) {
@@ -326,12 +370,15 @@ impl Mesh {
                 Err(back) => data = Some(back.expect("sent Ok")),
             }
         }
+        let mut added = 0;
         if let Some(d) = data {
+            added = d.len() as u64;
             slot.arrived.push_back(d);
         }
         if slot.arrived.is_empty() && slot.waiting.is_empty() {
             boxes.slots.remove(&(from, kind, key));
         }
+        boxes.queued[from as usize] += added;
     }
 
     /// Rank `r`'s pipe failed: the group fails, naming it, and the others are told.
@@ -356,6 +403,8 @@ impl Mesh {
         for w in waiting {
             let _ = w.send(Err(e.clone()));
         }
+        // Readers held back for room go on (and drop what they read).
+        self.room.notify_waiters();
         true
     }
 
@@ -467,6 +516,9 @@ impl Mesh {
                 if slot.arrived.is_empty() && slot.waiting.is_empty() {
                     boxes.slots.remove(&(from, kind, key));
                 }
+                boxes.queued[from as usize] -= d.len() as u64;
+                drop(boxes);
+                self.room.notify_waiters();
                 return Ok(d);
             }
             let (tx, rx) = oneshot::channel();

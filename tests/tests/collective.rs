@@ -256,6 +256,46 @@ worker_test!(a_group_forms_from_a_running_agents_members, 3, |env| {
     agent.shutdown().expect("shutdown");
 });
 
+// A receiver that does not receive holds back its peer instead of buffering without bound:
+// with a 1 MiB mailbox per peer, 64 MiB sent ahead over TCP cannot all be taken off the wire,
+// so the sender's last send completes only after the receiver starts receiving (1.5 s late),
+// and every message then arrives whole and in order.
+worker_test!(a_receiver_that_does_not_receive_holds_its_sender_back, 2, |env| {
+    std::env::set_var("SLUICE_COLLECTIVE_MAILBOX_BYTES", (1u64 << 20).to_string());
+    let rt = runtime();
+    rt.block_on(async {
+        let mut o = options(&env, "held-back");
+        o.pipe = sluice_channel::ContextOptions {
+            transports: vec![sluice_channel::TransportKind::Tcp],
+            channels: vec![sluice_channel::ChannelKind::Basic],
+            ..Default::default()
+        };
+        let g = Group::new(o).await.expect("group");
+        const N: usize = 128;
+        const LEN: usize = 512 << 10;
+        let start = std::time::Instant::now();
+        if g.rank() == 0 {
+            for i in 0..N {
+                g.send(1, 5, sluice_tests::pattern(i as u64, LEN).into()).await.unwrap();
+            }
+            let took = start.elapsed().as_millis() as u64;
+            g.send(1, 6, took.to_le_bytes().to_vec().into()).await.unwrap();
+        } else {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            for i in 0..N {
+                let got = g.recv(0, 5).await.unwrap();
+                assert!(got[..] == sluice_tests::pattern(i as u64, LEN)[..], "message {i}");
+            }
+            let took = u64::from_le_bytes(g.recv(0, 6).await.unwrap()[..8].try_into().unwrap());
+            assert!(
+                took >= 1000,
+                "the sender finished its 64 MiB in {took} ms, before the receiver received anything: nothing held it back"
+            );
+        }
+        g.close().await.unwrap();
+    });
+});
+
 worker_test!(two_groups_over_the_same_ranks_do_not_mix, 3, |env| {
     let rt = runtime();
     rt.block_on(async {
