@@ -156,8 +156,9 @@ struct Series {
 /// Whether a peer's row is a collective or a training step (charted apart, not against the
 /// transports' sizes).
 fn is_collective(backend: &str) -> bool {
-    ["allreduce", "allgather", "broadcast", "reducescatter", "ddp-step"]
+    crate::collective::OPS
         .iter()
+        .chain(&["ddp-step"])
         .any(|c| backend.contains(c))
 }
 

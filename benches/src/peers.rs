@@ -129,6 +129,23 @@ fn on_path(program: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// Writes `source` as `dir/NAME.c` and builds `dir/NAME` with `mpicc -O2` (bounded): the
+/// executable, or why it could not be built.
+fn build_mpi(mpicc: &Path, dir: &Path, name: &str, source: &str) -> anyhow::Result<PathBuf> {
+    let file = dir.join(format!("{name}.c"));
+    let exe = dir.join(name);
+    std::fs::write(&file, source)?;
+    let built = run_bounded(
+        "mpicc",
+        Command::new(mpicc).arg("-O2").arg("-o").arg(&exe).arg(&file),
+        Duration::from_secs(120),
+    )?;
+    if let Some(why) = &built.failure {
+        bail!("building {}: {why}\n{}", file.display(), built.stderr_tail());
+    }
+    Ok(exe)
+}
+
 /// A scratch directory for the peers' sources and binaries.
 fn scratch() -> anyhow::Result<PathBuf> {
     let dir = std::env::temp_dir().join(format!("sluice-peers-{}", std::process::id()));
@@ -143,17 +160,7 @@ fn openmpi(sizes: &[usize], budget: Duration) -> anyhow::Result<Outcome> {
         ));
     };
     let dir = scratch()?;
-    let source = dir.join("mpi_p2p.c");
-    let exe = dir.join("mpi_p2p");
-    std::fs::write(&source, MPI_SOURCE)?;
-    let built = run_bounded(
-        "mpicc",
-        Command::new(&mpicc).arg("-O2").arg("-o").arg(&exe).arg(&source),
-        Duration::from_secs(120),
-    )?;
-    if let Some(why) = &built.failure {
-        bail!("building {}: {why}\n{}", source.display(), built.stderr_tail());
-    }
+    let exe = build_mpi(&mpicc, &dir, "mpi_p2p", MPI_SOURCE)?;
     let mut cmd = Command::new(&mpirun);
     cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])
         .arg(&exe)
@@ -285,18 +292,7 @@ pub fn mpi_allreduce(sizes: &[usize], worlds: &[u32], quick: bool) -> (Vec<Recor
     let build = || -> anyhow::Result<PathBuf> {
         let dir = scratch()?.join("allreduce");
         std::fs::create_dir_all(&dir)?;
-        let source = dir.join("mpi_allreduce.c");
-        let exe = dir.join("mpi_allreduce");
-        std::fs::write(&source, MPI_ALLREDUCE_SOURCE)?;
-        let built = run_bounded(
-            "mpicc",
-            Command::new(&mpicc).arg("-O2").arg("-o").arg(&exe).arg(&source),
-            Duration::from_secs(120),
-        )?;
-        if let Some(why) = &built.failure {
-            bail!("building {}: {why}\n{}", source.display(), built.stderr_tail());
-        }
-        Ok(exe)
+        build_mpi(&mpicc, &dir, "mpi_allreduce", MPI_ALLREDUCE_SOURCE)
     };
     let exe = match build() {
         Ok(exe) => exe,

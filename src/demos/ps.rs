@@ -221,7 +221,7 @@ pub fn run(demo: &Demo, rank: u32) -> anyhow::Result<()> {
     }
     let agent = Agent::init(agent_options(demo.worker_name(rank)), registry(trainers as usize))?;
     if rank == 0 {
-        let (_, test) = spirals(300, 1);
+        let (train, test) = spirals(300, 1);
         let before = evaluate(&test)?;
         let start = Instant::now();
         agent.barrier("trained")?;
@@ -232,7 +232,6 @@ pub fn run(demo: &Demo, rank: u32) -> anyhow::Result<()> {
         };
         let mode = format!("{mode}, parameters on {}", device());
         // Each trainer's steps (the smallest shard's count, as every trainer takes its own).
-        let (train, _) = spirals(300, 1);
         let per_trainer = (0..trainers as usize)
             .map(|t| train.shard(t, trainers as usize).len() / BATCH)
             .min()
