@@ -12,21 +12,26 @@
 //!   finished pieces around the ring (allgather) and reduce sends them to the root. Each rank
 //!   sends about 2 (n − 1) / n of the buffer and reduces (n − 1) / n of it, whatever n is.
 //!
-//! On one host the pieces travel through the pipes' shared-memory paths (a copy into the
-//! receiver's segment, reduced from there in place, or read by cross-memory attach); across
-//! hosts over TCP or RDMA.
+//! - **Local** (allreduce, reduce-scatter, allgather and broadcast from
+//!   [`LOCAL_MIN`](crate::LOCAL_MIN) up, when every rank can read every other's memory): no
+//!   messages but small plans and *done*s; each rank reads its peers' buffers itself (see
+//!   [`crate::local`]).
+//!
+//! Otherwise the pieces travel through the pipes (a copy into the receiver's shared segment on
+//! one host; TCP or RDMA across hosts).
 
 use std::ops::Range;
 
 use bytes::Bytes;
 
+use crate::local;
 use crate::reduce::{self, ReduceOp};
 use crate::DType;
-use crate::{Op, Result, DIRECT_MAX};
+use crate::{Op, Result, DIRECT_MAX, LOCAL_MIN};
 
 /// `n` ranges of bytes covering `len` bytes of `size`-byte elements, as even as whole elements
 /// allow (the first ones one element longer).
-fn pieces(len: usize, size: usize, n: usize) -> Vec<Range<usize>> {
+pub(crate) fn pieces(len: usize, size: usize, n: usize) -> Vec<Range<usize>> {
     let elems = len / size;
     let (base, extra) = (elems / n, elems % n);
     let mut at = 0;
@@ -47,7 +52,7 @@ fn modn(x: i64, n: u32) -> usize {
 /// Sends each `(to, step, data)`, one after another: a write finishes once its bytes are on
 /// their way (in the peer's ring or segment), so nothing waits on the peer here, and no task
 /// hand-off is paid per message.
-async fn send_all(op: &Op, sends: Vec<(u32, u32, &[u8])>) -> Result<()> {
+pub(crate) async fn send_all(op: &Op, sends: Vec<(u32, u32, &[u8])>) -> Result<()> {
     for (to, step, data) in sends {
         op.send(to, step, data).await?;
     }
@@ -71,6 +76,11 @@ pub(crate) async fn all_reduce(op: &Op, buf: &mut [u8], dtype: DType, rop: Reduc
         return Ok(());
     }
     let p = pieces(buf.len(), dtype.size(), n as usize);
+    if buf.len() >= LOCAL_MIN {
+        if let Some(peers) = local::plan(op, buf).await? {
+            return local::all_reduce(op, &peers, buf, &p, dtype, rop).await;
+        }
+    }
     let me = op.mesh.rank as i64;
     ring_reduce_scatter(op, buf, &p, dtype, rop, 0).await?;
     // This rank now holds piece (me + 1) fully reduced.
@@ -199,6 +209,11 @@ fn combine_in_order(buf: &mut [u8], all: &[Option<Bytes>], dtype: DType, rop: Re
 }
 
 pub(crate) async fn broadcast(op: &Op, root: u32, buf: &mut [u8]) -> Result<()> {
+    if buf.len() >= LOCAL_MIN && op.mesh.world > 1 {
+        if let Some(peers) = local::plan(op, buf).await? {
+            return local::broadcast(op, &peers, root, buf).await;
+        }
+    }
     if op.mesh.rank == root {
         send_all(op, others(op).map(|r| (r, 0, &*buf)).collect()).await
     } else {
@@ -244,6 +259,11 @@ pub(crate) async fn reduce(op: &Op, root: u32, buf: &mut [u8], dtype: DType, rop
 }
 
 pub(crate) async fn all_gather(op: &Op, input: &[u8], out: &mut [u8]) -> Result<()> {
+    if out.len() >= LOCAL_MIN && !input.is_empty() && op.mesh.world > 1 {
+        if let Some(peers) = local::plan(op, input).await? {
+            return local::all_gather(op, &peers, input, out).await;
+        }
+    }
     let all = exchange(op, input).await?;
     for (r, piece) in all.iter().enumerate() {
         let at = r * input.len()..(r + 1) * input.len();
@@ -296,6 +316,11 @@ pub(crate) async fn reduce_scatter(op: &Op, input: &[u8], out: &mut [u8], dtype:
         out.copy_from_slice(&input[piece(me)]);
         combine_in_order(out, &got?, dtype, rop);
         return Ok(());
+    }
+    if input.len() >= LOCAL_MIN {
+        if let Some(peers) = local::plan(op, input).await? {
+            return local::reduce_scatter(op, &peers, input, out, dtype, rop).await;
+        }
     }
     // The ring, shifted by one so that this rank ends with its own piece.
     let p: Vec<_> = (0..n).map(piece).collect();

@@ -26,9 +26,12 @@
 //! Algorithms (see [`algorithm`]): small buffers go directly to every rank that needs them (one
 //! step of latency, every rank reduces the full buffer in rank order); large ones take a ring
 //! (reduce-scatter then allgather: each byte crosses each link about twice, each rank reduces
-//! 1/n of the data).
+//! 1/n of the data). On one host, buffers from [`LOCAL_MIN`] up are not sent at all: each rank
+//! reads what it needs straight out of the others' memory (cross-memory attach), one copy per
+//! byte (see the `local` module).
 #![forbid(unsafe_code)]
 
+mod local;
 mod mesh;
 pub mod reduce;
 
@@ -205,6 +208,10 @@ fn check_world(rank: u32, world: u32) -> Result<()> {
 /// Buffers at most this long take the direct algorithms; longer ones the ring.
 pub const DIRECT_MAX: usize = 64 << 10;
 
+/// Buffers at least this long are read straight out of the other ranks' memory when every
+/// rank can read every other's (one host, cross-memory attach allowed; the `local` module).
+pub const LOCAL_MIN: usize = 256 << 10;
+
 /// Steps within one collective are numbered in the low bits of its key.
 const STEP_BITS: u32 = 16;
 
@@ -315,6 +322,12 @@ impl Group {
 
     pub fn world_size(&self) -> u32 {
         self.inner.mesh.world
+    }
+
+    /// How many of this group's collectives so far read the other ranks' buffers straight out
+    /// of their memory (one host, large buffers; the rest went direct or round the ring).
+    pub fn local_collectives(&self) -> u64 {
+        self.inner.mesh.local_ops.load(Ordering::Relaxed)
     }
 
     /// Why the group failed, if it has (a lost rank, an abort, a close).

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use sluice_channel::{Allocation, Context, Message, Pipe, PipeListener, Tensor};
+use sluice_channel::{Allocation, ChannelKind, Context, Message, Pipe, PipeListener, Tensor};
 use tokio::sync::oneshot;
 
 use crate::CollectiveError;
@@ -162,6 +162,11 @@ pub(crate) struct Mesh {
     /// Per-peer bound on the mailbox (see [`MAILBOX_BYTES`]), and the signal that room was made.
     mailbox: u64,
     room: tokio::sync::Notify,
+    /// `pids[r]`: rank `r`'s process id, when every pipe of this rank carries CPU tensors by
+    /// cross-memory attach (so this rank may read every peer's memory; see [`crate::local`]).
+    pub pids: Option<Vec<i32>>,
+    /// Collectives that read their peers' memory (see [`crate::local`]).
+    pub local_ops: std::sync::atomic::AtomicU64,
 }
 
 /// Send buffers at least this long are kept for reuse, at most [`SPARE_BYTES`] in all.
@@ -241,6 +246,16 @@ impl Mesh {
                 });
             }
         }
+        let pids = pipes
+            .iter()
+            .flatten()
+            .all(|p| p.info().cpu_channel == ChannelKind::Cma)
+            .then(|| {
+                pipes
+                    .iter()
+                    .map(|p| p.as_ref().map_or(std::process::id(), |p| p.info().peer_pid) as i32)
+                    .collect()
+            });
         let mesh = Arc::new(Mesh {
             rank,
             world,
@@ -256,6 +271,8 @@ impl Mesh {
             spare: Mutex::new(Vec::new()),
             mailbox: mailbox_bytes(),
             room: tokio::sync::Notify::new(),
+            pids,
+            local_ops: std::sync::atomic::AtomicU64::new(0),
         });
         for r in 0..world {
             if r != rank {

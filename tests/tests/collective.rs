@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use half::{bf16, f16};
-use sluice_collective::{CollectiveError, DType, Group, GroupOptions, ReduceOp, DIRECT_MAX};
+use sluice_collective::{CollectiveError, DType, Group, GroupOptions, ReduceOp, DIRECT_MAX, LOCAL_MIN};
 use sluice_tests::worker_test;
 use sluice_tests::workers::{run_workers_with, Ending, WorkerEnv};
 
@@ -158,15 +158,46 @@ fn runtime() -> tokio::runtime::Runtime {
 
 const DTYPES: [DType; 15] = DType::ALL;
 
+// Twice: over the default pipes (one host: large buffers are read straight out of the peers'
+// memory) and over pipes without cross-memory attach (large buffers take the ring).
 worker_test!(every_collective_dtype_and_op_matches_the_reference, 4, |env| {
     let rt = runtime();
     rt.block_on(async {
         let g = Group::new(options(&env, "every")).await.expect("group");
+        let big = conformance(&g).await;
+        let local = g.local_collectives();
+        assert!(
+            local >= big,
+            "only {local} collectives read their peers, of at least {big}"
+        );
+        // (The first group stays: rank 0's serves the store.)
+        let first = g;
+        let mut o = options(&env, "every-ring");
+        o.serve_store = false;
+        o.pipe.channels = vec![sluice_channel::ChannelKind::Basic];
+        let g = Group::new(o).await.expect("group");
+        conformance(&g).await;
+        assert_eq!(
+            g.local_collectives(),
+            0,
+            "read the peers' memory without cross-memory attach"
+        );
+        g.close().await.unwrap();
+        first.close().await.unwrap();
+    });
+});
+
+/// Returns how many collectives it made at the local length (allreduce at the largest count,
+/// broadcast and allgather at the largest length).
+async fn conformance(g: &Group) -> u64 {
+    let mut big = 0;
+    {
         let (me, n) = (g.rank(), g.world_size());
         for dtype in DTYPES {
             let size = dtype.size();
-            // Nothing, one element, an odd count, and past the ring threshold (odd again).
-            for elems in [0, 1, 1001, DIRECT_MAX / size + 3001] {
+            // Nothing, one element, an odd count, past the ring threshold and past the local
+            // one (odd counts again).
+            for elems in [0, 1, 1001, DIRECT_MAX / size + 3001, LOCAL_MIN / size + 3001] {
                 for op in OPS {
                     let want = reference(dtype, op, n, elems);
                     if sluice_collective::reduce::check(dtype, op).is_err() {
@@ -179,6 +210,7 @@ worker_test!(every_collective_dtype_and_op_matches_the_reference, 4, |env| {
                     let mut buf = input(dtype, me, elems);
                     g.all_reduce(&mut buf, dtype, op).await.unwrap();
                     assert!(same(dtype, &buf, &want), "all_reduce {what}");
+                    big += u64::from(elems > LOCAL_MIN / size);
                     let mut buf = input(dtype, me, elems);
                     g.reduce(1, &mut buf, dtype, op).await.unwrap();
                     if me == 1 {
@@ -194,8 +226,8 @@ worker_test!(every_collective_dtype_and_op_matches_the_reference, 4, |env| {
                 }
             }
         }
-        // The data-moving collectives, bytes only, at a small and a ring-sized length.
-        for len in [0usize, 5, DIRECT_MAX + 7] {
+        // The data-moving collectives, bytes only, at a small, a ring-sized and a local length.
+        for len in [0usize, 5, DIRECT_MAX + 7, LOCAL_MIN + 7] {
             let mine = |r: u32| sluice_tests::pattern(r as u64 + 100, len);
             let mut buf = if me == 2 { mine(2) } else { vec![0; len] };
             g.broadcast(2, &mut buf).await.unwrap();
@@ -204,6 +236,7 @@ worker_test!(every_collective_dtype_and_op_matches_the_reference, 4, |env| {
             let mut out = vec![0; len * n as usize];
             g.all_gather(&mine(me), &mut out).await.unwrap();
             assert!(out == all, "all_gather {len}");
+            big += 2 * u64::from(len > LOCAL_MIN);
             let mut out = if me == 3 { vec![0; len * n as usize] } else { Vec::new() };
             g.gather(3, &mine(me), &mut out).await.unwrap();
             if me == 3 {
@@ -236,9 +269,14 @@ worker_test!(every_collective_dtype_and_op_matches_the_reference, 4, |env| {
         let mut odd = vec![0u8; if me == 0 { 8 } else { 12 }];
         let e = g.all_reduce(&mut odd, DType::F32, ReduceOp::Sum).await.unwrap_err();
         assert!(e.to_string().contains("bytes"), "{e}");
-        g.close().await.unwrap();
-    });
-});
+        // Also when both are long enough to read each other's memory.
+        let mut odd = vec![0u8; LOCAL_MIN + if me == 0 { 8 } else { 12 }];
+        let e = g.all_reduce(&mut odd, DType::F32, ReduceOp::Sum).await.unwrap_err();
+        assert!(e.to_string().contains("bytes"), "{e}");
+        g.barrier().await.unwrap();
+    }
+    big
+}
 
 worker_test!(a_group_forms_from_a_running_agents_members, 3, |env| {
     let agent = sluice_agent::Agent::init(env.options(), sluice_agent::Registry::new()).expect("agent");

@@ -1,0 +1,314 @@
+//! One copy per byte for ranks of one host: each rank reads what it needs straight out of the
+//! other ranks' buffers by cross-memory attach (`process_vm_readv`), instead of having it copied
+//! into a pipe's segment and out again.
+//!
+//! Used for buffers of at least [`LOCAL_MIN`](crate::LOCAL_MIN) bytes when every rank's pipes
+//! to every other carry CPU tensors by cross-memory attach (the pipe's `cma` channel was
+//! negotiated, which proves each side may read the other's memory). Every rank decides the same
+//! way: the first step of each such collective is a *plan* from every rank to every other (its
+//! buffer's address and length, and whether it can read all of its peers); only if all can do
+//! they read, otherwise they go on with the ring (whose steps follow the plan in the same
+//! mailbox slots, in order).
+//!
+//! allreduce (reduce-scatter then allgather, as NCCL and MPI do on one node):
+//! 1. rank `r` reduces piece `r` of the buffer: it reads piece `r` of every rank's buffer in
+//!    cache-sized chunks and combines them, in rank order, into its own piece `r` (each element
+//!    is reduced once, by one rank, so every rank ends with the same bytes);
+//! 2. a round of *done* messages: every piece is reduced;
+//! 3. rank `r` reads every other rank's finished piece into its own buffer;
+//! 4. *done* again: nobody reads anybody's buffer any more;
+//! 5. *release*: a rank sends it once it has everyone's last *done*.
+//!
+//! Each rank reads (n − 1)/n of the buffer twice and writes nothing into another process.
+//!
+//! **Why the release round**: a rank's buffer is read by the others while it waits. A rank that
+//! stops waiting early (its timeout, a lost peer) hands its buffer back to its caller, who may
+//! change it while a peer is still reading; that peer would then finish with wrong bytes. So a
+//! rank succeeds only once every other rank has released, which each does only after everyone
+//! said they finished reading it; a rank that stops early never releases, and a rank that fails
+//! here fails the whole group (the others learn of it at once). Reads only ever copy *from*
+//! another process, so a peer's mistake cannot corrupt this one's memory; addresses and lengths
+//! from a peer are checked (lengths must equal ours) and read from that peer's own process
+//! only (its id comes from the pipe's negotiation, not from the plan).
+
+use std::ops::Range;
+
+use sluice_channel::channel::cma::read_remote;
+
+use crate::reduce::{self, ReduceOp};
+use crate::{CollectiveError, DType, Op, Result};
+
+/// Plans are this long: magic, whether the sender can read every peer, the exposed buffer's
+/// address and length.
+const PLAN: usize = 32;
+const PLAN_MAGIC: u32 = u32::from_le_bytes(*b"PLAN");
+
+/// Reductions read this much of each peer at a time (a multiple of every element size, small
+/// enough to stay in cache while it is combined).
+const CHUNK: usize = 256 << 10;
+
+/// The steps after the plan (step 0).
+const DONE: u32 = 1;
+const DONE_AGAIN: u32 = 2;
+const RELEASE: u32 = 3;
+
+/// Every rank's process and exposed buffer, by rank (this rank's own entry is itself).
+pub(crate) struct Peers {
+    me: u32,
+    pids: Vec<i32>,
+    addrs: Vec<u64>,
+}
+
+impl Peers {
+    /// Copies `dst.len()` bytes at `offset` in rank `r`'s exposed buffer into `dst`.
+    fn read(&self, r: u32, offset: usize, dst: &mut [u8]) -> Result<()> {
+        let at = self.addrs[r as usize].wrapping_add(offset as u64);
+        read_remote(self.pids[r as usize], at, dst).map_err(|e| CollectiveError::Peer {
+            rank: Some(r),
+            detail: format!(
+                "reading {} bytes of its buffer at {at:#x} (process {}): {e}",
+                dst.len(),
+                self.pids[r as usize]
+            ),
+        })
+    }
+}
+
+fn encode_plan(capable: bool, exposed: &[u8]) -> [u8; PLAN] {
+    let mut b = [0u8; PLAN];
+    b[0..4].copy_from_slice(&PLAN_MAGIC.to_le_bytes());
+    b[4] = u8::from(capable);
+    b[8..16].copy_from_slice(&(exposed.as_ptr() as u64).to_le_bytes());
+    b[16..24].copy_from_slice(&(exposed.len() as u64).to_le_bytes());
+    b
+}
+
+/// Step 0 of a collective that may read its peers: every rank tells every other where its
+/// `exposed` buffer lies. Returns the peers to read when every rank can read every other,
+/// `None` when some cannot (then the caller goes on with its ring, in step, on every rank).
+/// Buffers of differing lengths are an error on every rank.
+pub(crate) async fn plan(op: &Op, exposed: &[u8]) -> Result<Option<Peers>> {
+    let mesh = &op.mesh;
+    let (me, n) = (mesh.rank, mesh.world);
+    let mine = encode_plan(mesh.pids.is_some(), exposed);
+    let sends: Vec<_> = (0..n).filter(|&r| r != me).map(|r| (r, 0, &mine[..])).collect();
+    let (sent, got) = tokio::join!(crate::algorithm::send_all(op, sends), async {
+        let mut got = Vec::with_capacity(n as usize);
+        for r in (0..n).filter(|&r| r != me) {
+            got.push((r, op.recv(r, 0, PLAN).await?));
+        }
+        Ok::<_, CollectiveError>(got)
+    });
+    // A rank that gave up waiting for a plan may already be read by those that have them all:
+    // it fails the group rather than hand its buffer back quietly.
+    let got = match (sent, got) {
+        (Err(CollectiveError::Timeout(w)), _) | (_, Err(CollectiveError::Timeout(w))) => {
+            return Err(fail_group(op, CollectiveError::Timeout(w)))
+        }
+        (Err(e), _) | (_, Err(e)) => return Err(e),
+        (Ok(()), Ok(got)) => got,
+    };
+    let mut addrs = vec![exposed.as_ptr() as u64; n as usize];
+    let mut all = mesh.pids.is_some();
+    for (r, b) in got {
+        let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
+        if b[0..4] != PLAN_MAGIC.to_le_bytes() || b[4] > 1 {
+            return Err(CollectiveError::Peer {
+                rank: Some(r),
+                detail: format!("sent a malformed plan {:02x?}", &b[..8]),
+            });
+        }
+        if word(16) != exposed.len() as u64 {
+            return Err(CollectiveError::Invalid(format!(
+                "rank {r}'s buffer is {} bytes where rank {me}'s is {} (buffer sizes differ across ranks?)",
+                word(16),
+                exposed.len()
+            )));
+        }
+        all &= b[4] == 1;
+        addrs[r as usize] = word(8);
+    }
+    Ok(match (&mesh.pids, all) {
+        (Some(pids), true) => {
+            mesh.local_ops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Some(Peers {
+                me,
+                pids: pids.clone(),
+                addrs,
+            })
+        }
+        _ => None,
+    })
+}
+
+/// Fails the group with `e` (telling the others) and returns the group's error.
+fn fail_group(op: &Op, e: CollectiveError) -> CollectiveError {
+    if op.mesh.fail(e.clone()) {
+        op.mesh.tell_others(op.mesh.rank, &e.to_string());
+    }
+    op.mesh.failed().unwrap_or(e)
+}
+
+/// Runs one local collective's reading part: an error there fails the group (this rank's
+/// buffer may still be read by a peer, and a peer may be waiting for this rank's release).
+async fn guarded<F: std::future::Future<Output = Result<()>>>(op: &Op, f: F) -> Result<()> {
+    f.await.map_err(|e| fail_group(op, e))
+}
+
+/// An empty message to every other rank as `step`, then one from every other rank.
+async fn round(op: &Op, step: u32) -> Result<()> {
+    let me = op.mesh.rank;
+    let sends = (0..op.mesh.world)
+        .filter(|&r| r != me)
+        .map(|r| (r, step, &[][..]))
+        .collect();
+    crate::algorithm::send_all(op, sends).await?;
+    for r in (0..op.mesh.world).filter(|&r| r != me) {
+        op.recv(r, step, 0).await?;
+    }
+    Ok(())
+}
+
+/// The last two rounds: this rank has finished reading; once everyone has, it releases its
+/// buffer, and it returns once everyone has released theirs.
+async fn finish(op: &Op, done: u32) -> Result<()> {
+    round(op, done).await?;
+    round(op, RELEASE).await
+}
+
+/// `dst` becomes, chunk by chunk, the reduction in rank order of every rank's bytes at
+/// `offset` in its exposed buffer, this rank's own taken from `own` (or from `dst` itself
+/// when `own` is `None`: in place).
+fn reduce_from(
+    peers: &Peers,
+    offset: usize,
+    dst: &mut [u8],
+    own: Option<&[u8]>,
+    dtype: DType,
+    rop: ReduceOp,
+) -> Result<()> {
+    let n = peers.pids.len() as u32;
+    let me = peers.me;
+    let mut theirs = vec![0u8; CHUNK.min(dst.len())];
+    let mut kept = Vec::new();
+    for (i, d) in dst.chunks_mut(CHUNK).enumerate() {
+        let at = i * CHUNK;
+        let theirs = &mut theirs[..d.len()];
+        // This rank's contribution to the chunk, where `d` is about to be overwritten.
+        let own_chunk: Option<&[u8]> = match own {
+            Some(o) => Some(&o[at..at + d.len()]),
+            None if me == 0 => None,
+            None => {
+                kept.clear();
+                kept.extend_from_slice(d);
+                Some(&kept)
+            }
+        };
+        for r in 0..n {
+            match (r == me, r == 0) {
+                // Rank 0's bytes start the chunk.
+                (true, true) => {
+                    if let Some(o) = own_chunk {
+                        d.copy_from_slice(o)
+                    }
+                }
+                (false, true) => peers.read(0, offset + at, d)?,
+                (true, false) => reduce::combine(d, own_chunk.expect("kept"), dtype, rop),
+                (false, false) => {
+                    peers.read(r, offset + at, theirs)?;
+                    reduce::combine(d, theirs, dtype, rop);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// allreduce in place (see the module's notes); `p` cuts the buffer into one piece per rank.
+pub(crate) async fn all_reduce(
+    op: &Op,
+    peers: &Peers,
+    buf: &mut [u8],
+    p: &[Range<usize>],
+    dtype: DType,
+    rop: ReduceOp,
+) -> Result<()> {
+    let me = peers.me as usize;
+    let n = p.len() as u32;
+    guarded(op, async {
+        let mine = p[me].clone();
+        reduce_from(peers, mine.start, &mut buf[mine.clone()], None, dtype, rop)?;
+        reduce::finish(&mut buf[mine], dtype, rop, n);
+        round(op, DONE).await?;
+        for r in (0..n).filter(|&r| r as usize != me) {
+            let theirs = p[r as usize].clone();
+            peers.read(r, theirs.start, &mut buf[theirs])?;
+        }
+        finish(op, DONE_AGAIN).await
+    })
+    .await
+}
+
+/// reduce-scatter: `out` becomes the reduction of piece `me` of every rank's `input` (the
+/// exposed buffer).
+pub(crate) async fn reduce_scatter(
+    op: &Op,
+    peers: &Peers,
+    input: &[u8],
+    out: &mut [u8],
+    dtype: DType,
+    rop: ReduceOp,
+) -> Result<()> {
+    let len = out.len();
+    let me = peers.me as usize;
+    guarded(op, async {
+        let mine = &input[me * len..(me + 1) * len];
+        reduce_from(peers, me * len, out, Some(mine), dtype, rop)?;
+        reduce::finish(out, dtype, rop, peers.pids.len() as u32);
+        finish(op, DONE).await
+    })
+    .await
+}
+
+/// allgather: piece `r` of `out` is read from rank `r`'s `input` (the exposed buffer).
+pub(crate) async fn all_gather(op: &Op, peers: &Peers, input: &[u8], out: &mut [u8]) -> Result<()> {
+    let len = input.len();
+    guarded(op, async {
+        for (r, piece) in out.chunks_mut(len).enumerate() {
+            if r as u32 == peers.me {
+                piece.copy_from_slice(input);
+            } else {
+                peers.read(r as u32, 0, piece)?;
+            }
+        }
+        finish(op, DONE).await
+    })
+    .await
+}
+
+/// broadcast: every rank but the root reads the root's buffer (the exposed one).
+pub(crate) async fn broadcast(op: &Op, peers: &Peers, root: u32, buf: &mut [u8]) -> Result<()> {
+    guarded(op, async {
+        if peers.me != root {
+            peers.read(root, 0, buf)?;
+        }
+        finish(op, DONE).await
+    })
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plan_holds_the_buffer_it_describes() {
+        let buf = vec![0u8; 1000];
+        let b = encode_plan(true, &buf);
+        assert_eq!(&b[0..4], b"PLAN");
+        assert_eq!(b[4], 1);
+        assert_eq!(u64::from_le_bytes(b[8..16].try_into().unwrap()), buf.as_ptr() as u64);
+        assert_eq!(u64::from_le_bytes(b[16..24].try_into().unwrap()), 1000);
+        assert_eq!(CHUNK % 16, 0, "chunks end on element boundaries");
+    }
+}
