@@ -74,13 +74,18 @@ pub fn elements(dtype: DType, len: usize) -> Result<usize, CollectiveError> {
     Ok(len / size)
 }
 
-/// `dst[i] = f(dst[i], src[i])` over elements of `T`, when both buffers are aligned for `T`
-/// (the common case: a vectorizable loop); `false` when they are not.
-fn aligned<T: bytemuck::Pod>(dst: &mut [u8], src: &[u8], f: impl Fn(T, T) -> T) -> bool {
+/// `dst[i] = f(dst[i], src[i])` (or `f(src[i], dst[i])` when `rev`) over elements of `T`, when
+/// both buffers are aligned for `T` (the common case: a vectorizable loop); `false` when they
+/// are not.
+fn aligned<T: bytemuck::Pod>(dst: &mut [u8], src: &[u8], rev: bool, f: impl Fn(T, T) -> T) -> bool {
     match (
         bytemuck::try_cast_slice_mut::<u8, T>(dst),
         bytemuck::try_cast_slice::<u8, T>(src),
     ) {
+        (Ok(d), Ok(s)) if rev => {
+            d.iter_mut().zip(s).for_each(|(a, b)| *a = f(*b, *a));
+            true
+        }
         (Ok(d), Ok(s)) => {
             d.iter_mut().zip(s).for_each(|(a, b)| *a = f(*a, *b));
             true
@@ -90,11 +95,14 @@ fn aligned<T: bytemuck::Pod>(dst: &mut [u8], src: &[u8], f: impl Fn(T, T) -> T) 
 }
 
 macro_rules! fold {
-    ($dst:expr, $src:expr, $t:ty, $n:expr, |$a:ident, $b:ident| $f:expr) => {{
-        if !aligned::<$t>($dst, $src, |$a: $t, $b: $t| $f) {
+    ($dst:expr, $src:expr, $rev:expr, $t:ty, $n:expr, |$a:ident, $b:ident| $f:expr) => {{
+        if !aligned::<$t>($dst, $src, $rev, |$a: $t, $b: $t| $f) {
             for (d, s) in $dst.chunks_exact_mut($n).zip($src.chunks_exact($n)) {
-                let $a = <$t>::from_ne_bytes(d.try_into().expect("element"));
-                let $b = <$t>::from_ne_bytes(s.try_into().expect("element"));
+                let (x, y) = (
+                    <$t>::from_ne_bytes(d.try_into().expect("element")),
+                    <$t>::from_ne_bytes(s.try_into().expect("element")),
+                );
+                let ($a, $b) = if $rev { (y, x) } else { (x, y) };
                 d.copy_from_slice(&($f).to_ne_bytes());
             }
         }
@@ -102,46 +110,54 @@ macro_rules! fold {
 }
 
 macro_rules! int_ops {
-    ($dst:expr, $src:expr, $op:expr, $t:ty) => {{
+    ($dst:expr, $src:expr, $rev:expr, $op:expr, $t:ty) => {{
         let n = std::mem::size_of::<$t>();
         match $op {
-            ReduceOp::Sum | ReduceOp::Avg => fold!($dst, $src, $t, n, |a, b| a.wrapping_add(b)),
-            ReduceOp::Product => fold!($dst, $src, $t, n, |a, b| a.wrapping_mul(b)),
-            ReduceOp::Min => fold!($dst, $src, $t, n, |a, b| a.min(b)),
-            ReduceOp::Max => fold!($dst, $src, $t, n, |a, b| a.max(b)),
+            ReduceOp::Sum | ReduceOp::Avg => fold!($dst, $src, $rev, $t, n, |a, b| a.wrapping_add(b)),
+            ReduceOp::Product => fold!($dst, $src, $rev, $t, n, |a, b| a.wrapping_mul(b)),
+            ReduceOp::Min => fold!($dst, $src, $rev, $t, n, |a, b| a.min(b)),
+            ReduceOp::Max => fold!($dst, $src, $rev, $t, n, |a, b| a.max(b)),
         }
     }};
 }
 
 macro_rules! float_ops {
-    ($dst:expr, $src:expr, $op:expr, $t:ty) => {{
+    ($dst:expr, $src:expr, $rev:expr, $op:expr, $t:ty) => {{
         let n = std::mem::size_of::<$t>();
         match $op {
-            ReduceOp::Sum | ReduceOp::Avg => fold!($dst, $src, $t, n, |a, b| a + b),
-            ReduceOp::Product => fold!($dst, $src, $t, n, |a, b| a * b),
+            ReduceOp::Sum | ReduceOp::Avg => fold!($dst, $src, $rev, $t, n, |a, b| a + b),
+            ReduceOp::Product => fold!($dst, $src, $rev, $t, n, |a, b| a * b),
             // NaN wins, as in PyTorch.
-            ReduceOp::Min => fold!($dst, $src, $t, n, |a, b| if a.is_nan() || a < b { a } else { b }),
-            ReduceOp::Max => fold!($dst, $src, $t, n, |a, b| if a.is_nan() || a > b { a } else { b }),
+            ReduceOp::Min => fold!($dst, $src, $rev, $t, n, |a, b| if a.is_nan() || a < b { a } else { b }),
+            ReduceOp::Max => fold!($dst, $src, $rev, $t, n, |a, b| if a.is_nan() || a > b { a } else { b }),
         }
     }};
 }
 
 macro_rules! half_ops {
-    ($dst:expr, $src:expr, $op:expr, $t:ty) => {{
+    ($dst:expr, $src:expr, $rev:expr, $op:expr, $t:ty) => {{
         let n = 2;
         match $op {
-            ReduceOp::Sum | ReduceOp::Avg => fold!($dst, $src, $t, n, |a, b| <$t>::from_f32(a.to_f32() + b.to_f32())),
-            ReduceOp::Product => fold!($dst, $src, $t, n, |a, b| <$t>::from_f32(a.to_f32() * b.to_f32())),
-            ReduceOp::Min => fold!($dst, $src, $t, n, |a, b| if a.is_nan() || a.to_f32() < b.to_f32() {
-                a
-            } else {
-                b
-            }),
-            ReduceOp::Max => fold!($dst, $src, $t, n, |a, b| if a.is_nan() || a.to_f32() > b.to_f32() {
-                a
-            } else {
-                b
-            }),
+            ReduceOp::Sum | ReduceOp::Avg => {
+                fold!($dst, $src, $rev, $t, n, |a, b| <$t>::from_f32(a.to_f32() + b.to_f32()))
+            }
+            ReduceOp::Product => fold!($dst, $src, $rev, $t, n, |a, b| <$t>::from_f32(a.to_f32() * b.to_f32())),
+            ReduceOp::Min => fold!(
+                $dst,
+                $src,
+                $rev,
+                $t,
+                n,
+                |a, b| if a.is_nan() || a.to_f32() < b.to_f32() { a } else { b }
+            ),
+            ReduceOp::Max => fold!(
+                $dst,
+                $src,
+                $rev,
+                $t,
+                n,
+                |a, b| if a.is_nan() || a.to_f32() > b.to_f32() { a } else { b }
+            ),
         }
     }};
 }
@@ -168,6 +184,17 @@ macro_rules! complex_ops {
 /// `dst[i] = dst[i] op src[i]` for every element (`op` checked with [`check`] first; the
 /// average sums here and divides in [`finish`]).
 pub fn combine(dst: &mut [u8], src: &[u8], dtype: DType, op: ReduceOp) {
+    combine_ordered(dst, src, dtype, op, false)
+}
+
+/// `dst[i] = src[i] op dst[i]`: as [`combine`] with the operands the other way round (the
+/// same bytes but for which NaN or which signed zero a minimum or maximum keeps), so that a
+/// reduction in rank order can fold earlier ranks' values into a later rank's in place.
+pub fn combine_rev(dst: &mut [u8], src: &[u8], dtype: DType, op: ReduceOp) {
+    combine_ordered(dst, src, dtype, op, true)
+}
+
+fn combine_ordered(dst: &mut [u8], src: &[u8], dtype: DType, op: ReduceOp, rev: bool) {
     debug_assert_eq!(dst.len(), src.len());
     let op = op.step();
     match dtype {
@@ -181,18 +208,18 @@ pub fn combine(dst: &mut [u8], src: &[u8], dtype: DType, op: ReduceOp) {
                 .zip(src)
                 .for_each(|(d, s)| *d = ((*d != 0) && (*s != 0)) as u8),
         },
-        DType::I8 => int_ops!(dst, src, op, i8),
-        DType::I16 => int_ops!(dst, src, op, i16),
-        DType::I32 => int_ops!(dst, src, op, i32),
-        DType::I64 => int_ops!(dst, src, op, i64),
-        DType::U8 => int_ops!(dst, src, op, u8),
-        DType::U16 => int_ops!(dst, src, op, u16),
-        DType::U32 => int_ops!(dst, src, op, u32),
-        DType::U64 => int_ops!(dst, src, op, u64),
-        DType::F16 => half_ops!(dst, src, op, f16),
-        DType::BF16 => half_ops!(dst, src, op, bf16),
-        DType::F32 => float_ops!(dst, src, op, f32),
-        DType::F64 => float_ops!(dst, src, op, f64),
+        DType::I8 => int_ops!(dst, src, rev, op, i8),
+        DType::I16 => int_ops!(dst, src, rev, op, i16),
+        DType::I32 => int_ops!(dst, src, rev, op, i32),
+        DType::I64 => int_ops!(dst, src, rev, op, i64),
+        DType::U8 => int_ops!(dst, src, rev, op, u8),
+        DType::U16 => int_ops!(dst, src, rev, op, u16),
+        DType::U32 => int_ops!(dst, src, rev, op, u32),
+        DType::U64 => int_ops!(dst, src, rev, op, u64),
+        DType::F16 => half_ops!(dst, src, rev, op, f16),
+        DType::BF16 => half_ops!(dst, src, rev, op, bf16),
+        DType::F32 => float_ops!(dst, src, rev, op, f32),
+        DType::F64 => float_ops!(dst, src, rev, op, f64),
         DType::C64 => complex_ops!(dst, src, op, f32),
         DType::C128 => complex_ops!(dst, src, op, f64),
     }
@@ -272,6 +299,33 @@ mod tests {
         let mut t = vec![0u8, 1, 1, 0];
         combine(&mut t, &[0, 0, 1, 1], DType::Bool, ReduceOp::Product);
         assert_eq!(t, [0, 0, 1, 0]);
+    }
+
+    #[test]
+    fn the_reversed_fold_puts_the_source_on_the_left() {
+        // min(-0, +0) keeps its left operand's zero, so the two orders differ in bytes.
+        let (neg, pos) = (
+            bytes_of(&[-0.0f32; 3], f32::to_ne_bytes),
+            bytes_of(&[0.0f32; 3], f32::to_ne_bytes),
+        );
+        let mut d = neg.clone();
+        combine(&mut d, &pos, DType::F32, ReduceOp::Min);
+        assert_eq!(d, pos, "min(-0, +0) with -0 on the left");
+        let mut d = neg.clone();
+        combine_rev(&mut d, &pos, DType::F32, ReduceOp::Min);
+        assert_eq!(d, neg, "min(+0, -0) with +0 on the left");
+        // The same on the unaligned (byte) path.
+        let (mut d, s) = ([&[0u8][..], &neg].concat(), [&[0u8][..], &pos].concat());
+        combine_rev(&mut d[1..], &s[1..], DType::F32, ReduceOp::Min);
+        assert_eq!(&d[1..], &neg[..]);
+        let mut sum = bytes_of(&[1i32, 2, 3], i32::to_ne_bytes);
+        combine_rev(
+            &mut sum,
+            &bytes_of(&[10i32, 20, 30], i32::to_ne_bytes),
+            DType::I32,
+            ReduceOp::Sum,
+        );
+        assert_eq!(sum, bytes_of(&[11i32, 22, 33], i32::to_ne_bytes));
     }
 
     #[test]

@@ -265,6 +265,25 @@ async fn conformance(g: &Group) -> u64 {
         for k in 0..3u8 {
             assert_eq!(&g.recv(prev, 7).await.unwrap()[..], [prev as u8, k]);
         }
+        // One 8 MiB buffer used again and again (given huge pages from its second use on,
+        // where the peers read it directly): right every time.
+        let mut reused = vec![0u8; 8 << 20];
+        for k in 0..3u32 {
+            for (i, c) in reused.chunks_exact_mut(4).enumerate() {
+                c.copy_from_slice(&((i % 1000) as f32 + (me * 7 + k) as f32).to_ne_bytes());
+            }
+            g.all_reduce(&mut reused, DType::F32, ReduceOp::Sum).await.unwrap();
+            let base: u32 = (0..n).map(|r| r * 7 + k).sum();
+            for (i, c) in reused.chunks_exact(4).enumerate().step_by(4099) {
+                let got = f32::from_ne_bytes(c.try_into().unwrap());
+                assert_eq!(
+                    got,
+                    (n * (i % 1000) as u32 + base) as f32,
+                    "reused buffer, round {k}, element {i}"
+                );
+            }
+            big += 1;
+        }
         // Sizes that disagree across ranks are an error, not a hang.
         let mut odd = vec![0u8; if me == 0 { 8 } else { 12 }];
         let e = g.all_reduce(&mut odd, DType::F32, ReduceOp::Sum).await.unwrap_err();
