@@ -63,6 +63,11 @@ for line in sys.stdin:
 
 run() {
     cd "$here"
+    if [ -n "${SLUICE_CUDA_DRIVER:-}" ]; then
+        echo "gpu-check: SLUICE_CUDA_DRIVER=$SLUICE_CUDA_DRIVER names a CUDA driver model, not a GPU;" >&2
+        echo "gpu-check: unset it (scripts/cuda-model-check.sh is the model's run)" >&2
+        exit 2
+    fi
     export SLUICE_REQUIRE_GPU=1
     export SLUICE_TEST_PEER="$bin/sluice-test-peer"
     export RUST_BACKTRACE=1

@@ -43,6 +43,12 @@ pub type SpawnPeer<'a> = &'a dyn Fn(&str, &str) -> anyhow::Result<Box<dyn Any>>;
 
 /// Runs the suite. Without a GPU it prints why and returns no records.
 pub fn run(options: &BenchOptions, spawn: SpawnPeer<'_>) -> anyhow::Result<Vec<Record>> {
+    if let Some(model) = cuda::driver::model() {
+        eprintln!(
+            "cuda suite skipped: {model} is the CUDA driver model (SLUICE_CUDA_DRIVER), not a GPU: nothing to measure"
+        );
+        return Ok(Vec::new());
+    }
     let cuda = match cuda::runtime() {
         Ok(c) => c,
         Err(e) => {

@@ -388,6 +388,7 @@ pub fn machine() -> Vec<(&'static str, String)> {
         read("/proc/sys/kernel/osrelease").trim()
     );
     let gpus = match sluice_channel::cuda::runtime() {
+        _ if sluice_channel::cuda::driver::model().is_some() => "none (the CUDA driver model is loaded)".into(),
         Ok(cuda) if !cuda.gpus.is_empty() => cuda.gpus.iter().map(|g| g.name.clone()).collect::<Vec<_>>().join(", "),
         Ok(_) => "none".into(),
         Err(e) => format!("none ({e})"),

@@ -48,9 +48,10 @@ pub fn registry() -> Registry {
     r
 }
 
-/// The GPU both bench processes use, when CUDA works here.
+/// The GPU both bench processes use, when CUDA works here (never under the CUDA driver model:
+/// its figures would read as a GPU's).
 pub fn gpu() -> Option<Device> {
-    cuda::available().then_some(Device::Cuda(0))
+    (cuda::available() && cuda::driver::model().is_none()).then_some(Device::Cuda(0))
 }
 
 /// Options for a bench process: with a GPU, `cuda:0` maps to the peer's `cuda:0`.

@@ -196,9 +196,29 @@ entry_points! {
 /// `CUDA_ERROR_STUB_LIBRARY`; it is tried last, and a stub is reported as such.
 pub const LIBRARY_NAMES: [&str; 2] = ["libcuda.so.1", "libcuda.so"];
 
+/// The variable that names a CUDA driver *model* to load instead of the driver: a library
+/// exporting the same entry points (Sluice's own is `cuda-model/`, for CI without a GPU). Only
+/// that file is tried when it is set, and every error and figure names it as the model.
+pub const MODEL_VARIABLE: &str = "SLUICE_CUDA_DRIVER";
+
+/// The driver model in use (the path in [`MODEL_VARIABLE`]), if one is.
+pub fn model() -> Option<&'static str> {
+    static MODEL: OnceLock<Option<String>> = OnceLock::new();
+    MODEL
+        .get_or_init(|| std::env::var(MODEL_VARIABLE).ok().filter(|p| !p.is_empty()))
+        .as_deref()
+}
+
 fn api() -> Result<&'static Api> {
     static API: OnceLock<std::result::Result<Api, String>> = OnceLock::new();
     API.get_or_init(|| {
+        if let Some(path) = model() {
+            // SAFETY: the model is a library of ours whose initializers only set up its state.
+            return match unsafe { libloading::Library::new(path) } {
+                Ok(lib) => Api::load(lib, path),
+                Err(e) => Err(format!("the CUDA driver model {path} ({MODEL_VARIABLE}): {e}")),
+            };
+        }
         let mut why = Vec::new();
         for name in LIBRARY_NAMES {
             // SAFETY: loading the driver library runs only its own initializers, which is
@@ -290,6 +310,9 @@ fn check(call: &'static str, r: c_int) -> Result<()> {
         return Ok(());
     }
     let mut name = error_name(r);
+    if let Some(path) = model() {
+        name = format!("{name} [from the CUDA driver model {path}, not a GPU]");
+    }
     if r == consts::ERROR_STUB_LIBRARY {
         let path = api().map(|a| a.path).unwrap_or("libcuda");
         name = format!(

@@ -153,33 +153,36 @@ struct Qp {
     silent_since: Option<Instant>,
 }
 
-/// Whether every page of `addr..addr+len` is mapped writable in this process (from
-/// `/proc/self/maps`; assumed writable where that cannot be read).
-fn writable(addr: u64, len: usize) -> bool {
+/// Whether every page of `addr..addr+len` is mapped readable (and writable, with `write`) in
+/// this process (from `/proc/self/maps`; assumed so where that cannot be read). `ibv_reg_mr`
+/// pins the pages, which fails for memory the process cannot access: an inaccessible range, or
+/// a GPU's device address without a peer-memory module.
+fn accessible(addr: u64, len: usize, write: bool) -> bool {
     let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
         return true;
     };
     let end = addr.saturating_add(len as u64);
     let mut covered = addr;
-    let mut ranges: Vec<(u64, u64, bool)> = maps
+    let mut ranges: Vec<(u64, u64, bool, bool)> = maps
         .lines()
         .filter_map(|line| {
             let mut fields = line.split_whitespace();
             let (lo, hi) = fields.next()?.split_once('-')?;
-            let perms = fields.next()?;
+            let perms = fields.next()?.as_bytes();
             Some((
                 u64::from_str_radix(lo, 16).ok()?,
                 u64::from_str_radix(hi, 16).ok()?,
-                perms.as_bytes().get(1) == Some(&b'w'),
+                perms.first() == Some(&b'r'),
+                perms.get(1) == Some(&b'w'),
             ))
         })
         .collect();
     ranges.sort_unstable();
-    for (lo, hi, w) in ranges {
+    for (lo, hi, r, w) in ranges {
         if hi <= covered || lo > covered {
             continue;
         }
-        if !w {
+        if !r || (write && !w) {
             return false;
         }
         covered = hi;
@@ -406,7 +409,13 @@ impl VerbsDevice for ModelDevice {
                 "REMOTE_WRITE without LOCAL_WRITE (EINVAL)",
             ));
         }
-        if access.local_write && !writable(addr as u64, len.max(1)) {
+        if !accessible(addr as u64, len.max(1), false) {
+            return Err(VerbsError::failed(
+                "reg_mr",
+                format!("{len} bytes at {addr:p} are not memory this process can access (EFAULT; a GPU address needs a peer-memory module)"),
+            ));
+        }
+        if access.local_write && !accessible(addr as u64, len.max(1), true) {
             return Err(VerbsError::failed(
                 "reg_mr",
                 format!("write access asked for {len} bytes of read-only memory at {addr:p} (EFAULT)"),

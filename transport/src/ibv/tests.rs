@@ -728,7 +728,8 @@ fn sleeping_on_completions_queued_before_arming_is_a_violation() {
 
 /// Registration asks for exactly the rights it needs, as `ibv_reg_mr` checks them: write
 /// rights on read-only memory fail (EFAULT), remote write without local write fails (EINVAL),
-/// and a source for remote reads needs no write right at all.
+/// a source for remote reads needs no write right at all, and memory the process cannot access
+/// cannot be registered.
 #[test]
 fn registration_rights_are_checked_against_the_memory() {
     static READ_ONLY: [u8; 8192] = [3; 8192];
@@ -750,6 +751,12 @@ fn registration_rights_are_checked_against_the_memory() {
     assert!(e.err().is_some_and(|e| e.to_string().contains("EINVAL")));
     // Sources (what the peer reads) ask for no write right.
     const { assert!(!Access::REMOTE_READ.local_write) };
+    // Memory the process cannot access at all (the first page is never mapped; a GPU's device
+    // address without a peer-memory module is the same to the NIC): EFAULT, even to read.
+    // SAFETY: registration fails before anything is recorded; nothing reads the address.
+    let none = unsafe { dev.register(4096 as *mut u8, 4096, Access::REMOTE_READ) };
+    let why = none.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(why.contains("not memory this process can access"), "{why}");
 }
 
 /// Ports with different MTUs and read depths: the path is the smaller MTU of the two, and

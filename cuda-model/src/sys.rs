@@ -1,0 +1,206 @@
+//! The model's system calls: the device address space, shared memory files and the fault
+//! handler that names a host dereference of device memory.
+#![allow(unsafe_code)]
+
+use std::ffi::CString;
+use std::io;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Bytes of address space reserved for device memory (never backed: host access faults).
+pub const SPACE: usize = 1 << 40;
+
+static SPACE_BASE: AtomicUsize = AtomicUsize::new(0);
+
+/// Reserves the device address space (inaccessible) and installs the fault handler; returns
+/// its base.
+pub fn reserve_space() -> io::Result<usize> {
+    // SAFETY: a fresh anonymous mapping at an address the kernel chooses, with no access and
+    // no backing: it touches no existing memory.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            SPACE,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    SPACE_BASE.store(p as usize, Ordering::SeqCst);
+    install_fault_handler();
+    Ok(p as usize)
+}
+
+/// Whether `addr` lies in the device address space.
+pub fn in_space(addr: usize) -> bool {
+    let base = SPACE_BASE.load(Ordering::Relaxed);
+    base != 0 && addr >= base && addr < base + SPACE
+}
+
+extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
+    // SAFETY: the kernel hands a valid siginfo to an SA_SIGINFO handler.
+    let addr = unsafe { (*info).si_addr() } as usize;
+    if in_space(addr) {
+        let msg = b"sluice CUDA driver model: broke rule memory.host-deref (documented): host code \
+dereferenced a device pointer (device memory is not host memory)\n";
+        // SAFETY: write(2) and abort(3) are async-signal-safe; the buffer is static.
+        unsafe {
+            libc::write(2, msg.as_ptr().cast(), msg.len());
+            libc::abort();
+        }
+    }
+    // Not ours: the default action (a core dump, as without the model).
+    // SAFETY: restoring the default disposition and re-raising are async-signal-safe.
+    unsafe {
+        libc::signal(sig, libc::SIG_DFL);
+        libc::raise(sig);
+    }
+}
+
+fn install_fault_handler() {
+    // SAFETY: a zeroed sigaction with our handler and SA_SIGINFO is a valid argument; the
+    // handler only calls async-signal-safe functions.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_fault as *const () as usize;
+        sa.sa_flags = libc::SA_SIGINFO;
+        libc::sigemptyset(&mut sa.sa_mask);
+        libc::sigaction(libc::SIGSEGV, &sa, std::ptr::null_mut());
+        libc::sigaction(libc::SIGBUS, &sa, std::ptr::null_mut());
+    }
+}
+
+/// A shared memory file (memfd) mapped read-write in this process.
+pub struct Shared {
+    pub fd: i32,
+    pub base: usize,
+    pub len: usize,
+}
+
+impl Shared {
+    /// A new file of `len` bytes named `name` (visible in `/proc/PID/fd` links).
+    pub fn create(name: &str, len: usize) -> io::Result<Shared> {
+        let cname = CString::new(name).expect("no NUL in a name");
+        // SAFETY: memfd_create reads the NUL-terminated name and returns a new descriptor.
+        let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: ftruncate on the descriptor just made.
+        if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
+            let e = io::Error::last_os_error();
+            // SAFETY: closing our own descriptor.
+            unsafe { libc::close(fd) };
+            return Err(e);
+        }
+        Self::map(fd, len)
+    }
+
+    /// Opens process `pid`'s descriptor `fd` (another process's memfd) and maps `len` bytes.
+    pub fn open(pid: u32, fd: i32, len: usize) -> io::Result<Shared> {
+        let path = CString::new(format!("/proc/{pid}/fd/{fd}")).expect("no NUL");
+        // SAFETY: open(2) on a NUL-terminated path.
+        let own = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+        if own < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Self::map(own, len)
+    }
+
+    fn map(fd: i32, len: usize) -> io::Result<Shared> {
+        // SAFETY: a new shared mapping of our own descriptor, at an address the kernel chooses.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            let e = io::Error::last_os_error();
+            // SAFETY: closing our own descriptor.
+            unsafe { libc::close(fd) };
+            return Err(e);
+        }
+        Ok(Shared {
+            fd,
+            base: p as usize,
+            len,
+        })
+    }
+
+    /// The name of process `pid`'s descriptor `fd` (what `/proc/PID/fd/FD` links to).
+    pub fn name_of(pid: u32, fd: i32) -> io::Result<String> {
+        std::fs::read_link(format!("/proc/{pid}/fd/{fd}")).map(|p| p.to_string_lossy().into_owned())
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // SAFETY: unmapping and closing what `map` made; nothing refers to the mapping once
+        // its owner drops it (the model keeps every user of it alive until then).
+        unsafe {
+            libc::munmap(self.base as *mut libc::c_void, self.len);
+            libc::close(self.fd);
+        }
+    }
+}
+
+/// Anonymous host memory (what `cuMemHostAlloc` returns).
+pub fn host_alloc(len: usize) -> io::Result<usize> {
+    // SAFETY: a fresh private anonymous mapping.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len.max(1),
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(p as usize)
+}
+
+/// Gives back what [`host_alloc`] returned.
+pub fn host_free(addr: usize, len: usize) {
+    // SAFETY: `addr` and `len` are a mapping `host_alloc` made (the caller checked).
+    unsafe { libc::munmap(addr as *mut libc::c_void, len.max(1)) };
+}
+
+/// Copies `len` bytes from `src` to `dst` (host addresses: the model's backing views or the
+/// caller's host memory).
+///
+/// # Safety
+/// Both ranges must be mapped and writable/readable for `len` bytes and not overlap.
+pub unsafe fn copy(dst: usize, src: usize, len: usize) {
+    // SAFETY: the caller's contract.
+    unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) }
+}
+
+/// Fills `len` bytes at `dst` with `value`.
+///
+/// # Safety
+/// The range must be mapped and writable.
+pub unsafe fn fill(dst: usize, value: u8, len: usize) {
+    // SAFETY: the caller's contract.
+    unsafe { std::ptr::write_bytes(dst as *mut u8, value, len) }
+}
+
+/// The `u64` at `addr` in a shared mapping, as an atomic.
+///
+/// # Safety
+/// `addr` must be 8-byte aligned inside a mapping that outlives the returned reference.
+pub unsafe fn atomic_at<'a>(addr: usize) -> &'a std::sync::atomic::AtomicU64 {
+    // SAFETY: the caller's contract; AtomicU64 has the layout of u64.
+    unsafe { &*(addr as *const std::sync::atomic::AtomicU64) }
+}

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Runs Sluice's GPU-gated suites against the CUDA driver model (cuda-model/), on any machine:
+# no GPU, no NVIDIA driver. The model is loaded only because SLUICE_CUDA_DRIVER names it, and
+# SLUICE_REQUIRE_GPU=1 turns every GPU test that would skip into a failure. Each pass runs once
+# without delays and then with two seeds of random stream delays (SLUICE_CUDA_MODEL_SEED).
+#
+# What runs: the model's own tests (each rule fires); sluice-cuda's unit tests (probe, memory,
+# pinned staging, IPC export, events) but the NVRTC compile (kernels are not modelled yet); the
+# channel crate's unit tests; the channel conformance suite's CUDA rows (cuda_ipc within a
+# process and with a real peer process, cuda_p2p on two model devices and in loopback,
+# cuda_staged) and tests/tests/cuda.rs; tests/tests/cuda_rpc.rs but the distributed backward
+# (it launches kernels). Nothing here is a GPU figure: the bench refuses to measure under the
+# model, and scripts/gpu-check.sh refuses to run under it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+cargo build --release -p sluice-cuda-model
+model="$PWD/target/release/libsluice_cuda_model.so"
+log="${SLUICE_SKIP_LOG:-$(mktemp)}"
+export SLUICE_SKIP_LOG="$log"
+
+cargo test --release -p sluice-cuda-model
+
+for seed in "" 1 2; do
+    echo "== the CUDA driver model, seed ${seed:-none}"
+    env SLUICE_CUDA_DRIVER="$model" SLUICE_REQUIRE_GPU=1 ${seed:+SLUICE_CUDA_MODEL_SEED=$seed} \
+        cargo test --release -p sluice-cuda --lib -- --skip nvrtc
+    env SLUICE_CUDA_DRIVER="$model" SLUICE_REQUIRE_GPU=1 ${seed:+SLUICE_CUDA_MODEL_SEED=$seed} \
+        cargo test --release -p sluice-channel --lib
+    env SLUICE_CUDA_DRIVER="$model" SLUICE_REQUIRE_GPU=1 ${seed:+SLUICE_CUDA_MODEL_SEED=$seed} \
+        cargo test --release -p sluice-tests --test channel_conformance --test cuda
+    env SLUICE_CUDA_DRIVER="$model" SLUICE_REQUIRE_GPU=1 ${seed:+SLUICE_CUDA_MODEL_SEED=$seed} \
+        cargo test --release -p sluice-tests --test cuda_rpc -- --skip distributed_backward_across_a_device_map
+done
+echo "== the CUDA driver model: every pass passed"
