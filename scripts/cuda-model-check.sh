@@ -4,7 +4,8 @@
 # SLUICE_REQUIRE_GPU=1 turns every GPU test that would skip into a failure. Each pass runs once
 # without delays and then with two seeds of random stream delays (SLUICE_CUDA_MODEL_SEED).
 #
-# What runs: the model's own tests (each rule fires); sluice-cuda's unit tests (probe, memory,
+# What runs: the model's own tests (each rule fires); every signature Sluice declares and the
+# model exports checked against NVIDIA's cuda.h (scripts/cuda-abi-check.py); sluice-cuda's unit tests (probe, memory,
 # pinned staging, IPC export, events) but the NVRTC compile (kernels are not modelled yet); the
 # channel crate's unit tests; the channel conformance suite's CUDA rows (cuda_ipc within a
 # process and with a real peer process, cuda_p2p on two model devices and in loopback,
@@ -20,6 +21,22 @@ log="${SLUICE_SKIP_LOG:-$(mktemp)}"
 export SLUICE_SKIP_LOG="$log"
 
 cargo test --release -p sluice-cuda-model
+
+# Sluice's declarations and the model's exports against NVIDIA's own cuda.h (from NVIDIA's
+# CUDA runtime wheel on PyPI, pinned; fetched once into target/cuda-header).
+header=target/cuda-header/cuda.h
+if [ ! -s "$header" ]; then
+    mkdir -p target/cuda-header
+    venv=target/cuda-header/venv
+    [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+    "$venv/bin/python" -m pip download --quiet --no-deps -d target/cuda-header nvidia-cuda-runtime-cu12==12.9.79
+    "$venv/bin/python" - <<'PY'
+import glob, zipfile
+z = zipfile.ZipFile(glob.glob("target/cuda-header/nvidia_cuda_runtime_cu12-*.whl")[0])
+open("target/cuda-header/cuda.h", "wb").write(z.read("nvidia/cuda_runtime/include/cuda.h"))
+PY
+fi
+python3 scripts/cuda-abi-check.py "$header"
 
 for seed in "" 1 2; do
     echo "== the CUDA driver model, seed ${seed:-none}"

@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""Checks the CUDA driver signatures Sluice declares against NVIDIA's own cuda.h.
+
+Both sides are read mechanically: the prototypes in cuda.h (NVIDIA's runtime wheel ships it),
+Sluice's declarations in cuda/src/driver.rs (`entry_points!`: what Sluice calls) and the driver
+model's exports in cuda-model/src/api.rs (what the model answers). Each parameter is reduced to
+its calling-convention class (pointer, 8/32/64-bit integer, size_t, a 64-byte IPC handle by
+value): a mismatch in count or class is an error, as is a name cuda.h does not declare.
+
+    scripts/cuda-abi-check.py path/to/cuda.h
+"""
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# C types (after stripping const) to calling-convention classes, on x86-64 / aarch64 Linux.
+C_CLASSES = {
+    "int": "i32", "CUdevice": "i32", "CUdevice_attribute": "i32", "CUpointer_attribute": "i32",
+    "CUmemRangeHandleType": "i32", "CUflushGPUDirectRDMAWritesTarget": "i32",
+    "CUflushGPUDirectRDMAWritesScope": "i32", "CUresult": "i32",
+    "unsigned int": "u32", "unsigned char": "u8", "size_t": "usize",
+    "CUdeviceptr": "u64", "unsigned long long": "u64",
+    "CUcontext": "ptr", "CUstream": "ptr", "CUevent": "ptr", "CUmodule": "ptr",
+    "CUfunction": "ptr",
+    "CUipcMemHandle": "ipc64", "CUipcEventHandle": "ipc64",
+}
+
+RUST_CLASSES = {
+    "c_int": "i32", "i32": "i32", "c_uint": "u32", "u32": "u32", "u8": "u8", "u64": "u64",
+    "usize": "usize", "Ptr": "ptr", "IpcHandle": "ipc64",
+}
+
+
+def c_class(param):
+    p = re.sub(r"\bconst\b", "", param).strip()
+    if "*" in p:
+        return "ptr"
+    # Drop the parameter name (the last word), keep the type.
+    words = p.split()
+    ty = " ".join(words[:-1]) if len(words) > 1 else words[0]
+    if ty not in C_CLASSES:
+        raise SystemExit(f"cuda-abi-check: no class for C type {ty!r} (in {param!r})")
+    return C_CLASSES[ty]
+
+
+def rust_class(ty):
+    ty = ty.strip()
+    if ty.startswith("*"):
+        return "ptr"
+    if ty not in RUST_CLASSES:
+        raise SystemExit(f"cuda-abi-check: no class for Rust type {ty!r}")
+    return RUST_CLASSES[ty]
+
+
+def header_prototypes(text):
+    # Only the public API: the section for the library's own legacy builds comes after this.
+    # (the last `#if defined(__CUDA_API_VERSION_INTERNAL)` block, near the end of the file).
+    cut = text.rfind("#if defined(__CUDA_API_VERSION_INTERNAL)\n")
+    if cut > len(text) // 2:
+        text = text[:cut]
+    protos = {}
+    for m in re.finditer(r"CUresult\s+CUDAAPI\s+(cu\w+)\s*\(([^;]*?)\)\s*;", text, re.S):
+        name, params = m.group(1), " ".join(m.group(2).split())
+        if name in protos:
+            continue
+        protos[name] = params
+    return protos
+
+
+def classes_of(params):
+    return [] if params in ("", "void") else [c_class(p) for p in params.split(",")]
+
+
+def split_params(params):
+    out, depth, cur = [], 0, ""
+    for ch in params:
+        if ch in "<([":
+            depth += 1
+        elif ch in ">)]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur)
+    return [p.strip() for p in out if p.strip()]
+
+
+def sluice_declarations():
+    text = (ROOT / "cuda/src/driver.rs").read_text()
+    block = text[text.index("entry_points! {"):]
+    block = block[: block.index("\n}\n")]
+    decls = {}
+    for m in re.finditer(r"(cu\w+)\(([^;]*)\);", block):
+        decls[m.group(1)] = [rust_class(t) for t in split_params(m.group(2))]
+    return decls
+
+
+def model_exports():
+    text = (ROOT / "cuda-model/src/api.rs").read_text()
+    exports = {}
+    for m in re.finditer(r'extern "C" fn (cu\w+)\(([^)]*)\)\s*->\s*c_int', text, re.S):
+        params = split_params(m.group(2))
+        exports[m.group(1)] = [rust_class(p.split(":", 1)[1]) for p in params]
+    return exports
+
+
+def main():
+    if len(sys.argv) != 2:
+        raise SystemExit(__doc__)
+    protos = header_prototypes(Path(sys.argv[1]).read_text(errors="replace"))
+    problems = []
+    for side, decls in (("cuda/src/driver.rs", sluice_declarations()), ("cuda-model/src/api.rs", model_exports())):
+        for name, classes in sorted(decls.items()):
+            base = name[:-3] if name.endswith("_v2") else name
+            params = protos.get(name, protos.get(base))
+            want = None if params is None else classes_of(params)
+            if want is None:
+                problems.append(f"{side}: {name}: cuda.h declares no {name} or {base}")
+            elif want != classes:
+                problems.append(f"{side}: {name}: cuda.h has ({', '.join(want)}), we have ({', '.join(classes)})")
+        print(f"cuda-abi-check: {side}: {len(decls)} entry points against cuda.h")
+    model, ours = set(model_exports()), set(sluice_declarations())
+    for name in sorted(ours - model):
+        if name not in ("cuFlushGPUDirectRDMAWrites", "cuMemGetHandleForAddressRange"):
+            problems.append(f"cuda-model/src/api.rs: exports no {name}, which Sluice requires")
+    for p in problems:
+        print(f"cuda-abi-check: {p}", file=sys.stderr)
+    if problems:
+        raise SystemExit(1)
+    print("cuda-abi-check: every signature matches cuda.h")
+
+
+if __name__ == "__main__":
+    main()
