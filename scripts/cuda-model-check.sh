@@ -27,10 +27,9 @@ cargo test --release -p sluice-cuda-model
 header=target/cuda-header/cuda.h
 if [ ! -s "$header" ]; then
     mkdir -p target/cuda-header
-    venv=target/cuda-header/venv
-    [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-    "$venv/bin/python" -m pip download --quiet --no-deps -d target/cuda-header nvidia-cuda-runtime-cu12==12.9.79
-    "$venv/bin/python" - <<'PY'
+    source scripts/pyenv.sh
+    "$VENV/bin/python" -m pip download --quiet --no-deps -d target/cuda-header nvidia-cuda-runtime-cu12==12.9.79
+    "$VENV/bin/python" - <<'PY'
 import glob, zipfile
 z = zipfile.ZipFile(glob.glob("target/cuda-header/nvidia_cuda_runtime_cu12-*.whl")[0])
 open("target/cuda-header/cuda.h", "wb").write(z.read("nvidia/cuda_runtime/include/cuda.h"))
