@@ -101,9 +101,9 @@ def sluice_declarations():
 
 
 def model_exports():
-    text = (ROOT / "cuda-model/src/api.rs").read_text()
+    text = (ROOT / "cuda-model/src/api.rs").read_text() + (ROOT / "cuda-model/src/compute.rs").read_text()
     exports = {}
-    for m in re.finditer(r'extern "C" fn (cu\w+)\(([^)]*)\)\s*->\s*c_int', text, re.S):
+    for m in re.finditer(r'extern "C" fn (cu[A-Z]\w*)\(([^)]*)\)\s*->\s*c_int', text, re.S):
         params = split_params(m.group(2))
         exports[m.group(1)] = [rust_class(p.split(":", 1)[1]) for p in params]
     return exports
@@ -114,7 +114,7 @@ def main():
         raise SystemExit(__doc__)
     protos = header_prototypes(Path(sys.argv[1]).read_text(errors="replace"))
     problems = []
-    for side, decls in (("cuda/src/driver.rs", sluice_declarations()), ("cuda-model/src/api.rs", model_exports())):
+    for side, decls in (("cuda/src/driver.rs", sluice_declarations()), ("cuda-model/src/api.rs + compute.rs", model_exports())):
         for name, classes in sorted(decls.items()):
             base = name[:-3] if name.endswith("_v2") else name
             params = protos.get(name, protos.get(base))

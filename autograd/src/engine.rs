@@ -205,7 +205,9 @@ pub(crate) fn root_start(root: &Tensor, grad: Option<Tensor>) -> Result<(Arc<Nod
                     root.shape()
                 )));
             }
-            Tensor::ones(root.shape(), root.dtype())?
+            // On the root's device: a seed left on the CPU would carry a GPU graph's whole
+            // backward to the CPU (or stop it at the first op that needs both on one device).
+            Tensor::ones(root.shape(), root.dtype())?.to_device(root.device())?
         }
     };
     let Some(edge) = crate::graph::edge_of(root) else {

@@ -589,35 +589,6 @@ pub unsafe extern "C" fn cuMemsetD8Async(dst: u64, value: u8, n: usize, s: Ptr) 
     code(r)
 }
 
-/// Kernels are not modelled yet: loading a module says so.
-#[no_mangle]
-pub unsafe extern "C" fn cuModuleLoadData(_m: *mut Ptr, _image: *const c_void) -> c_int {
-    NOT_SUPPORTED
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuModuleGetFunction(_f: *mut Ptr, _m: Ptr, _name: *const c_char) -> c_int {
-    NOT_SUPPORTED
-}
-
-#[no_mangle]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn cuLaunchKernel(
-    _f: Ptr,
-    _gx: c_uint,
-    _gy: c_uint,
-    _gz: c_uint,
-    _bx: c_uint,
-    _by: c_uint,
-    _bz: c_uint,
-    _shared: c_uint,
-    _s: Ptr,
-    _params: *mut Ptr,
-    _extra: *mut Ptr,
-) -> c_int {
-    NOT_SUPPORTED
-}
-
 /// For the model's tests: whether queued work is done everywhere.
 pub fn idle() -> bool {
     model::model().is_ok_and(|m| {

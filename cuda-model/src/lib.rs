@@ -19,12 +19,20 @@
 //!   imported event after its exporter destroyed it, break rules; interprocess events;
 //! - pageable copies staged (host to device) or waited for (device to host), as documented.
 //!
-//! Not modelled yet: kernels (`cuModuleLoadData` and `cuLaunchKernel` return
-//! `CUDA_ERROR_NOT_SUPPORTED`), the legacy default stream's synchronisation with other streams
+//! - kernels: a stand-in for NVRTC compiles the same CUDA C++ with the host C++ compiler and a
+//!   shim header; a launch copies its arguments at the call (device pointers checked and mapped
+//!   to the model's view) and runs as a loop over grid and block on the stream's thread; a
+//!   stand-in for cuBLAS runs a plain column-major gemm in stream order ([`kernels`],
+//!   [`compute`]). This checks kernel logic, indexing and launch arguments, not NVRTC's code
+//!   generation or parallel execution.
+//!
+//! Not modelled yet: the legacy default stream's synchronisation with other streams
 //! (it is one more in-order stream here), GPUDirect (its entry points are not exported, so
 //! Sluice finds it unsupported).
 
 pub mod api;
+pub mod compute;
+pub mod kernels;
 pub mod model;
 pub mod rules;
 mod sys;

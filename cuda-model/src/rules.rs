@@ -94,6 +94,12 @@ pub const EVENT_NOT_IPC: Rule = Rule {
     text: "cuIpcGetEventHandle needs an event made with CU_EVENT_INTERPROCESS and \
            CU_EVENT_DISABLE_TIMING (CUDA_ERROR_INVALID_VALUE)",
 };
+pub const IMAGE: Rule = Rule {
+    id: "module.image",
+    source: Source::Contract,
+    text: "modules load images the model's NVRTC made (the model cannot run real PTX or CUBIN; \
+           CUDA_ERROR_INVALID_IMAGE)",
+};
 pub const HOST_FREE: Rule = Rule {
     id: "memory.free-host",
     source: Source::Documented,

@@ -204,3 +204,66 @@ pub unsafe fn atomic_at<'a>(addr: usize) -> &'a std::sync::atomic::AtomicU64 {
     // SAFETY: the caller's contract; AtomicU64 has the layout of u64.
     unsafe { &*(addr as *const std::sync::atomic::AtomicU64) }
 }
+
+/// A compiled kernel module, loaded (`dlopen`) from `image` written to a file.
+pub struct Module {
+    handle: usize,
+}
+
+impl Module {
+    pub fn load(so: &[u8]) -> io::Result<Module> {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "sluice-cuda-model-module-{}-{}.so",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::write(&path, so)?;
+        let c = CString::new(path.to_string_lossy().as_bytes()).expect("no NUL in a temp path");
+        // SAFETY: loading a shared object the model compiled from kernel source; its only
+        // initializers are the C++ runtime's for that code.
+        let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        let _ = std::fs::remove_file(&path);
+        if h.is_null() {
+            // SAFETY: dlerror returns a static string or null.
+            let e = unsafe { libc::dlerror() };
+            let why = if e.is_null() {
+                "dlopen failed".to_owned()
+            } else {
+                // SAFETY: a NUL-terminated string owned by the loader.
+                unsafe { std::ffi::CStr::from_ptr(e) }.to_string_lossy().into_owned()
+            };
+            return Err(io::Error::other(why));
+        }
+        Ok(Module { handle: h as usize })
+    }
+
+    /// The address of symbol `name`, if the module has it.
+    pub fn symbol(&self, name: &str) -> Option<usize> {
+        let c = CString::new(name).ok()?;
+        // SAFETY: dlsym on a live handle with a NUL-terminated name.
+        let p = unsafe { libc::dlsym(self.handle as *mut libc::c_void, c.as_ptr()) };
+        (!p.is_null()).then_some(p as usize)
+    }
+}
+
+/// A kernel launcher of a loaded module: `launch(params, dims)`.
+pub type Launcher = unsafe extern "C" fn(*mut *mut libc::c_void, *const u32);
+
+/// The launcher at `addr` (from [`Module::symbol`]).
+///
+/// # Safety
+/// `addr` must be the address of a generated `__sluice_launch_*` function.
+pub unsafe fn launcher(addr: usize) -> Launcher {
+    // SAFETY: the caller's contract: a function of exactly this signature.
+    unsafe { std::mem::transmute::<usize, Launcher>(addr) }
+}
+
+/// `n` values of type `T` at `addr` (a module's constant arrays).
+///
+/// # Safety
+/// `addr` must point at `n` initialised values of `T` that live as long as the module.
+pub unsafe fn read_array<T: Copy>(addr: usize, n: usize) -> Vec<T> {
+    // SAFETY: the caller's contract.
+    unsafe { std::slice::from_raw_parts(addr as *const T, n) }.to_vec()
+}

@@ -65,6 +65,12 @@ fn driver_version() -> Option<i32> {
 }
 
 fn open(lib: &str) -> Result<libloading::Library, Unavailable> {
+    // Under the CUDA driver model, its library stands in for NVRTC and cuBLAS too.
+    if let Some(model) = driver::model() {
+        // SAFETY: the model is a library of ours; its initializers only set up its state.
+        return unsafe { libloading::Library::new(model) }
+            .map_err(|e| Unavailable(format!("the CUDA driver model {model} as lib{lib}: {e}")));
+    }
     let tried = candidates(lib, driver_version());
     for c in &tried {
         // SAFETY: loading a CUDA toolkit library runs only its own initializers, as every CUDA

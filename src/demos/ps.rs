@@ -230,7 +230,11 @@ pub fn run(demo: &Demo, rank: u32) -> anyhow::Result<()> {
             None => "Hogwild (asynchronous)".to_owned(),
             Some(r) => format!("synchronous, {r:?} reducer"),
         };
-        let mode = format!("{mode}, parameters on {}", device());
+        let mut mode = format!("{mode}, parameters on {}", device());
+        if let (Device::Cuda(_), Some(model)) = (device(), sluice_channel::cuda::driver::model()) {
+            // Timings there are the model's, not a GPU's.
+            mode += &format!(" [the CUDA driver model {model}, not a GPU: times are not a GPU's]");
+        }
         // Each trainer's steps (the smallest shard's count, as every trainer takes its own).
         let per_trainer = (0..trainers as usize)
             .map(|t| train.shard(t, trainers as usize).len() / BATCH)
