@@ -9,7 +9,9 @@
 #   scripts/gpu-check.sh         Both, on a machine that has the toolchain and a GPU.
 #
 # What `run` runs, with SLUICE_REQUIRE_GPU=1 so that a GPU test that would skip fails instead:
-#   1. the channel crate's unit tests (descriptors, caches, the CUDA probe);
+#   1. the CUDA crate's and the channel crate's unit tests (descriptors, caches, the CUDA probe,
+#      and cuda/src/facts.rs: the driver facts Sluice relies on and the CUDA driver model claims,
+#      so a fact failing here is a wrong rule in cuda-model/ too);
 #   2. tests/tests/channel_conformance.rs: the channel conformance suite for every channel,
 #      the CUDA ones included: cuda_ipc (within a process and with a real peer process),
 #      cuda_p2p (loopback on one GPU; two GPUs where there are two), cuda_staged (GPU<->GPU over

@@ -392,7 +392,7 @@ impl Model {
             ));
         }
         if pid == std::process::id() {
-            return Err(breach(
+            return Err(rules::refuse(
                 rules::IPC_SAME_PROCESS,
                 INVALID_CONTEXT,
                 "cuIpcOpenMemHandle on this process's own handle".into(),

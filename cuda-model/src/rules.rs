@@ -114,6 +114,13 @@ pub fn last_breach() -> Option<(&'static str, String)> {
     LAST.lock().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
+/// A documented refusal: the driver returns `code` for this every time (so a caller may rely
+/// on it, as the driver-facts tests do); recorded like a breach, never aborting.
+pub fn refuse(rule: Rule, code: i32, detail: String) -> i32 {
+    *LAST.lock().unwrap_or_else(|e| e.into_inner()) = Some((rule.id, detail));
+    code
+}
+
 /// Reports a breach of `rule`: aborts, or (with `SLUICE_CUDA_MODEL_BREACH=error`) returns
 /// `code` for the call to return.
 pub fn breach(rule: Rule, code: i32, detail: String) -> i32 {

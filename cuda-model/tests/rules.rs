@@ -333,3 +333,81 @@ fn child_calls_before_init() {
     assert_eq!(unsafe { cuDeviceGetCount(&mut n) }, 3);
     broke("init.first");
 }
+
+#[test]
+fn kernels_compile_launch_in_stream_order_and_foreign_images_are_refused() {
+    let _turn = serial();
+    setup();
+    bind(0);
+    use sluice_cuda_model::compute::*;
+    let src = std::ffi::CString::new(
+        "extern \"C\" __global__ void scale(float* x, float s, unsigned long long n) {\n\
+         unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;\n\
+         if (i < n) x[i] *= s; }",
+    )
+    .unwrap();
+    let n = 1000usize;
+    let data: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let mut back = vec![0f32; n];
+    // SAFETY: valid pointers throughout; the argument values outlive the launch call (the
+    // driver copies them at the call).
+    unsafe {
+        let mut prog = null_mut();
+        assert_eq!(
+            nvrtcCreateProgram(
+                &mut prog,
+                src.as_ptr(),
+                null_mut(),
+                0,
+                std::ptr::null(),
+                std::ptr::null()
+            ),
+            0
+        );
+        assert_eq!(nvrtcCompileProgram(prog, 0, std::ptr::null()), 0);
+        let mut len = 0usize;
+        assert_eq!(nvrtcGetCUBINSize(prog, &mut len), 0);
+        let mut image = vec![0u8; len];
+        assert_eq!(nvrtcGetCUBIN(prog, image.as_mut_ptr().cast()), 0);
+        assert_eq!(nvrtcDestroyProgram(&mut prog), 0);
+        let mut module = null_mut();
+        assert_eq!(cuModuleLoadData(&mut module, image.as_ptr().cast()), 0);
+        let mut f = null_mut();
+        let name = std::ffi::CString::new("scale").unwrap();
+        assert_eq!(cuModuleGetFunction(&mut f, module, name.as_ptr()), 0);
+        let (mut x, mut s) = (0u64, null_mut());
+        assert_eq!(cuMemAlloc_v2(&mut x, n * 4), 0);
+        assert_eq!(cuStreamCreate(&mut s, 0), 0);
+        assert_eq!(cuMemcpyHtoDAsync_v2(x, data.as_ptr().cast(), n * 4, s), 0);
+        let (mut xp, mut k, mut len64) = (x, 2.5f32, n as u64);
+        let mut params: [Ptr; 3] = [
+            (&mut xp as *mut u64).cast(),
+            (&mut k as *mut f32).cast(),
+            (&mut len64 as *mut u64).cast(),
+        ];
+        assert_eq!(
+            cuLaunchKernel(f, 4, 1, 1, 256, 1, 1, 0, s, params.as_mut_ptr(), null_mut()),
+            0
+        );
+        assert_eq!(cuMemcpyDtoHAsync_v2(back.as_mut_ptr().cast(), x, n * 4, s), 0);
+        assert!(
+            back.iter().enumerate().all(|(i, &v)| v == i as f32 * 2.5),
+            "{:?}",
+            &back[..4]
+        );
+        // A pointer argument outside any allocation is refused at the launch.
+        let mut bad = 12345u64;
+        params[0] = (&mut bad as *mut u64).cast();
+        assert_eq!(
+            cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, s, params.as_mut_ptr(), null_mut()),
+            1
+        );
+        broke("memory.copy-range");
+        // Real PTX (or anything but the model's own images) cannot load.
+        let ptx = b".version 8.0\n.target sm_90\n\0\0\0\0\0\0\0\0";
+        assert_eq!(cuModuleLoadData(&mut module, ptx.as_ptr().cast()), 200);
+        broke("module.image");
+        assert_eq!(cuStreamSynchronize(s), 0);
+        assert_eq!(cuMemFree_v2(x), 0);
+    }
+}

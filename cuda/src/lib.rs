@@ -23,6 +23,8 @@ mod alloc;
 pub mod compute;
 pub mod driver;
 pub mod events;
+#[cfg(test)]
+mod facts;
 pub mod gate;
 mod memory;
 
