@@ -207,7 +207,14 @@ pub unsafe extern "C" fn cuCtxGetDevice(d: *mut c_int) -> c_int {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuCtxEnablePeerAccess(peer: Ptr, _flags: c_uint) -> c_int {
+pub unsafe extern "C" fn cuCtxEnablePeerAccess(peer: Ptr, flags: c_uint) -> c_int {
+    if flags != 0 {
+        return model::fail(
+            rules::PEER_FLAGS,
+            INVALID_VALUE,
+            format!("cuCtxEnablePeerAccess with flags {flags}"),
+        );
+    }
     let r = (|| {
         let me = need_context("cuCtxEnablePeerAccess")?;
         let other = ctx_ordinal(peer as usize)?;
@@ -401,7 +408,14 @@ pub unsafe extern "C" fn cuIpcGetMemHandle(h: *mut IpcHandle, p: u64) -> c_int {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(p: *mut u64, h: IpcHandle, _flags: c_uint) -> c_int {
+pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(p: *mut u64, h: IpcHandle, flags: c_uint) -> c_int {
+    if flags != 1 {
+        return model::fail(
+            rules::IPC_FLAGS,
+            INVALID_VALUE,
+            format!("cuIpcOpenMemHandle with flags {flags}"),
+        );
+    }
     match need_context("cuIpcOpenMemHandle").and_then(|o| model::model()?.import(o, &h.reserved)) {
         Ok(at) => {
             out!(p, at as u64);

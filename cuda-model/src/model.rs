@@ -185,6 +185,8 @@ pub struct Model {
     pub retained: HashMap<u32, u32>,
     /// Imported allocations by (pid, fd, generation) → base, per ordinal.
     pub imports: HashMap<(u32, u32, i32, u64), usize>,
+    /// Which context (ordinal) opens memory of each (process, device).
+    pub ipc_contexts: HashMap<(u32, u32), u32>,
 }
 
 static MODEL: OnceLock<Result<Mutex<Model>, String>> = OnceLock::new();
@@ -206,6 +208,7 @@ pub fn init() -> R<()> {
             peer_enabled: Vec::new(),
             retained: HashMap::new(),
             imports: HashMap::new(),
+            ipc_contexts: HashMap::new(),
         }))
     });
     match m {
@@ -240,6 +243,8 @@ struct Handle {
     fd: i32,
     generation: u64,
     size: u64,
+    /// The exporter's physical device.
+    device: u32,
 }
 
 impl Handle {
@@ -250,6 +255,7 @@ impl Handle {
         h[12..16].copy_from_slice(&self.fd.to_le_bytes());
         h[16..24].copy_from_slice(&self.generation.to_le_bytes());
         h[24..32].copy_from_slice(&self.size.to_le_bytes());
+        h[32..36].copy_from_slice(&self.device.to_le_bytes());
         h
     }
 
@@ -261,6 +267,7 @@ impl Handle {
             fd: i32::from_le_bytes(h[12..16].try_into().expect("4 bytes")),
             generation: word(16),
             size: word(24),
+            device: u32::from_le_bytes(h[32..36].try_into().expect("4 bytes")),
         }
     }
 }
@@ -369,6 +376,7 @@ impl Model {
             fd: a.shared.fd,
             generation: a.generation,
             size: a.size as u64,
+            device: physical(a.ordinal as i32)?,
         }
         .encode();
         Ok(h)
@@ -382,8 +390,19 @@ impl Model {
             fd,
             generation,
             size,
+            device,
         } = Handle::decode(h);
         let size = size as usize;
+        match self.ipc_contexts.get(&(pid, device)) {
+            Some(&o) if o != ordinal => {
+                return Err(breach(
+                    rules::IPC_ONE_CONTEXT,
+                    INVALID_CONTEXT,
+                    format!("process {pid}'s device {device} memory opened from context {ordinal} after context {o}"),
+                ))
+            }
+            _ => {}
+        }
         if magic != MEM_MAGIC {
             return Err(breach(
                 rules::IPC_STALE,
@@ -423,6 +442,7 @@ impl Model {
             imported: Some(((pid, fd, generation), 1)),
         };
         a.importers().fetch_add(1, Ordering::AcqRel);
+        self.ipc_contexts.insert((pid, device), ordinal);
         self.allocs.insert(at, a);
         self.imports.insert((ordinal, pid, fd, generation), at);
         Ok(at)
@@ -691,6 +711,16 @@ impl Event {
     /// Records the work queued on `stream` so far: the event completes when it is done.
     pub fn record(self: &Arc<Self>, stream: &Stream) -> R<()> {
         self.live("cuEventRecord")?;
+        if self.ordinal != stream.ordinal {
+            return Err(breach(
+                rules::EVENT_CONTEXT,
+                INVALID_HANDLE,
+                format!(
+                    "an event of context {} recorded on a stream of context {}",
+                    self.ordinal, stream.ordinal
+                ),
+            ));
+        }
         let mark = self.counter(0).fetch_add(1, Ordering::AcqRel) + 1;
         let me = self.clone();
         stream.enqueue(&[], move || {
@@ -737,6 +767,7 @@ impl Event {
             fd: shared.fd,
             generation: *generation,
             size: PAGE as u64,
+            device: physical(self.ordinal as i32)?,
         }
         .encode())
     }

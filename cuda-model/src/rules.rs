@@ -69,8 +69,32 @@ pub const FREE_BUSY: Rule = Rule {
 };
 pub const FREE_IMPORTED: Rule = Rule {
     id: "ipc.free-imported",
-    source: Source::Contract,
-    text: "exported memory is not freed while another process maps it",
+    source: Source::Documented,
+    text: "\"Calling cuMemFree on an exported memory region before calling cuIpcCloseMemHandle in \
+           the importing context will result in undefined behavior\" (cuIpcOpenMemHandle)",
+};
+pub const IPC_FLAGS: Rule = Rule {
+    id: "ipc.open-flags",
+    source: Source::Documented,
+    text: "cuIpcOpenMemHandle's Flags \"Must be specified as CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS\" \
+           (CUDA_ERROR_INVALID_VALUE)",
+};
+pub const IPC_ONE_CONTEXT: Rule = Rule {
+    id: "ipc.one-context",
+    source: Source::Documented,
+    text: "\"CUipcMemHandles from each CUdevice in a given process may only be opened by one \
+           CUcontext per CUdevice per other process\" (cuIpcOpenMemHandle)",
+};
+pub const EVENT_CONTEXT: Rule = Rule {
+    id: "event.same-context",
+    source: Source::Documented,
+    text: "\"hEvent and hStream must be from the same context otherwise CUDA_ERROR_INVALID_HANDLE \
+           is returned\" (cuEventRecord)",
+};
+pub const PEER_FLAGS: Rule = Rule {
+    id: "context.peer-flags",
+    source: Source::Documented,
+    text: "cuCtxEnablePeerAccess: \"Returns CUDA_ERROR_INVALID_VALUE if Flags is not 0\"",
 };
 pub const IPC_STALE: Rule = Rule {
     id: "ipc.stale-handle",
@@ -85,8 +109,9 @@ pub const IPC_SAME_PROCESS: Rule = Rule {
 };
 pub const EVENT_DESTROYED: Rule = Rule {
     id: "ipc.event-destroyed",
-    source: Source::Contract,
-    text: "an imported interprocess event is not used after its exporter destroyed it",
+    source: Source::Documented,
+    text: "\"Performing operations on the imported event after the exported event has been freed \
+           with cuEventDestroy will result in undefined behavior\" (cuIpcOpenEventHandle)",
 };
 pub const EVENT_NOT_IPC: Rule = Rule {
     id: "ipc.event-flags",

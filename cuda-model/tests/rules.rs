@@ -156,6 +156,15 @@ fn an_event_records_the_work_queued_at_the_call() {
         broke("ipc.event-flags");
         assert_eq!(cuEventDestroy_v2(e), 0);
         assert_eq!(cuEventQuery(e), 400);
+        // An event of one context recorded on another context's stream.
+        assert_eq!(cuEventCreate(&mut e, 2), 0);
+        let other = bind(1);
+        let mut s1 = null_mut();
+        assert_eq!(cuStreamCreate(&mut s1, 0), 0);
+        assert_eq!(cuEventRecord(e, s1), 400);
+        broke("event.same-context");
+        assert_eq!(cuCtxEnablePeerAccess(other, 3), 1);
+        broke("context.peer-flags");
     }
 }
 
@@ -171,6 +180,8 @@ fn opening_ones_own_handle_is_refused() {
         let mut h = std::mem::zeroed();
         assert_eq!(cuIpcGetMemHandle(&mut h, a), 0);
         let mut p = 0u64;
+        assert_eq!(cuIpcOpenMemHandle_v2(&mut p, h, 0), 1);
+        broke("ipc.open-flags");
         assert_eq!(cuIpcOpenMemHandle_v2(&mut p, h, 1), 201);
         broke("ipc.same-process");
     }
@@ -257,8 +268,11 @@ fn ipc_between_processes_and_its_rules() {
     std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
     assert!(kid.wait().unwrap().success(), "{rest}");
     assert!(rest.contains("EVENT GONE NOTICED"), "{rest}");
+    // One context per exporting device per process: a second context may not open it.
+    let (ok, err) = child("child_imports", &[("MEM_HANDLE", &mh), ("EXPECT_ONE_CONTEXT", "1")]);
+    assert!(ok, "{err}");
     // SAFETY: no pointers.
-    assert_eq!(unsafe { cuMemFree_v2(a) }, 0, "freed once the child closed it");
+    assert_eq!(unsafe { cuMemFree_v2(a) }, 0, "freed once the children closed it");
     // A handle to freed memory names it as stale.
     let (ok, err) = child("child_imports", &[("MEM_HANDLE", &mh), ("EXPECT_STALE", "1")]);
     assert!(ok, "{err}");
@@ -281,6 +295,15 @@ fn child_imports() {
             return;
         }
         assert_eq!(cuIpcOpenMemHandle_v2(&mut p, mh, 1), 0);
+        if std::env::var_os("EXPECT_ONE_CONTEXT").is_some() {
+            bind(1);
+            let mut q = 0u64;
+            assert_eq!(cuIpcOpenMemHandle_v2(&mut q, mh, 1), 201);
+            broke("ipc.one-context");
+            bind(0);
+            assert_eq!(cuIpcCloseMemHandle(p), 0);
+            return;
+        }
         let mut again = 0u64;
         assert_eq!(cuIpcOpenMemHandle_v2(&mut again, mh, 1), 0);
         assert_eq!(again, p, "opened once per context, counted");

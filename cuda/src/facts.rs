@@ -10,8 +10,9 @@
 use crate::driver::{self, EventKind};
 use crate::{gate, runtime};
 
-/// "A never-recorded event is complete" (cuEventQuery: "Returns CUDA_SUCCESS ... if
-/// cuEventRecord() has not been called on this event").
+/// A never-recorded event is complete ("Before the first call to cuEventRecord(), an event
+/// represents an empty set of work, so for example cuEventQuery() would return
+/// CUDA_SUCCESS").
 #[test]
 fn a_never_recorded_event_is_complete() {
     if !gate::gpu_or_skip("a_never_recorded_event_is_complete") {
@@ -98,9 +99,10 @@ fn a_process_cannot_open_its_own_memory_handle() {
     }
 }
 
-/// Another process maps exported memory at its own address and sees its bytes; opening the
-/// same handle twice in one context gives the same pointer, closed once per opening (our
-/// reading of the driver since CUDA 11: unverified until a GPU runs this).
+/// Another process maps exported memory and sees its bytes; opening the same handle twice in
+/// one context gives the same pointer, closed once per opening ("If the memory handle has
+/// already been opened by the current context, the reference count on the handle is
+/// incremented by 1 and the existing device pointer is returned").
 #[test]
 fn another_process_maps_exported_memory_and_counts_its_openings() {
     if !gate::gpu_or_skip("another_process_maps_exported_memory_and_counts_its_openings") {
