@@ -154,7 +154,10 @@ pub unsafe extern "C" fn cuDeviceCanAccessPeer(can: *mut c_int, d: c_int, peer: 
     if let Err(c) = physical(d).and_then(|_| physical(peer)) {
         return c;
     }
-    out!(can, c_int::from(d != peer));
+    let (Ok(pd), Ok(pp)) = (physical(d), physical(peer)) else {
+        return INVALID_DEVICE;
+    };
+    out!(can, c_int::from(Model::peer_allowed(pd, pp)));
     SUCCESS
 }
 
@@ -218,6 +221,9 @@ pub unsafe extern "C" fn cuCtxEnablePeerAccess(peer: Ptr, flags: c_uint) -> c_in
     let r = (|| {
         let me = need_context("cuCtxEnablePeerAccess")?;
         let other = ctx_ordinal(peer as usize)?;
+        if !Model::peer_allowed(physical(me as i32)?, physical(other as i32)?) {
+            return Err(217); // CUDA_ERROR_PEER_ACCESS_UNSUPPORTED
+        }
         let mut m = model::model()?;
         if m.peer_enabled.contains(&(me, other)) {
             return Err(PEER_ACCESS_ALREADY_ENABLED);
@@ -278,8 +284,8 @@ pub unsafe extern "C" fn cuMemFreeHost(p: Ptr) -> c_int {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuStreamCreate(s: *mut Ptr, _flags: c_uint) -> c_int {
-    let r = need_context("cuStreamCreate").and_then(|o| Ok(model::model()?.new_stream(o)));
+pub unsafe extern "C" fn cuStreamCreate(s: *mut Ptr, flags: c_uint) -> c_int {
+    let r = need_context("cuStreamCreate").and_then(|o| Ok(model::model()?.new_stream(o, flags)));
     match r {
         Ok(h) => {
             out!(s, h as Ptr);
@@ -552,14 +558,19 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(dst: u64, src: *const c_void, n: u
             st.enqueue(&uses, move || unsafe { crate::sys::copy(to, from, n) });
         } else {
             // Pageable: staged now, as the driver does ("returns once the pageable buffer has
-            // been copied to the staging memory").
+            // been copied to the staging memory"); with SLUICE_CUDA_MODEL_PAGEABLE=sync, the
+            // call also waits for the copy itself (a driver may), which code must not mind.
             let mut staged = vec![0u8; n];
             // SAFETY: the caller's source holds `n` readable bytes for the call.
             unsafe { crate::sys::copy(staged.as_mut_ptr() as usize, from, n) };
-            st.enqueue(&uses, move || unsafe {
+            let ticket = st.enqueue(&uses, move || unsafe {
                 // SAFETY: the staged copy lives in this closure; the device range is live.
                 crate::sys::copy(to, staged.as_ptr() as usize, n)
             });
+            if std::env::var("SLUICE_CUDA_MODEL_PAGEABLE").as_deref() == Ok("sync") {
+                drop(m);
+                st.wait(ticket);
+            }
         }
         Ok(())
     });

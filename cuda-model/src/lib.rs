@@ -26,9 +26,13 @@
 //!   [`compute`]). This checks kernel logic, indexing and launch arguments, not NVRTC's code
 //!   generation or parallel execution.
 //!
-//! Not modelled yet: the legacy default stream's synchronisation with other streams
-//! (it is one more in-order stream here), GPUDirect (its entry points are not exported, so
-//! Sluice finds it unsupported).
+//! - the legacy default stream's implicit synchronisation with blocking streams (Sluice's
+//!   own streams are non-blocking); `SLUICE_CUDA_MODEL_PAGEABLE=sync` makes pageable uploads
+//!   wait for their copy too (a driver may); `SLUICE_CUDA_MODEL_PEERS` sets the peer-access
+//!   matrix (`all`, `none`, or allowed pairs `0-1,1-0`).
+//!
+//! Not modelled: GPUDirect (its entry points are not exported, so Sluice finds it
+//! unsupported), timing events, anything Sluice does not call.
 
 pub mod api;
 pub mod compute;

@@ -483,13 +483,41 @@ impl Model {
         Ok(())
     }
 
+    /// The stream `handle` names (`0`: the current context's legacy default stream), with the
+    /// legacy stream's implicit synchronisation queued first: "the legacy default stream ...
+    /// waits for all work in blocking streams of the same context, and work in blocking streams
+    /// waits for the legacy stream's" (cuda.h's note on the null stream). Streams Sluice makes
+    /// are non-blocking, so none of this orders them.
     pub fn stream(&mut self, handle: usize, call: &str) -> R<Arc<Stream>> {
+        let st = self.lookup(handle, call)?;
+        if handle == 0 {
+            let before: Vec<(Arc<Stream>, u64)> = self
+                .streams
+                .values()
+                .filter(|o| o.blocking && o.ordinal == st.ordinal)
+                .map(|o| (o.clone(), o.queued()))
+                .collect();
+            if !before.is_empty() {
+                st.enqueue(&[], move || before.iter().for_each(|(o, t)| o.wait(*t)));
+            }
+        } else if st.blocking {
+            if let Some(legacy) = self.legacy.get(&st.ordinal).cloned() {
+                let t = legacy.queued();
+                if t > legacy.completed() {
+                    st.enqueue(&[], move || legacy.wait(t));
+                }
+            }
+        }
+        Ok(st)
+    }
+
+    fn lookup(&mut self, handle: usize, call: &str) -> R<Arc<Stream>> {
         if handle == 0 {
             let ordinal = need_context(call)?;
             return Ok(self
                 .legacy
                 .entry(ordinal)
-                .or_insert_with(|| Stream::start(ordinal, 0))
+                .or_insert_with(|| Stream::start(ordinal, 0, false))
                 .clone());
         }
         self.streams.get(&handle).cloned().ok_or_else(|| {
@@ -511,10 +539,24 @@ impl Model {
         })
     }
 
-    pub fn new_stream(&mut self, ordinal: u32) -> usize {
+    pub fn new_stream(&mut self, ordinal: u32, flags: u32) -> usize {
         let h = self.handle();
-        self.streams.insert(h, Stream::start(ordinal, h));
+        // CU_STREAM_NON_BLOCKING = 1.
+        self.streams.insert(h, Stream::start(ordinal, h, flags & 1 == 0));
         h
+    }
+
+    /// Whether device `d` may access device `peer`'s memory (`SLUICE_CUDA_MODEL_PEERS`: `all`,
+    /// the default; `none`; or the allowed pairs of physical devices, `0-1,1-0`).
+    pub fn peer_allowed(d: u32, peer: u32) -> bool {
+        if d == peer {
+            return false;
+        }
+        match std::env::var("SLUICE_CUDA_MODEL_PEERS").as_deref() {
+            Err(_) | Ok("all") => true,
+            Ok("none") => false,
+            Ok(list) => list.split(',').any(|pair| pair.trim() == format!("{d}-{peer}")),
+        }
     }
 
     pub fn new_event(&mut self, ordinal: u32, flags: u32) -> R<usize> {
@@ -586,13 +628,15 @@ type Job = Box<dyn FnOnce() + Send>;
 pub struct Stream {
     pub ordinal: u32,
     pub handle: usize,
+    /// Created without CU_STREAM_NON_BLOCKING: synchronises with the legacy default stream.
+    pub blocking: bool,
     tx: Mutex<Option<mpsc::Sender<(u64, Job)>>>,
     queued: AtomicU64,
     done: Arc<(Mutex<u64>, Condvar)>,
 }
 
 impl Stream {
-    fn start(ordinal: u32, handle: usize) -> Arc<Stream> {
+    fn start(ordinal: u32, handle: usize, blocking: bool) -> Arc<Stream> {
         let (tx, rx) = mpsc::channel::<(u64, Job)>();
         let done = Arc::new((Mutex::new(0u64), Condvar::new()));
         let d = done.clone();
@@ -620,6 +664,7 @@ impl Stream {
         Arc::new(Stream {
             ordinal,
             handle,
+            blocking,
             tx: Mutex::new(Some(tx)),
             queued: AtomicU64::new(0),
             done,

@@ -434,3 +434,50 @@ fn kernels_compile_launch_in_stream_order_and_foreign_images_are_refused() {
         assert_eq!(cuMemFree_v2(x), 0);
     }
 }
+
+#[test]
+fn the_legacy_stream_waits_for_blocking_streams_and_peer_access_follows_the_matrix() {
+    let _turn = serial();
+    std::env::set_var("SLUICE_CUDA_MODEL_SEED", "11");
+    setup();
+    let ctx1 = bind(1);
+    bind(0);
+    let n = 1 << 20;
+    let data = vec![9u8; n];
+    let mut back = vec![0u8; n];
+    let (mut a, mut blocking) = (0u64, null_mut());
+    // SAFETY: valid pointers; host buffers outlive the synchronising calls.
+    unsafe {
+        assert_eq!(cuMemAlloc_v2(&mut a, n), 0);
+        assert_eq!(cuStreamCreate(&mut blocking, 0), 0, "flags 0: a blocking stream");
+        for _ in 0..20 {
+            assert_eq!(cuMemsetD8Async(a, 1, n, blocking), 0);
+        }
+        assert_eq!(cuMemcpyHtoDAsync_v2(a, data.as_ptr().cast(), n, blocking), 0);
+        // The legacy stream (0) reads after everything queued on the blocking stream.
+        assert_eq!(cuMemcpyDtoHAsync_v2(back.as_mut_ptr().cast(), a, n, null_mut()), 0);
+        assert!(
+            back.iter().all(|&b| b == 9),
+            "the legacy stream ran ahead of a blocking one"
+        );
+        // With SLUICE_CUDA_MODEL_PAGEABLE=sync a pageable upload is done when it returns.
+        std::env::set_var("SLUICE_CUDA_MODEL_PAGEABLE", "sync");
+        assert_eq!(cuMemcpyHtoDAsync_v2(a, back.as_ptr().cast(), n, blocking), 0);
+        std::env::remove_var("SLUICE_CUDA_MODEL_PAGEABLE");
+        assert!(idle(), "work left after a synchronous pageable upload");
+        assert_eq!(cuStreamSynchronize(blocking), 0);
+        assert_eq!(cuMemFree_v2(a), 0);
+        // The peer-access matrix.
+        let mut can = -1;
+        std::env::set_var("SLUICE_CUDA_MODEL_PEERS", "none");
+        assert_eq!(cuDeviceCanAccessPeer(&mut can, 0, 1), 0);
+        assert_eq!(can, 0);
+        assert_eq!(cuCtxEnablePeerAccess(ctx1, 0), 217);
+        std::env::set_var("SLUICE_CUDA_MODEL_PEERS", "1-0");
+        assert_eq!(cuDeviceCanAccessPeer(&mut can, 1, 0), 0);
+        assert_eq!(can, 1);
+        assert_eq!(cuDeviceCanAccessPeer(&mut can, 0, 1), 0);
+        assert_eq!(can, 0);
+        std::env::remove_var("SLUICE_CUDA_MODEL_PEERS");
+    }
+}
