@@ -7,7 +7,9 @@ model's exports in cuda-model/src/api.rs (what the model answers). Each paramete
 its calling-convention class (pointer, 8/32/64-bit integer, size_t, a 64-byte IPC handle by
 value): a mismatch in count or class is an error, as is a name cuda.h does not declare.
 
-    scripts/cuda-abi-check.py path/to/cuda.h
+    scripts/cuda-abi-check.py path/to/cuda.h [path/to/nvrtc.h] [path/to/cublas_api.h]
+
+With nvrtc.h and cublas_api.h, the model's stand-ins for NVRTC and cuBLAS are checked too.
 """
 import re
 import sys
@@ -25,6 +27,8 @@ C_CLASSES = {
     "CUcontext": "ptr", "CUstream": "ptr", "CUevent": "ptr", "CUmodule": "ptr",
     "CUfunction": "ptr",
     "CUipcMemHandle": "ipc64", "CUipcEventHandle": "ipc64",
+    "nvrtcProgram": "ptr", "cublasHandle_t": "ptr", "cudaStream_t": "ptr",
+    "cublasOperation_t": "i32", "libraryPropertyType": "i32",
 }
 
 RUST_CLASSES = {
@@ -109,11 +113,45 @@ def model_exports():
     return exports
 
 
+def library_prototypes(text, names):
+    """The parameters of each of `names` declared in `text` (a declaration starts its line with
+    its return type; comment lines start with `*`)."""
+    found = {}
+    for name in names:
+        m = re.search(r"(?m)^[ \t]*[A-Za-z_][\w \t\*]*?\b" + name + r"\s*\(([^;{]*?)\)\s*;", text)
+        if m:
+            found[name] = " ".join(m.group(1).split())
+    return found
+
+
+def library_exports(prefix):
+    text = (ROOT / "cuda-model/src/compute.rs").read_text()
+    exports = {}
+    for m in re.finditer(r'extern "C" fn (' + prefix + r'\w*)\(([^)]*)\)\s*->\s*c_int', text, re.S):
+        exports[m.group(1)] = [rust_class(p.split(":", 1)[1]) for p in split_params(m.group(2))]
+    return exports
+
+
+def check_library(header, prefix, problems):
+    exports = library_exports(prefix)
+    protos = library_prototypes(Path(header).read_text(errors="replace"), exports)
+    for name, classes in sorted(exports.items()):
+        if name not in protos:
+            problems.append(f"cuda-model/src/compute.rs: {name}: {header} declares no {name}")
+        elif classes_of(protos[name]) != classes:
+            problems.append(
+                f"cuda-model/src/compute.rs: {name}: the header has ({', '.join(classes_of(protos[name]))}), we have ({', '.join(classes)})"
+            )
+    print(f"cuda-abi-check: cuda-model/src/compute.rs: {len(exports)} {prefix} entry points against {Path(header).name}")
+
+
 def main():
-    if len(sys.argv) != 2:
+    if not 2 <= len(sys.argv) <= 4:
         raise SystemExit(__doc__)
     protos = header_prototypes(Path(sys.argv[1]).read_text(errors="replace"))
     problems = []
+    for header, prefix in zip(sys.argv[2:], ("nvrtc", "cublas")):
+        check_library(header, prefix, problems)
     for side, decls in (("cuda/src/driver.rs", sluice_declarations()), ("cuda-model/src/api.rs + compute.rs", model_exports())):
         for name, classes in sorted(decls.items()):
             base = name[:-3] if name.endswith("_v2") else name
@@ -132,7 +170,7 @@ def main():
         print(f"cuda-abi-check: {p}", file=sys.stderr)
     if problems:
         raise SystemExit(1)
-    print("cuda-abi-check: every signature matches cuda.h")
+    print("cuda-abi-check: every signature matches NVIDIA's headers")
 
 
 if __name__ == "__main__":

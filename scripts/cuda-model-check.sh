@@ -26,20 +26,27 @@ export SLUICE_SKIP_LOG="$log"
 
 cargo test --release -p sluice-cuda-model
 
-# Sluice's declarations and the model's exports against NVIDIA's own cuda.h (from NVIDIA's
-# CUDA runtime wheel on PyPI, pinned; fetched once into target/cuda-header).
-header=target/cuda-header/cuda.h
-if [ ! -s "$header" ]; then
-    mkdir -p target/cuda-header
-    source scripts/pyenv.sh
-    "$VENV/bin/python" -m pip download --quiet --no-deps -d target/cuda-header nvidia-cuda-runtime-cu12==12.9.79
-    "$VENV/bin/python" - <<'PY'
-import glob, zipfile
-z = zipfile.ZipFile(glob.glob("target/cuda-header/nvidia_cuda_runtime_cu12-*.whl")[0])
-open("target/cuda-header/cuda.h", "wb").write(z.read("nvidia/cuda_runtime/include/cuda.h"))
+# Sluice's declarations and the model's exports against NVIDIA's own headers: cuda.h and
+# nvrtc.h from NVIDIA's wheels on PyPI (pinned; fetched once into target/cuda-header), and
+# cublas_api.h where the project's venv has NVIDIA's cuBLAS wheel (torch brings it).
+source scripts/pyenv.sh
+fetch() { # WHEEL==VERSION, the header's path inside it
+    local out="target/cuda-header/$(basename "$2")"
+    if [ ! -s "$out" ]; then
+        mkdir -p target/cuda-header
+        "$VENV/bin/python" -m pip download --quiet --no-deps -d target/cuda-header "$1"
+        "$VENV/bin/python" - "${1%%==*}" "$2" "$out" <<'PY'
+import glob, sys, zipfile
+wheel = glob.glob("target/cuda-header/" + sys.argv[1].replace("-", "_") + "-*.whl")[0]
+open(sys.argv[3], "wb").write(zipfile.ZipFile(wheel).read(sys.argv[2]))
 PY
-fi
-python3 scripts/cuda-abi-check.py "$header"
+    fi
+}
+fetch nvidia-cuda-runtime-cu12==12.9.79 nvidia/cuda_runtime/include/cuda.h
+fetch nvidia-cuda-nvrtc-cu12==12.9.86 nvidia/cuda_nvrtc/include/nvrtc.h
+cublas_h=$(find "$VENV"/lib/python3*/site-packages/nvidia -name cublas_api.h 2>/dev/null | head -1 || true)
+python3 scripts/cuda-abi-check.py target/cuda-header/cuda.h target/cuda-header/nvrtc.h ${cublas_h:+"$cublas_h"}
+[ -n "$cublas_h" ] || echo "cuda-abi-check: no cublas_api.h in $VENV (torch's NVIDIA wheels bring it): the cuBLAS stand-in's signatures were not checked"
 
 for seed in "" 1 2; do
     # The last pass also makes pageable uploads synchronous (a driver may): nothing may mind.
