@@ -77,8 +77,8 @@ pub(crate) async fn all_reduce(op: &Op, buf: &mut [u8], dtype: DType, rop: Reduc
     }
     let p = pieces(buf.len(), dtype.size(), n as usize);
     if buf.len() >= LOCAL_MIN {
-        if let Some(peers) = local::plan(op, buf).await? {
-            return local::all_reduce(op, &peers, buf, &p, dtype, rop).await;
+        if let Some(plan) = local::plan(op, buf).await? {
+            return local::all_reduce(op, plan, buf, &p, dtype, rop).await;
         }
     }
     let me = op.mesh.rank as i64;
@@ -210,8 +210,8 @@ fn combine_in_order(buf: &mut [u8], all: &[Option<Bytes>], dtype: DType, rop: Re
 
 pub(crate) async fn broadcast(op: &Op, root: u32, buf: &mut [u8]) -> Result<()> {
     if buf.len() >= LOCAL_MIN && op.mesh.world > 1 {
-        if let Some(peers) = local::plan(op, buf).await? {
-            return local::broadcast(op, &peers, root, buf).await;
+        if let Some(plan) = local::plan(op, buf).await? {
+            return local::broadcast(op, plan, root, buf).await;
         }
     }
     if op.mesh.rank == root {
@@ -260,8 +260,8 @@ pub(crate) async fn reduce(op: &Op, root: u32, buf: &mut [u8], dtype: DType, rop
 
 pub(crate) async fn all_gather(op: &Op, input: &[u8], out: &mut [u8]) -> Result<()> {
     if out.len() >= LOCAL_MIN && !input.is_empty() && op.mesh.world > 1 {
-        if let Some(peers) = local::plan(op, input).await? {
-            return local::all_gather(op, &peers, input, out).await;
+        if let Some(plan) = local::plan(op, input).await? {
+            return local::all_gather(op, plan, input, out).await;
         }
     }
     let all = exchange(op, input).await?;
@@ -318,8 +318,8 @@ pub(crate) async fn reduce_scatter(op: &Op, input: &[u8], out: &mut [u8], dtype:
         return Ok(());
     }
     if input.len() >= LOCAL_MIN {
-        if let Some(peers) = local::plan(op, input).await? {
-            return local::reduce_scatter(op, &peers, input, out, dtype, rop).await;
+        if let Some(plan) = local::plan(op, input).await? {
+            return local::reduce_scatter(op, plan, input, out, dtype, rop).await;
         }
     }
     // The ring, shifted by one so that this rank ends with its own piece.

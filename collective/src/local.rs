@@ -32,7 +32,11 @@
 //! change it while a peer is still reading; that peer would then finish with wrong bytes. So a
 //! rank succeeds only once every other rank has released, which each does only after everyone
 //! said they finished reading it; a rank that stops early never releases, and a rank that fails
-//! here fails the whole group (the others learn of it at once). Reads only ever copy *from*
+//! here fails the whole group (the others learn of it at once), and so does a collective whose
+//! future is dropped after its plan went out (a guard's `Drop`). Reads and reductions run
+//! through `block_in_place` on a multi-threaded runtime, so the runtime's other tasks (the
+//! pipes' readers among them) go on meanwhile. Huge pages are given after the release round,
+//! so no peer waits on them. Reads only ever copy *from*
 //! another process, so a peer's mistake cannot corrupt this one's memory; addresses and lengths
 //! from a peer are checked (lengths must equal ours) and read from that peer's own process
 //! only (its id comes from the pipe's negotiation, not from the plan).
@@ -53,7 +57,13 @@ const PLAN_MAGIC: u32 = u32::from_le_bytes(*b"PLAN");
 /// enough to stay in cache while it is combined).
 const CHUNK: usize = 256 << 10;
 
-/// The steps after the plan (step 0).
+/// Plans travel on a step of their own, never the data steps of the direct and ring algorithms
+/// (those use at most 2 (n - 1) < 0xFFFF): a rank on another path (sizes that differ across
+/// ranks) never takes a plan for data. It then waits for data that never comes and fails at the
+/// group's timeout, as the planning ranks do waiting for its plan.
+const PLAN_STEP: u32 = 0xFFFF;
+
+/// The steps after the plan.
 const DONE: u32 = 1;
 const DONE_AGAIN: u32 = 2;
 const RELEASE: u32 = 3;
@@ -89,22 +99,22 @@ fn encode_plan(capable: bool, exposed: &[u8]) -> [u8; PLAN] {
     b
 }
 
-/// Step 0 of a collective that may read its peers: every rank tells every other where its
-/// `exposed` buffer lies. Returns the peers to read when every rank can read every other,
-/// `None` when some cannot (then the caller goes on with its ring, in step, on every rank).
-/// Buffers of differing lengths are an error on every rank.
-pub(crate) async fn plan(op: &Op, exposed: &[u8]) -> Result<Option<Peers>> {
+/// The first step of a collective that may read its peers: every rank tells every other where
+/// its `exposed` buffer lies. Returns the plan (the peers to read, and the guard that fails the
+/// group if this collective is abandoned while they may read this rank) when every rank can
+/// read every other, `None` when some cannot (then every rank goes on with the ring). Buffers
+/// of differing lengths are an error on every rank.
+pub(crate) async fn plan<'a>(op: &'a Op, exposed: &[u8]) -> Result<Option<Plan<'a>>> {
     let mesh = &op.mesh;
     let (me, n) = (mesh.rank, mesh.world);
-    if mesh.pids.is_some() {
-        mesh.expose(exposed);
-    }
+    // From the moment the plan leaves, peers may read `exposed`.
+    let guard = Abandoned { op, armed: true };
     let mine = encode_plan(mesh.pids.is_some(), exposed);
-    let sends: Vec<_> = (0..n).filter(|&r| r != me).map(|r| (r, 0, &mine[..])).collect();
+    let sends: Vec<_> = (0..n).filter(|&r| r != me).map(|r| (r, PLAN_STEP, &mine[..])).collect();
     let (sent, got) = tokio::join!(crate::algorithm::send_all(op, sends), async {
         let mut got = Vec::with_capacity(n as usize);
         for r in (0..n).filter(|&r| r != me) {
-            got.push((r, op.recv(r, 0, PLAN).await?));
+            got.push((r, op.recv(r, PLAN_STEP, PLAN).await?));
         }
         Ok::<_, CollectiveError>(got)
     });
@@ -112,9 +122,15 @@ pub(crate) async fn plan(op: &Op, exposed: &[u8]) -> Result<Option<Peers>> {
     // it fails the group rather than hand its buffer back quietly.
     let got = match (sent, got) {
         (Err(CollectiveError::Timeout(w)), _) | (_, Err(CollectiveError::Timeout(w))) => {
-            return Err(fail_group(op, CollectiveError::Timeout(w)))
+            guard.disarm();
+            return Err(fail_group(op, CollectiveError::Timeout(w)));
         }
-        (Err(e), _) | (_, Err(e)) => return Err(e),
+        (Err(e), _) | (_, Err(e)) => {
+            // Lost peers and aborts have failed the group already; a plan of the wrong length
+            // (a peer on another path: sizes differ) leaves nobody reading this rank.
+            guard.disarm();
+            return Err(e);
+        }
         (Ok(()), Ok(got)) => got,
     };
     let mut addrs = vec![exposed.as_ptr() as u64; n as usize];
@@ -122,12 +138,18 @@ pub(crate) async fn plan(op: &Op, exposed: &[u8]) -> Result<Option<Peers>> {
     for (r, b) in got {
         let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
         if b[0..4] != PLAN_MAGIC.to_le_bytes() || b[4] > 1 {
-            return Err(CollectiveError::Peer {
+            guard.disarm();
+            let e = CollectiveError::Peer {
                 rank: Some(r),
                 detail: format!("sent a malformed plan {:02x?}", &b[..8]),
-            });
+            };
+            return Err(fail_group(op, e));
         }
         if word(16) != exposed.len() as u64 {
+            // Every honest rank sees a mismatch too (its length differs from one of the two),
+            // so none reads: the group goes on. (A peer telling ranks different lengths is
+            // caught by the release round: whoever read waits for a release that never comes.)
+            guard.disarm();
             return Err(CollectiveError::Invalid(format!(
                 "rank {r}'s buffer is {} bytes where rank {me}'s is {} (buffer sizes differ across ranks?)",
                 word(16),
@@ -140,14 +162,61 @@ pub(crate) async fn plan(op: &Op, exposed: &[u8]) -> Result<Option<Peers>> {
     Ok(match (&mesh.pids, all) {
         (Some(pids), true) => {
             mesh.local_ops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            Some(Peers {
-                me,
-                pids: pids.clone(),
-                addrs,
+            Some(Plan {
+                peers: Peers {
+                    me,
+                    pids: pids.clone(),
+                    addrs,
+                },
+                guard,
             })
         }
-        _ => None,
+        _ => {
+            guard.disarm();
+            None
+        }
     })
+}
+
+/// What [`plan`] found: the peers to read, and the guard to disarm once the collective is done.
+pub(crate) struct Plan<'a> {
+    peers: Peers,
+    guard: Abandoned<'a>,
+}
+
+/// Fails the group when dropped armed: a collective whose future is dropped after its plan went
+/// out hands its buffer back while peers may still read it; failing the group at once tells
+/// them (they would otherwise wait out their timeout for its release).
+struct Abandoned<'a> {
+    op: &'a Op,
+    armed: bool,
+}
+
+impl Abandoned<'_> {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Abandoned<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let why = format!(
+                "rank {} abandoned a collective while its peers could read its buffer (its future was dropped)",
+                self.op.mesh.rank
+            );
+            fail_group(self.op, CollectiveError::Invalid(why));
+        }
+    }
+}
+
+/// Runs `f` (a blocking read or reduction) where it does not hold up the runtime's other tasks:
+/// through `block_in_place` on a multi-threaded runtime, inline elsewhere.
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
+    }
 }
 
 /// Fails the group with `e` (telling the others) and returns the group's error.
@@ -156,12 +225,6 @@ fn fail_group(op: &Op, e: CollectiveError) -> CollectiveError {
         op.mesh.tell_others(op.mesh.rank, &e.to_string());
     }
     op.mesh.failed().unwrap_or(e)
-}
-
-/// Runs one local collective's reading part: an error there fails the group (this rank's
-/// buffer may still be read by a peer, and a peer may be waiting for this rank's release).
-async fn guarded<F: std::future::Future<Output = Result<()>>>(op: &Op, f: F) -> Result<()> {
-    f.await.map_err(|e| fail_group(op, e))
 }
 
 /// An empty message to every other rank as `step`, then one from every other rank.
@@ -245,77 +308,119 @@ fn reduce_from(
     Ok(())
 }
 
+/// Runs the reading part `f` of a collective planned as `plan`: an error fails the group (this
+/// rank's buffer may still be read, and peers may wait for its release); once it is over, the
+/// buffer peers read (`exposed`, if any) may get huge pages for next time (after the release,
+/// so no peer waits on it).
+async fn run<F: std::future::Future<Output = Result<()>>>(
+    op: &Op,
+    plan: Plan<'_>,
+    exposed: Option<&[u8]>,
+    f: impl FnOnce(Peers) -> F,
+) -> Result<()> {
+    let Plan { peers, guard } = plan;
+    let r = f(peers).await.map_err(|e| fail_group(op, e));
+    guard.disarm();
+    if let (Ok(()), Some(b)) = (&r, exposed) {
+        op.mesh.expose(b);
+    }
+    r
+}
+
 /// allreduce in place (see the module's notes); `p` cuts the buffer into one piece per rank.
 pub(crate) async fn all_reduce(
     op: &Op,
-    peers: &Peers,
+    plan: Plan<'_>,
     buf: &mut [u8],
     p: &[Range<usize>],
     dtype: DType,
     rop: ReduceOp,
 ) -> Result<()> {
-    let me = peers.me as usize;
     let n = p.len() as u32;
-    guarded(op, async {
+    let me = plan.peers.me as usize;
+    let done = run(op, plan, None, |peers| async {
+        let peers = peers;
         let mine = p[me].clone();
-        reduce_from(peers, mine.start, &mut buf[mine.clone()], None, dtype, rop)?;
-        reduce::finish(&mut buf[mine], dtype, rop, n);
+        blocking(|| {
+            reduce_from(&peers, mine.start, &mut buf[mine.clone()], None, dtype, rop)?;
+            reduce::finish(&mut buf[mine], dtype, rop, n);
+            Ok::<_, CollectiveError>(())
+        })?;
         round(op, DONE).await?;
-        for r in (0..n).filter(|&r| r as usize != me) {
-            let theirs = p[r as usize].clone();
-            peers.read(r, theirs.start, &mut buf[theirs])?;
-        }
+        blocking(|| {
+            (0..n).filter(|&r| r as usize != me).try_for_each(|r| {
+                let theirs = p[r as usize].clone();
+                peers.read(r, theirs.start, &mut buf[theirs])
+            })
+        })?;
         finish(op, DONE_AGAIN).await
     })
-    .await
+    .await;
+    if done.is_ok() {
+        op.mesh.expose(buf);
+    }
+    done
 }
 
 /// reduce-scatter: `out` becomes the reduction of piece `me` of every rank's `input` (the
 /// exposed buffer).
 pub(crate) async fn reduce_scatter(
     op: &Op,
-    peers: &Peers,
+    plan: Plan<'_>,
     input: &[u8],
     out: &mut [u8],
     dtype: DType,
     rop: ReduceOp,
 ) -> Result<()> {
     let len = out.len();
-    let me = peers.me as usize;
-    guarded(op, async {
+    run(op, plan, Some(input), |peers| async move {
+        let me = peers.me as usize;
         let mine = &input[me * len..(me + 1) * len];
-        reduce_from(peers, me * len, out, Some(mine), dtype, rop)?;
-        reduce::finish(out, dtype, rop, peers.pids.len() as u32);
+        blocking(|| {
+            reduce_from(&peers, me * len, out, Some(mine), dtype, rop)?;
+            reduce::finish(out, dtype, rop, peers.pids.len() as u32);
+            Ok::<_, CollectiveError>(())
+        })?;
         finish(op, DONE).await
     })
     .await
 }
 
 /// allgather: piece `r` of `out` is read from rank `r`'s `input` (the exposed buffer).
-pub(crate) async fn all_gather(op: &Op, peers: &Peers, input: &[u8], out: &mut [u8]) -> Result<()> {
+pub(crate) async fn all_gather(op: &Op, plan: Plan<'_>, input: &[u8], out: &mut [u8]) -> Result<()> {
     let len = input.len();
-    guarded(op, async {
-        for (r, piece) in out.chunks_mut(len).enumerate() {
-            if r as u32 == peers.me {
-                piece.copy_from_slice(input);
-            } else {
-                peers.read(r as u32, 0, piece)?;
-            }
-        }
+    run(op, plan, Some(input), |peers| async move {
+        blocking(|| {
+            out.chunks_mut(len).enumerate().try_for_each(|(r, piece)| {
+                if r as u32 == peers.me {
+                    piece.copy_from_slice(input);
+                    Ok(())
+                } else {
+                    peers.read(r as u32, 0, piece)
+                }
+            })
+        })?;
         finish(op, DONE).await
     })
     .await
 }
 
 /// broadcast: every rank but the root reads the root's buffer (the exposed one).
-pub(crate) async fn broadcast(op: &Op, peers: &Peers, root: u32, buf: &mut [u8]) -> Result<()> {
-    guarded(op, async {
-        if peers.me != root {
-            peers.read(root, 0, buf)?;
+pub(crate) async fn broadcast(op: &Op, plan: Plan<'_>, root: u32, buf: &mut [u8]) -> Result<()> {
+    let me = plan.peers.me;
+    let done = run(op, plan, None, |peers| async {
+        let peers = peers;
+        if me != root {
+            blocking(|| peers.read(root, 0, buf))?;
         }
         finish(op, DONE).await
     })
-    .await
+    .await;
+    // Only the root's buffer is read by the others.
+    if done.is_ok() && me == root {
+        op.mesh.expose(buf);
+    }
+    done
 }
 
 #[cfg(test)]

@@ -548,3 +548,38 @@ worker_test!(an_abort_reaches_every_rank_with_its_reason, 3, |env| {
         assert!(g.close().await.is_err());
     });
 });
+
+// A collective dropped after its plan went out (here by a caller's own timeout) fails the group
+// at once: its peers may be reading its buffer, which its caller now has back. The other rank
+// learns it when it calls, not at its own timeout (30 s).
+worker_test!(a_collective_dropped_while_peers_may_read_it_fails_the_group, 2, |env| {
+    let rt = runtime();
+    rt.block_on(async {
+        let g = Group::new(options(&env, "dropped")).await.expect("group");
+        let mut buf = vec![1u8; LOCAL_MIN * 4];
+        if g.rank() == 0 {
+            let r = tokio::time::timeout(
+                Duration::from_millis(200),
+                g.all_reduce(&mut buf, DType::U8, ReduceOp::Sum),
+            )
+            .await;
+            assert!(
+                r.is_err(),
+                "rank 1 was not there yet: the call should have been dropped"
+            );
+            let e = g.barrier().await.unwrap_err();
+            assert!(e.to_string().contains("abandoned"), "{e}");
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        } else {
+            tokio::time::sleep(Duration::from_millis(800)).await;
+            let started = std::time::Instant::now();
+            let e = g.all_reduce(&mut buf, DType::U8, ReduceOp::Sum).await.unwrap_err();
+            assert!(e.to_string().contains("abandoned"), "{e}");
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "took {:?}",
+                started.elapsed()
+            );
+        }
+    });
+});
