@@ -6,7 +6,9 @@
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use crate::model::{self, *};
 use crate::rules;
@@ -255,7 +257,7 @@ pub unsafe extern "C" fn cuMemFree_v2(p: u64) -> c_int {
 pub unsafe extern "C" fn cuMemHostAlloc(p: *mut Ptr, size: usize, _flags: c_uint) -> c_int {
     let r = need_context("cuMemHostAlloc").and_then(|_| {
         let at = crate::sys::host_alloc(size).map_err(|_| OUT_OF_MEMORY)?;
-        model::model()?.pinned.insert(at, size);
+        model::model()?.pinned.insert(at, (size, Arc::new(AtomicU64::new(0))));
         Ok(at)
     });
     match r {
@@ -269,8 +271,14 @@ pub unsafe extern "C" fn cuMemHostAlloc(p: *mut Ptr, size: usize, _flags: c_uint
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemFreeHost(p: Ptr) -> c_int {
-    let r = model::model().and_then(|mut m| match m.pinned.remove(&(p as usize)) {
-        Some(len) => {
+    let r = model::model().and_then(|mut m| match m.pinned.get(&(p as usize)).cloned() {
+        Some((_, busy)) if busy.load(Ordering::Acquire) > 0 => Err(model::fail(
+            rules::FREE_BUSY,
+            INVALID_VALUE,
+            format!("cuMemFreeHost({p:?}) with queued copies still using it"),
+        )),
+        Some((len, _)) => {
+            m.pinned.remove(&(p as usize));
             crate::sys::host_free(p as usize, len);
             Ok(())
         }
@@ -298,6 +306,13 @@ pub unsafe extern "C" fn cuStreamCreate(s: *mut Ptr, flags: c_uint) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamDestroy_v2(s: Ptr) -> c_int {
     let r = model::model().and_then(|mut m| {
+        if s.is_null() {
+            return Err(model::fail(
+                rules::HANDLE,
+                INVALID_HANDLE,
+                "cuStreamDestroy of the legacy default stream (0)".into(),
+            ));
+        }
         let st = m.stream(s as usize, "cuStreamDestroy")?;
         m.streams.remove(&(s as usize));
         // Work already queued still runs (as the driver documents), then the thread ends.
@@ -468,7 +483,7 @@ pub unsafe extern "C" fn cuPointerGetAttribute(data: Ptr, attribute: c_int, p: u
                 return Ok((2u32, a.ordinal));
             }
         }
-        if let Some((&base, &len)) = m.pinned.range(..=p).next_back() {
+        if let Some((&base, &(len, _))) = m.pinned.range(..=p).next_back() {
             if p - base < len.max(1) {
                 return Ok((1u32, 0));
             }
@@ -490,8 +505,12 @@ pub unsafe extern "C" fn cuPointerGetAttribute(data: Ptr, attribute: c_int, p: u
 #[no_mangle]
 pub unsafe extern "C" fn cuMemGetAddressRange_v2(base: *mut u64, size: *mut usize, p: u64) -> c_int {
     let r = model::model().and_then(|m| {
-        let (a, off) = m.find(p as usize, 0, "cuMemGetAddressRange")?;
-        Ok((p as usize - off, a.size))
+        // An address outside every allocation is an answer, not a misuse: CUDA_ERROR_NOT_FOUND.
+        let p = p as usize;
+        match m.allocs.range(..=p).next_back() {
+            Some((&base, a)) if p - base < a.size.max(1) => Ok((base, a.size)),
+            _ => Err(500),
+        }
     });
     match r {
         Ok((b, s)) => {
@@ -507,12 +526,14 @@ pub unsafe extern "C" fn cuMemGetAddressRange_v2(base: *mut u64, size: *mut usiz
     }
 }
 
-/// Where a host range of `len` bytes at `p` is pinned (from cuMemHostAlloc), if it is.
-fn pinned(m: &Model, p: usize, len: usize) -> bool {
+/// The pinned allocation (from cuMemHostAlloc) holding `len` bytes at `p`, by its count of
+/// queued operations, if there is one.
+fn pinned(m: &Model, p: usize, len: usize) -> Option<Arc<AtomicU64>> {
     m.pinned
         .range(..=p)
         .next_back()
-        .is_some_and(|(&base, &l)| p - base <= l && len <= l - (p - base))
+        .filter(|(&base, &(l, _))| p - base <= l && len <= l - (p - base))
+        .map(|(_, (_, busy))| busy.clone())
 }
 
 /// Queues a device-to-device copy.
@@ -550,12 +571,14 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(dst: u64, src: *const c_void, n: u
         let st = m.stream(s as usize, "cuMemcpyHtoDAsync")?;
         let (d, off) = m.find(dst as usize, n, "cuMemcpyHtoDAsync")?;
         let to = d.data(off);
-        let uses = [d.pending.clone()];
         let from = src as usize;
-        if pinned(&m, from, n) {
+        if let Some(host) = pinned(&m, from, n) {
             // SAFETY: pinned memory the caller keeps until the copy is done (the driver's
-            // contract for asynchronous copies); the device range is live.
-            st.enqueue(&uses, move || unsafe { crate::sys::copy(to, from, n) });
+            // contract for asynchronous copies; freeing it meanwhile breaks a rule); the
+            // device range is live.
+            st.enqueue(&[d.pending.clone(), host], move || unsafe {
+                crate::sys::copy(to, from, n)
+            });
         } else {
             // Pageable: staged now, as the driver does ("returns once the pageable buffer has
             // been copied to the staging memory"); with SLUICE_CUDA_MODEL_PAGEABLE=sync, the
@@ -563,7 +586,7 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(dst: u64, src: *const c_void, n: u
             let mut staged = vec![0u8; n];
             // SAFETY: the caller's source holds `n` readable bytes for the call.
             unsafe { crate::sys::copy(staged.as_mut_ptr() as usize, from, n) };
-            let ticket = st.enqueue(&uses, move || unsafe {
+            let ticket = st.enqueue(&[d.pending.clone()], move || unsafe {
                 // SAFETY: the staged copy lives in this closure; the device range is live.
                 crate::sys::copy(to, staged.as_ptr() as usize, n)
             });
@@ -583,13 +606,16 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(dst: Ptr, src: u64, n: usize, s: P
         let st = m.stream(s as usize, "cuMemcpyDtoHAsync")?;
         let (a, off) = m.find(src as usize, n, "cuMemcpyDtoHAsync")?;
         let from = a.data(off);
-        let uses = [a.pending.clone()];
         let to = dst as usize;
-        let sync = !pinned(&m, to, n);
-        drop(m);
+        let host = pinned(&m, to, n);
+        let sync = host.is_none();
+        let uses: Vec<_> = std::iter::once(a.pending.clone()).chain(host).collect();
+        // Queued (its uses counted) before the model is unlocked: a free from another thread
+        // then sees the copy pending.
         // SAFETY: the caller's destination holds `n` writable bytes until the copy is done
         // (pinned: the asynchronous contract; pageable: this call waits for it).
         let ticket = st.enqueue(&uses, move || unsafe { crate::sys::copy(to, from, n) });
+        drop(m);
         if sync {
             // "For transfers from device memory to pageable host memory, the function will
             // return only once the copy has completed."

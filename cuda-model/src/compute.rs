@@ -294,11 +294,28 @@ pub unsafe extern "C" fn cuLaunchKernel(
     params: *mut Ptr,
     extra: *mut Ptr,
 ) -> c_int {
-    if f.is_null() || (params.is_null() && !extra.is_null()) {
+    if f.is_null() {
         return INVALID_VALUE;
     }
     // SAFETY: a function handle from cuModuleGetFunction.
     let func = unsafe { &*f.cast::<Function>() };
+    let threads = bx as u64 * by as u64 * bz as u64;
+    if [gx, gy, gz, bx, by, bz].contains(&0)
+        || threads > 1024
+        || gy > 65535
+        || gz > 65535
+        || bz > 64
+        || !extra.is_null()
+        || (params.is_null() && !func.sizes.is_empty())
+    {
+        return model::fail(
+            rules::LAUNCH,
+            INVALID_VALUE,
+            format!(
+                "cuLaunchKernel with grid {gx}x{gy}x{gz}, block {bx}x{by}x{bz}, kernelParams {params:?}, extra {extra:?}"
+            ),
+        );
+    }
     let r = model::model().and_then(|mut m| {
         let st = m.stream(s as usize, "cuLaunchKernel")?;
         // The arguments are copied now, as the driver does; device pointers become the
@@ -320,15 +337,16 @@ pub unsafe extern "C" fn cuLaunchKernel(
             }
             args.push(v);
         }
-        drop(m);
         let launch = func.launch;
         let dims = [gx, gy, gz, bx, by, bz];
+        // Queued before the model is unlocked, so a free meanwhile sees it pending.
         st.enqueue(&uses, move || {
             let mut ptrs: Vec<*mut c_void> = args.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
             // SAFETY: the launcher unpacks exactly these arguments; the memory they point at
             // stays mapped while the launch is queued (a free meanwhile breaks a rule).
             unsafe { launch(ptrs.as_mut_ptr(), dims.as_ptr()) };
         });
+        drop(m);
         Ok(())
     });
     match r {
@@ -403,7 +421,21 @@ where
         return CUBLAS_INVALID_VALUE;
     }
     let (m, n, k) = (m as usize, n as usize, k as usize);
-    let (lda, ldb, ldc) = (lda.max(1) as usize, ldb.max(1) as usize, ldc.max(1) as usize);
+    // As cuBLAS checks them: an operation is N, T or C; each leading dimension at least the
+    // rows of its operand as stored.
+    let rows = |t: c_int, a: usize, b: usize| if t == 0 { a.max(1) } else { b.max(1) };
+    if !(0..=2).contains(&ta)
+        || !(0..=2).contains(&tb)
+        || (lda as usize) < rows(ta, m, k)
+        || (ldb as usize) < rows(tb, k, n)
+        || (ldc as usize) < m.max(1)
+        || lda < 1
+        || ldb < 1
+        || ldc < 1
+    {
+        return CUBLAS_INVALID_VALUE;
+    }
+    let (lda, ldb, ldc) = (lda as usize, ldb as usize, ldc as usize);
     if m == 0 || n == 0 {
         return CUBLAS_SUCCESS;
     }
@@ -420,7 +452,8 @@ where
         let (ca, co) = md.find(c as usize, extent(m, n, ldc), "cublasGemm C")?;
         let (pa, pb, pc) = (aa.data(ao), ba.data(bo), ca.data(co));
         let uses = [aa.pending.clone(), ba.pending.clone(), ca.pending.clone()];
-        drop(md);
+        // Queued before the model is unlocked, so a free meanwhile sees it pending.
+        let _md = md;
         st.enqueue(&uses, move || {
             let (pa, pb, pc) = (pa as *const T, pb as *const T, pc as *mut T);
             for j in 0..n {

@@ -175,7 +175,8 @@ pub struct Model {
     /// Device allocations by base address.
     pub allocs: BTreeMap<usize, Alloc>,
     /// Pinned host allocations: address → length.
-    pub pinned: BTreeMap<usize, usize>,
+    /// Pinned host allocations: address → (length, queued operations using it).
+    pub pinned: BTreeMap<usize, (usize, Arc<AtomicU64>)>,
     pub streams: HashMap<usize, Arc<Stream>>,
     /// The legacy default stream of each ordinal.
     pub legacy: HashMap<u32, Arc<Stream>>,
@@ -463,8 +464,8 @@ impl Model {
                 format!("cuIpcCloseMemHandle({ptr:#x}): not imported"),
             ));
         };
-        *n -= 1;
-        if *n > 0 {
+        if *n > 1 {
+            *n -= 1;
             return Ok(());
         }
         let (pid, fd, generation) = *key;
@@ -476,6 +477,7 @@ impl Model {
                 format!("cuIpcCloseMemHandle({ptr:#x}) with {pending} queued operation(s) still using it"),
             ));
         }
+        *n = 0;
         a.importers().fetch_sub(1, Ordering::AcqRel);
         let ordinal = a.ordinal;
         self.allocs.remove(&ptr);
@@ -685,8 +687,17 @@ impl Stream {
                 u.fetch_sub(1, Ordering::AcqRel);
             }
         });
-        if let Some(tx) = tx.as_ref() {
-            let _ = tx.send((ticket, job));
+        match tx.as_ref() {
+            Some(tx) => {
+                let _ = tx.send((ticket, job));
+            }
+            None => {
+                breach(
+                    rules::HANDLE,
+                    INVALID_HANDLE,
+                    format!("work queued on stream {:#x} after it was destroyed", self.handle),
+                );
+            }
         }
         ticket
     }

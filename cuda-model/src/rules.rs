@@ -125,6 +125,13 @@ pub const IMAGE: Rule = Rule {
     text: "modules load images the model's NVRTC made (the model cannot run real PTX or CUBIN; \
            CUDA_ERROR_INVALID_IMAGE)",
 };
+pub const LAUNCH: Rule = Rule {
+    id: "launch.config",
+    source: Source::Documented,
+    text: "a launch's grid and block are within the device's limits (at least 1 each way, at most \
+           1024 threads a block, grid y and z at most 65535) and its arguments come through \
+           kernelParams (CUDA_ERROR_INVALID_VALUE)",
+};
 pub const HOST_FREE: Rule = Rule {
     id: "memory.free-host",
     source: Source::Documented,

@@ -129,6 +129,8 @@ fn freeing_memory_with_queued_work_breaks_a_rule() {
         }
         assert_eq!(cuMemFree_v2(a), 1);
         broke("memory.free-busy");
+        assert_eq!(cuMemFreeHost(host), 1, "pinned memory a queued copy reads");
+        broke("memory.free-busy");
         assert_eq!(cuStreamSynchronize(s), 0);
         assert_eq!(cuMemFree_v2(a), 0);
         assert_eq!(cuMemFreeHost(host), 0);
@@ -418,6 +420,12 @@ fn kernels_compile_launch_in_stream_order_and_foreign_images_are_refused() {
             "{:?}",
             &back[..4]
         );
+        // Launch limits: 2048 threads a block, and extra with kernelParams.
+        assert_eq!(
+            cuLaunchKernel(f, 1, 1, 1, 2048, 1, 1, 0, s, params.as_mut_ptr(), null_mut()),
+            1
+        );
+        broke("launch.config");
         // A pointer argument outside any allocation is refused at the launch.
         let mut bad = 12345u64;
         params[0] = (&mut bad as *mut u64).cast();
