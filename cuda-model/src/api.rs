@@ -586,7 +586,7 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(dst: u64, src: *const c_void, n: u
             let mut staged = vec![0u8; n];
             // SAFETY: the caller's source holds `n` readable bytes for the call.
             unsafe { crate::sys::copy(staged.as_mut_ptr() as usize, from, n) };
-            let ticket = st.enqueue(&[d.pending.clone()], move || unsafe {
+            let ticket = st.enqueue(std::slice::from_ref(&d.pending), move || unsafe {
                 // SAFETY: the staged copy lives in this closure; the device range is live.
                 crate::sys::copy(to, staged.as_ptr() as usize, n)
             });
