@@ -17,45 +17,63 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# C types (after stripping const) to calling-convention classes, on x86-64 / aarch64 Linux.
+# Types to calling-convention classes, on x86-64 / aarch64 Linux. A pointer's class names what
+# it points at ("ptr:u64"), so an output of the wrong width is caught too. Opaque handles
+# (typedef'd pointers) are "ptr:void", as Rust declares them.
 C_CLASSES = {
     "int": "i32", "CUdevice": "i32", "CUdevice_attribute": "i32", "CUpointer_attribute": "i32",
     "CUmemRangeHandleType": "i32", "CUflushGPUDirectRDMAWritesTarget": "i32",
     "CUflushGPUDirectRDMAWritesScope": "i32", "CUresult": "i32",
-    "unsigned int": "u32", "unsigned char": "u8", "size_t": "usize",
-    "CUdeviceptr": "u64", "unsigned long long": "u64",
-    "CUcontext": "ptr", "CUstream": "ptr", "CUevent": "ptr", "CUmodule": "ptr",
-    "CUfunction": "ptr",
-    "CUipcMemHandle": "ipc64", "CUipcEventHandle": "ipc64",
-    "nvrtcProgram": "ptr", "cublasHandle_t": "ptr", "cudaStream_t": "ptr",
     "cublasOperation_t": "i32", "libraryPropertyType": "i32",
+    "unsigned int": "u32", "unsigned char": "u8", "char": "i8", "size_t": "usize",
+    "CUdeviceptr": "u64", "unsigned long long": "u64", "float": "f32", "double": "f64",
+    "void": "void", "CUuuid": "uuid16",
+    "CUcontext": "ptr:void", "CUstream": "ptr:void", "CUevent": "ptr:void",
+    "CUmodule": "ptr:void", "CUfunction": "ptr:void", "nvrtcProgram": "ptr:void",
+    "cublasHandle_t": "ptr:void", "cudaStream_t": "ptr:void",
+    "CUipcMemHandle": "ipc64", "CUipcEventHandle": "ipc64",
 }
 
 RUST_CLASSES = {
     "c_int": "i32", "i32": "i32", "c_uint": "u32", "u32": "u32", "u8": "u8", "u64": "u64",
-    "usize": "usize", "Ptr": "ptr", "IpcHandle": "ipc64",
+    "usize": "usize", "c_char": "i8", "f32": "f32", "f64": "f64", "c_void": "void",
+    "Ptr": "ptr:void", "IpcHandle": "ipc64", "CuUuid": "uuid16", "[u8; 16]": "uuid16",
+    "T": "generic",
 }
 
 
 def c_class(param):
-    p = re.sub(r"\bconst\b", "", param).strip()
-    if "*" in p:
-        return "ptr"
-    # Drop the parameter name (the last word), keep the type.
-    words = p.split()
+    p = re.sub(r"/\*.*?\*/", " ", param)
+    levels = p.count("*")
+    words = re.sub(r"\bconst\b", " ", p).replace("*", " ").split()
+    # Drop the parameter's name (the last word), keep the type.
     ty = " ".join(words[:-1]) if len(words) > 1 else words[0]
     if ty not in C_CLASSES:
         raise SystemExit(f"cuda-abi-check: no class for C type {ty!r} (in {param!r})")
-    return C_CLASSES[ty]
+    return "ptr:" * levels + C_CLASSES[ty]
 
 
 def rust_class(ty):
     ty = ty.strip()
-    if ty.startswith("*"):
-        return "ptr"
+    levels = 0
+    while True:
+        m = re.match(r"\*(mut|const)\s+", ty)
+        if not m:
+            break
+        levels += 1
+        ty = ty[m.end():]
     if ty not in RUST_CLASSES:
         raise SystemExit(f"cuda-abi-check: no class for Rust type {ty!r}")
-    return RUST_CLASSES[ty]
+    return "ptr:" * levels + RUST_CLASSES[ty]
+
+
+def renames(text):
+    """cuda.h's `#define cuX cuX_vN` (also through the per-thread-stream macros): base name to
+    the names it may stand for."""
+    out = {}
+    for a, b in re.findall(r"(?m)^#define\s+(cu\w+)\s+(?:__CUDA_API_\w+\()?(cu\w+)\)?\s*$", text):
+        out.setdefault(a, set()).add(b)
+    return out
 
 
 def header_prototypes(text):
@@ -66,7 +84,7 @@ def header_prototypes(text):
         text = text[:cut]
     protos = {}
     for m in re.finditer(r"CUresult\s+CUDAAPI\s+(cu\w+)\s*\(([^;]*?)\)\s*;", text, re.S):
-        name, params = m.group(1), " ".join(m.group(2).split())
+        name, params = m.group(1), " ".join(re.sub(r"/\*.*?\*/", " ", m.group(2)).split())
         if name in protos:
             continue
         protos[name] = params
@@ -148,13 +166,18 @@ def check_library(header, prefix, problems):
 def main():
     if not 2 <= len(sys.argv) <= 4:
         raise SystemExit(__doc__)
-    protos = header_prototypes(Path(sys.argv[1]).read_text(errors="replace"))
+    text = Path(sys.argv[1]).read_text(errors="replace")
+    protos, names = header_prototypes(text), renames(text)
     problems = []
     for header, prefix in zip(sys.argv[2:], ("nvrtc", "cublas")):
         check_library(header, prefix, problems)
     for side, decls in (("cuda/src/driver.rs", sluice_declarations()), ("cuda-model/src/api.rs + compute.rs", model_exports())):
         for name, classes in sorted(decls.items()):
             base = name[:-3] if name.endswith("_v2") else name
+            if base in names and name not in names[base]:
+                problems.append(
+                    f"{side}: {name}: cuda.h makes {base} mean {' or '.join(sorted(names[base]))}: declare that symbol"
+                )
             params = protos.get(name, protos.get(base))
             want = None if params is None else classes_of(params)
             if want is None:
