@@ -542,6 +542,14 @@ fn copy_d2d(dst: u64, src: u64, n: usize, s: Ptr, call: &str) -> c_int {
         let st = m.stream(s as usize, call)?;
         let (d, doff) = m.find(dst as usize, n, call)?;
         let (sa, soff) = m.find(src as usize, n, call)?;
+        let (dst, src) = (dst as usize, src as usize);
+        if n > 0 && dst < src + n && src < dst + n {
+            return Err(model::fail(
+                rules::COPY_OVERLAP,
+                INVALID_VALUE,
+                format!("{call}: {n} bytes from {src:#x} to {dst:#x} overlap"),
+            ));
+        }
         let (to, from) = (d.data(doff), sa.data(soff));
         let uses = [d.pending.clone(), sa.pending.clone()];
         // SAFETY: both ranges lie in live allocations, kept mapped while the copy is queued

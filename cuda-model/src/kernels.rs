@@ -122,12 +122,17 @@ static PROGRAMS: AtomicU64 = AtomicU64::new(0);
 /// Compiles `source` into an image (the magic, then a shared object); the error is the
 /// compiler's output.
 pub fn compile(source: &str) -> Result<Vec<u8>, String> {
+    // A directory of our own, made fresh (it fails if the name exists, so nobody can have
+    // planted links in it); its files are ours alone.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
     let dir = std::env::temp_dir().join(format!(
-        "sluice-cuda-model-{}-{}",
+        "sluice-cuda-model-{}-{}-{nanos:x}",
         std::process::id(),
         PROGRAMS.fetch_add(1, Ordering::Relaxed)
     ));
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    std::fs::create_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
     let body = format!("{SHIM}\n#line 1 \"kernels.cu\"\n{source}\n");
     let src = dir.join("kernels.cpp");

@@ -125,6 +125,12 @@ pub const IMAGE: Rule = Rule {
     text: "modules load images the model's NVRTC made (the model cannot run real PTX or CUBIN; \
            CUDA_ERROR_INVALID_IMAGE)",
 };
+pub const COPY_OVERLAP: Rule = Rule {
+    id: "memory.copy-overlap",
+    source: Source::Unverified,
+    text: "a device-to-device copy's source and destination do not overlap (a GPU's copy engines \
+           make no promise for overlapping ranges; the model's memmove would hide the bug)",
+};
 pub const LAUNCH: Rule = Rule {
     id: "launch.config",
     source: Source::Documented,

@@ -40,7 +40,11 @@ pub fn in_space(addr: usize) -> bool {
     base != 0 && addr >= base && addr < base + SPACE
 }
 
-extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
+/// The handlers installed before ours (Rust's stack-overflow report, a Python faulthandler...),
+/// for SIGSEGV and SIGBUS: faults outside device memory go to them.
+static PREVIOUS: [std::sync::OnceLock<libc::sigaction>; 2] = [std::sync::OnceLock::new(), std::sync::OnceLock::new()];
+
+extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     // SAFETY: the kernel hands a valid siginfo to an SA_SIGINFO handler.
     let addr = unsafe { (*info).si_addr() } as usize;
     if in_space(addr) {
@@ -52,24 +56,46 @@ dereferenced a device pointer (device memory is not host memory)\n";
             libc::abort();
         }
     }
-    // Not ours: the default action (a core dump, as without the model).
-    // SAFETY: restoring the default disposition and re-raising are async-signal-safe.
+    // Not ours: the handler that was there before, else the default action.
+    let previous = PREVIOUS[usize::from(sig == libc::SIGBUS)].get();
+    // SAFETY: calling the previous handler with the arguments the kernel gave us (as its own
+    // installation asked: SA_SIGINFO or not), or restoring the default disposition and
+    // re-raising; all async-signal-safe.
     unsafe {
-        libc::signal(sig, libc::SIG_DFL);
-        libc::raise(sig);
+        match previous {
+            Some(old) if old.sa_sigaction != libc::SIG_DFL && old.sa_sigaction != libc::SIG_IGN => {
+                if old.sa_flags & libc::SA_SIGINFO != 0 {
+                    let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
+                        std::mem::transmute(old.sa_sigaction);
+                    f(sig, info, ctx);
+                } else {
+                    let f: extern "C" fn(libc::c_int) = std::mem::transmute(old.sa_sigaction);
+                    f(sig);
+                }
+            }
+            _ => {
+                libc::signal(sig, libc::SIG_DFL);
+                libc::raise(sig);
+            }
+        }
     }
 }
 
 fn install_fault_handler() {
-    // SAFETY: a zeroed sigaction with our handler and SA_SIGINFO is a valid argument; the
-    // handler only calls async-signal-safe functions.
+    // SAFETY: a zeroed sigaction with our handler, SA_SIGINFO and SA_ONSTACK (a stack overflow
+    // still reaches Rust's handler on its alternate stack) is a valid argument; the previous
+    // handlers are kept to chain to; the handler only calls async-signal-safe functions.
     unsafe {
         let mut sa: libc::sigaction = std::mem::zeroed();
         sa.sa_sigaction = on_fault as *const () as usize;
-        sa.sa_flags = libc::SA_SIGINFO;
+        sa.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
         libc::sigemptyset(&mut sa.sa_mask);
-        libc::sigaction(libc::SIGSEGV, &sa, std::ptr::null_mut());
-        libc::sigaction(libc::SIGBUS, &sa, std::ptr::null_mut());
+        for (i, sig) in [libc::SIGSEGV, libc::SIGBUS].into_iter().enumerate() {
+            let mut old: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(sig, &sa, &mut old) == 0 {
+                let _ = PREVIOUS[i].set(old);
+            }
+        }
     }
 }
 
@@ -101,7 +127,15 @@ impl Shared {
 
     /// Opens process `pid`'s descriptor `fd` (another process's memfd) and maps `len` bytes.
     pub fn open(pid: u32, fd: i32, len: usize) -> io::Result<Shared> {
-        let path = CString::new(format!("/proc/{pid}/fd/{fd}")).expect("no NUL");
+        let path = format!("/proc/{pid}/fd/{fd}");
+        // The file must hold what the handle claims (mapping past its end would fault later).
+        let size = std::fs::metadata(&path)?.len() as usize;
+        if size < len {
+            return Err(io::Error::other(format!(
+                "{path} holds {size} bytes, the handle claims {len}"
+            )));
+        }
+        let path = CString::new(path).expect("no NUL");
         // SAFETY: open(2) on a NUL-terminated path.
         let own = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
         if own < 0 {
@@ -212,18 +246,16 @@ pub struct Module {
 
 impl Module {
     pub fn load(so: &[u8]) -> io::Result<Module> {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let path = std::env::temp_dir().join(format!(
-            "sluice-cuda-model-module-{}-{}.so",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::write(&path, so)?;
-        let c = CString::new(path.to_string_lossy().as_bytes()).expect("no NUL in a temp path");
+        // Through a memory file, not a path in a shared temporary directory (nothing another
+        // user could swap under us).
+        let file = Shared::create("sluice-cuda-model-module", so.len().max(1))?;
+        // SAFETY: the mapping holds `so.len()` writable bytes.
+        unsafe { copy(file.base, so.as_ptr() as usize, so.len()) };
+        let c = CString::new(format!("/proc/self/fd/{}", file.fd)).expect("no NUL");
         // SAFETY: loading a shared object the model compiled from kernel source; its only
         // initializers are the C++ runtime's for that code.
         let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-        let _ = std::fs::remove_file(&path);
+        drop(file);
         if h.is_null() {
             // SAFETY: dlerror returns a static string or null.
             let e = unsafe { libc::dlerror() };

@@ -97,6 +97,8 @@ fn copies_run_in_stream_order_and_stay_inside_allocations() {
         // One byte past the end of an allocation.
         assert_eq!(cuMemcpyDtoDAsync_v2(b, a + 1, 1000, s), 1);
         broke("memory.copy-range");
+        assert_eq!(cuMemcpyDtoDAsync_v2(a + 10, a, 100, s), 1);
+        broke("memory.copy-overlap");
         assert_eq!(cuMemFree_v2(a), 0);
         assert_eq!(cuMemFree_v2(a), 1, "a double free");
         broke("handle.valid");
