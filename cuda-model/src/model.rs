@@ -573,7 +573,7 @@ impl Model {
             }
             Cell::Shared { shared, generation }
         } else {
-            Cell::Heap(Box::new([AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)]))
+            Cell::Heap(Box::new(std::array::from_fn(|_| AtomicU64::new(0))))
         };
         let h = self.handle();
         self.events.insert(
@@ -727,14 +727,17 @@ impl Stream {
 
 // --- events ----------------------------------------------------------------------------------
 
+/// Words of an event's state after the shared page's 16-byte header (fits the 4096-byte page).
+const EVENT_WORDS: usize = 510;
+/// Records tracked at once (a record's bit is reused `DONE_BITS` records later).
+const DONE_BITS: u64 = (EVENT_WORDS as u64 - 3) * 64;
+
 /// Where an event's counters live: [recorded, completed, destroyed].
 pub enum Cell {
-    Heap(Box<[AtomicU64; 3]>),
+    /// [recorded, unused, destroyed, then the done bitmap] (see [`Event::done_word`]).
+    Heap(Box<[AtomicU64; EVENT_WORDS]>),
     /// An interprocess event: the counters in a shared page after its header.
-    Shared {
-        shared: Shared,
-        generation: u64,
-    },
+    Shared { shared: Shared, generation: u64 },
 }
 
 pub struct Event {
@@ -745,12 +748,23 @@ pub struct Event {
 }
 
 impl Event {
+    /// Word `i` after the header: 0 recorded, 1 unused, 2 destroyed, then the done bitmap.
     fn counter(&self, i: usize) -> &AtomicU64 {
         match &self.cell {
             Cell::Heap(c) => &c[i],
-            // SAFETY: the page is mapped for the event's lifetime; offsets 16.. are 8-aligned.
+            // SAFETY: the page is mapped for the event's lifetime; 16 + 8 * i stays inside its
+            // 4096 bytes for i < EVENT_WORDS, and is 8-aligned.
             Cell::Shared { shared, .. } => unsafe { sys::atomic_at(shared.base + 16 + 8 * i) },
         }
+    }
+
+    /// The bitmap word and bit of record `mark`: each record completes on its own, so a waiter
+    /// on one record is not released by a later record of the same event on a faster stream
+    /// ("Other APIs such as cuStreamWaitEvent() use the most recently captured state at the
+    /// time of the API call, and are not affected by later calls to cuEventRecord()").
+    fn done_word(&self, mark: u64) -> (&AtomicU64, u64) {
+        let bit = mark % DONE_BITS;
+        (self.counter(3 + (bit / 64) as usize), 1 << (bit % 64))
     }
 
     fn live(&self, call: &str) -> R<()> {
@@ -778,9 +792,12 @@ impl Event {
             ));
         }
         let mark = self.counter(0).fetch_add(1, Ordering::AcqRel) + 1;
+        let (word, bit) = self.done_word(mark);
+        word.fetch_and(!bit, Ordering::AcqRel);
         let me = self.clone();
         stream.enqueue(&[], move || {
-            me.counter(1).fetch_max(mark, Ordering::AcqRel);
+            let (word, bit) = me.done_word(mark);
+            word.fetch_or(bit, Ordering::AcqRel);
         });
         Ok(())
     }
@@ -792,7 +809,11 @@ impl Event {
     }
 
     pub fn reached(&self, mark: u64) -> bool {
-        self.counter(1).load(Ordering::Acquire) >= mark
+        if mark == 0 {
+            return true;
+        }
+        let (word, bit) = self.done_word(mark);
+        word.load(Ordering::Acquire) & bit != 0
     }
 
     /// Waits (polling) until `mark` is reached.

@@ -491,3 +491,36 @@ fn the_legacy_stream_waits_for_blocking_streams_and_peer_access_follows_the_matr
         std::env::remove_var("SLUICE_CUDA_MODEL_PEERS");
     }
 }
+
+#[test]
+fn a_wait_follows_the_record_it_saw_not_a_later_one() {
+    let _turn = serial();
+    std::env::set_var("SLUICE_CUDA_MODEL_SEED", "5");
+    setup();
+    bind(0);
+    let n = 1 << 20;
+    let mut back = vec![0u8; n];
+    let (mut a, mut slow, mut fast, mut waiter, mut e) = (0u64, null_mut(), null_mut(), null_mut(), null_mut());
+    // SAFETY: valid pointers; the host buffer outlives the synchronous copy.
+    unsafe {
+        assert_eq!(cuMemAlloc_v2(&mut a, n), 0);
+        for s in [&mut slow, &mut fast, &mut waiter] {
+            assert_eq!(cuStreamCreate(s, 1), 0);
+        }
+        assert_eq!(cuEventCreate(&mut e, 2), 0);
+        for v in 1..=30u8 {
+            assert_eq!(cuMemsetD8Async(a, v, n, slow), 0);
+        }
+        assert_eq!(cuEventRecord(e, slow), 0);
+        assert_eq!(cuStreamWaitEvent(waiter, e, 0), 0);
+        // Recorded again on an idle stream: done at once, and no concern of the waiter above.
+        assert_eq!(cuEventRecord(e, fast), 0);
+        assert_eq!(cuMemcpyDtoHAsync_v2(back.as_mut_ptr().cast(), a, n, waiter), 0);
+        assert!(
+            back.iter().all(|&b| b == 30),
+            "the waiter ran before the record it waited on"
+        );
+        assert_eq!(cuStreamSynchronize(slow), 0);
+        assert_eq!(cuMemFree_v2(a), 0);
+    }
+}
