@@ -213,6 +213,8 @@ pub unsafe extern "C" fn nvrtcDestroyProgram(prog: *mut Ptr) -> c_int {
 // --- modules and launches ----------------------------------------------------------------------
 
 struct Function {
+    /// The context (device ordinal) whose module holds it.
+    ordinal: u32,
     launch: sys::Launcher,
     sizes: Vec<u64>,
     pointers: Vec<u8>,
@@ -240,10 +242,14 @@ pub unsafe extern "C" fn cuModuleLoadData(module: *mut Ptr, image: *const c_void
     let len = u64::from_le_bytes(head[8..16].try_into().expect("8 bytes")) as usize;
     // SAFETY: the model's NVRTC wrote `len` bytes of shared object after the header.
     let so = unsafe { std::slice::from_raw_parts(image.cast::<u8>().add(16), len) };
+    let ordinal = match need_context("cuModuleLoadData") {
+        Ok(o) => o,
+        Err(c) => return c,
+    };
     match Module::load(so) {
         Ok(m) => {
             // SAFETY: non-null output.
-            unsafe { *module = Box::into_raw(Box::new(Arc::new(m))).cast() };
+            unsafe { *module = Box::into_raw(Box::new((Arc::new(m), ordinal))).cast() };
             SUCCESS
         }
         Err(e) => model::fail(rules::IMAGE, 200, format!("cuModuleLoadData: {e}")),
@@ -256,7 +262,12 @@ pub unsafe extern "C" fn cuModuleGetFunction(f: *mut Ptr, module: Ptr, name: *co
         return INVALID_VALUE;
     }
     // SAFETY: a module handle from cuModuleLoadData (never unloaded) and a NUL-terminated name.
-    let (m, name) = unsafe { (&*module.cast::<Arc<Module>>(), CStr::from_ptr(name).to_string_lossy()) };
+    let ((m, ordinal), name) = unsafe {
+        (
+            &*module.cast::<(Arc<Module>, u32)>(),
+            CStr::from_ptr(name).to_string_lossy(),
+        )
+    };
     let (Some(launch), Some(sizes), Some(pointers), Some(n)) = (
         m.symbol(&format!("__sluice_launch_{name}")),
         m.symbol(&format!("__sluice_sizes_{name}")),
@@ -269,6 +280,7 @@ pub unsafe extern "C" fn cuModuleGetFunction(f: *mut Ptr, module: Ptr, name: *co
     let func = unsafe {
         let n = sys::read_array::<c_int>(n, 1)[0].max(0) as usize;
         Function {
+            ordinal: *ordinal,
             launch: sys::launcher(launch),
             sizes: sys::read_array::<u64>(sizes, n),
             pointers: sys::read_array::<u8>(pointers, n),
@@ -318,6 +330,16 @@ pub unsafe extern "C" fn cuLaunchKernel(
     }
     let r = model::model().and_then(|mut m| {
         let st = m.stream(s as usize, "cuLaunchKernel")?;
+        if st.ordinal != func.ordinal {
+            return Err(model::fail(
+                rules::LAUNCH_CONTEXT,
+                INVALID_CONTEXT,
+                format!(
+                    "a kernel of context {} launched on a stream of context {}",
+                    func.ordinal, st.ordinal
+                ),
+            ));
+        }
         // The arguments are copied now, as the driver does; device pointers become the
         // model's own view of that memory.
         let mut args: Vec<Vec<u64>> = Vec::with_capacity(func.sizes.len());
@@ -332,6 +354,16 @@ pub unsafe extern "C" fn cuLaunchKernel(
             }
             if is_ptr == 1 && v[0] != 0 {
                 let (a, off) = m.find(v[0] as usize, 0, &format!("cuLaunchKernel argument {i}"))?;
+                if a.ordinal != st.ordinal && !m.peer_enabled.contains(&(st.ordinal, a.ordinal)) {
+                    return Err(model::fail(
+                        rules::LAUNCH_CONTEXT,
+                        INVALID_VALUE,
+                        format!(
+                            "cuLaunchKernel argument {i} is memory of device {} on device {} without peer access",
+                            a.ordinal, st.ordinal
+                        ),
+                    ));
+                }
                 v[0] = a.data(off) as u64;
                 uses.push(a.pending.clone());
             }

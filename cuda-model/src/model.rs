@@ -152,9 +152,9 @@ pub struct Alloc {
     pub generation: u64,
     /// Queued operations that use it.
     pub pending: Arc<AtomicU64>,
-    /// `Some((pid, fd, generation))` when imported from another process, with how many times
+    /// `Some((pid, fd, generation, opening context))` when imported from another process, with how many times
     /// this process opened it.
-    pub imported: Option<((u32, i32, u64), u32)>,
+    pub imported: Option<((u32, i32, u64, u32), u32)>,
 }
 
 impl Alloc {
@@ -434,13 +434,19 @@ impl Model {
         }
         let shared = Shared::open(pid, fd, PAGE + size.max(1)).map_err(|e| stale(format!("{e}")))?;
         let at = self.addresses(size)?;
+        // The memory lives on the exporter's device, as this process numbers it (pointer
+        // queries name that device), else (not visible here) on this context's.
+        let home = visible()
+            .iter()
+            .position(|&p| p == device)
+            .map_or(ordinal, |o| o as u32);
         let a = Alloc {
-            ordinal,
+            ordinal: home,
             size,
             shared,
             generation,
             pending: Arc::new(AtomicU64::new(0)),
-            imported: Some(((pid, fd, generation), 1)),
+            imported: Some(((pid, fd, generation, ordinal), 1)),
         };
         a.importers().fetch_add(1, Ordering::AcqRel);
         self.ipc_contexts.insert((pid, device), ordinal);
@@ -468,7 +474,7 @@ impl Model {
             *n -= 1;
             return Ok(());
         }
-        let (pid, fd, generation) = *key;
+        let (pid, fd, generation, opener) = *key;
         let pending = a.pending.load(Ordering::Acquire);
         if pending > 0 {
             return Err(breach(
@@ -479,9 +485,8 @@ impl Model {
         }
         *n = 0;
         a.importers().fetch_sub(1, Ordering::AcqRel);
-        let ordinal = a.ordinal;
         self.allocs.remove(&ptr);
-        self.imports.remove(&(ordinal, pid, fd, generation));
+        self.imports.remove(&(opener, pid, fd, generation));
         Ok(())
     }
 

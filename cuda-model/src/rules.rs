@@ -138,6 +138,13 @@ pub const LAUNCH: Rule = Rule {
            1024 threads a block, grid y and z at most 65535) and its arguments come through \
            kernelParams (CUDA_ERROR_INVALID_VALUE)",
 };
+pub const LAUNCH_CONTEXT: Rule = Rule {
+    id: "launch.context",
+    source: Source::Documented,
+    text: "a kernel runs in the context of its stream (\"the context to launch the kernel on will \
+           either be taken from the specified stream\"), so it must come from a module loaded \
+           there, and its pointers must be that device's memory or a peer's with access enabled",
+};
 pub const HOST_FREE: Rule = Rule {
     id: "memory.free-host",
     source: Source::Documented,

@@ -436,6 +436,26 @@ fn kernels_compile_launch_in_stream_order_and_foreign_images_are_refused() {
             1
         );
         broke("memory.copy-range");
+        // A kernel loaded in context 0 runs on context 0's streams, on its own device's memory.
+        let mut xp_saved = x;
+        params[0] = (&mut xp_saved as *mut u64).cast();
+        bind(1);
+        let (mut s1, mut y) = (null_mut(), 0u64);
+        assert_eq!(cuStreamCreate(&mut s1, 1), 0);
+        assert_eq!(cuMemAlloc_v2(&mut y, n * 4), 0);
+        assert_eq!(
+            cuLaunchKernel(f, 4, 1, 1, 256, 1, 1, 0, s1, params.as_mut_ptr(), null_mut()),
+            201
+        );
+        broke("launch.context");
+        bind(0);
+        let mut yp = y;
+        params[0] = (&mut yp as *mut u64).cast();
+        assert_eq!(
+            cuLaunchKernel(f, 4, 1, 1, 256, 1, 1, 0, s, params.as_mut_ptr(), null_mut()),
+            1
+        );
+        broke("launch.context");
         // Real PTX (or anything but the model's own images) cannot load.
         let ptx = b".version 8.0\n.target sm_90\n\0\0\0\0\0\0\0\0";
         assert_eq!(cuModuleLoadData(&mut module, ptx.as_ptr().cast()), 200);
