@@ -293,7 +293,7 @@ impl Model {
 
     pub fn alloc(&mut self, ordinal: u32, size: usize) -> R<usize> {
         let generation = fresh_generation();
-        let shared = Shared::create(&format!("sluice-cuda-model-{generation:x}"), PAGE + size.max(1))
+        let shared = Shared::create_guarded(&format!("sluice-cuda-model-{generation:x}"), PAGE + size.max(1))
             .map_err(|_| OUT_OF_MEMORY)?;
         // SAFETY: the header page was just mapped (8-byte aligned offsets).
         unsafe {
@@ -432,7 +432,7 @@ impl Model {
                 "process {pid}'s allocation {generation:x} was freed (its descriptor is now {name})"
             )));
         }
-        let shared = Shared::open(pid, fd, PAGE + size.max(1)).map_err(|e| stale(format!("{e}")))?;
+        let shared = Shared::open_guarded(pid, fd, PAGE + size.max(1)).map_err(|e| stale(format!("{e}")))?;
         let at = self.addresses(size)?;
         // The memory lives on the exporter's device, as this process numbers it (pointer
         // queries name that device), else (not visible here) on this context's.

@@ -145,6 +145,13 @@ pub const LAUNCH_CONTEXT: Rule = Rule {
            either be taken from the specified stream\"), so it must come from a module loaded \
            there, and its pointers must be that device's memory or a peer's with access enabled",
 };
+pub const OUT_OF_BOUNDS: Rule = Rule {
+    id: "memory.out-of-bounds",
+    source: Source::Documented,
+    text: "accesses stay inside their allocation (a GPU reports CUDA_ERROR_ILLEGAL_ADDRESS, or \
+           corrupts a neighbour; the model's views end at a guard page, so a stray access past \
+           the last page faults and is named)",
+};
 pub const HOST_FREE: Rule = Rule {
     id: "memory.free-host",
     source: Source::Documented,

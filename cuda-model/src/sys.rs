@@ -11,6 +11,12 @@ pub const SPACE: usize = 1 << 40;
 
 static SPACE_BASE: AtomicUsize = AtomicUsize::new(0);
 
+/// Where the model's own views of device memory lie: a second reserved range, each allocation
+/// followed by an inaccessible guard page, so an access past an allocation's end (a kernel's,
+/// or a bad copy's) faults and is named instead of landing in a neighbour.
+static BACKING_BASE: AtomicUsize = AtomicUsize::new(0);
+static BACKING_NEXT: AtomicUsize = AtomicUsize::new(0);
+
 /// Reserves the device address space (inaccessible) and installs the fault handler; returns
 /// its base.
 pub fn reserve_space() -> io::Result<usize> {
@@ -30,8 +36,39 @@ pub fn reserve_space() -> io::Result<usize> {
         return Err(io::Error::last_os_error());
     }
     SPACE_BASE.store(p as usize, Ordering::SeqCst);
+    // SAFETY: as above, a second inaccessible range for the model's own views.
+    let b = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            SPACE,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if b == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    BACKING_BASE.store(b as usize, Ordering::SeqCst);
+    BACKING_NEXT.store(b as usize, Ordering::SeqCst);
     install_fault_handler();
     Ok(p as usize)
+}
+
+fn in_backing(addr: usize) -> bool {
+    let base = BACKING_BASE.load(Ordering::Relaxed);
+    base != 0 && addr >= base && addr < base + SPACE
+}
+
+/// A fresh place for a view of `len` bytes in the backing range, a guard page after it.
+fn take_backing(len: usize) -> io::Result<usize> {
+    let span = len.next_multiple_of(4096) + 4096;
+    let at = BACKING_NEXT.fetch_add(span, Ordering::Relaxed);
+    if BACKING_BASE.load(Ordering::Relaxed) == 0 || at + span > BACKING_BASE.load(Ordering::Relaxed) + SPACE {
+        return Err(io::Error::other("the model's backing range is used up"));
+    }
+    Ok(at)
 }
 
 /// Whether `addr` lies in the device address space.
@@ -50,6 +87,15 @@ extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut l
     if in_space(addr) {
         let msg = b"sluice CUDA driver model: broke rule memory.host-deref (documented): host code \
 dereferenced a device pointer (device memory is not host memory)\n";
+        // SAFETY: write(2) and abort(3) are async-signal-safe; the buffer is static.
+        unsafe {
+            libc::write(2, msg.as_ptr().cast(), msg.len());
+            libc::abort();
+        }
+    }
+    if in_backing(addr) {
+        let msg = b"sluice CUDA driver model: broke rule memory.out-of-bounds (documented): an access \
+went past the end of a device allocation (a kernel's or a copy's)\n";
         // SAFETY: write(2) and abort(3) are async-signal-safe; the buffer is static.
         unsafe {
             libc::write(2, msg.as_ptr().cast(), msg.len());
@@ -104,11 +150,32 @@ pub struct Shared {
     pub fd: i32,
     pub base: usize,
     pub len: usize,
+    /// Placed in the backing range (given back as inaccessible, never unmapped, so nothing else
+    /// lands where a stale pointer points).
+    guarded: bool,
 }
 
 impl Shared {
     /// A new file of `len` bytes named `name` (visible in `/proc/PID/fd` links).
+    /// As [`Shared::create`], placed in the backing range before a guard page.
+    pub fn create_guarded(name: &str, len: usize) -> io::Result<Shared> {
+        Self::create_at(name, len, Some(take_backing(len)?))
+    }
+
+    /// As [`Shared::open`], placed in the backing range before a guard page.
+    pub fn open_guarded(pid: u32, fd: i32, len: usize) -> io::Result<Shared> {
+        Self::open_at(pid, fd, len, Some(take_backing(len)?))
+    }
+
     pub fn create(name: &str, len: usize) -> io::Result<Shared> {
+        Self::create_at(name, len, None)
+    }
+
+    pub fn open(pid: u32, fd: i32, len: usize) -> io::Result<Shared> {
+        Self::open_at(pid, fd, len, None)
+    }
+
+    fn create_at(name: &str, len: usize, at: Option<usize>) -> io::Result<Shared> {
         let cname = CString::new(name).expect("no NUL in a name");
         // SAFETY: memfd_create reads the NUL-terminated name and returns a new descriptor.
         let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
@@ -122,11 +189,11 @@ impl Shared {
             unsafe { libc::close(fd) };
             return Err(e);
         }
-        Self::map(fd, len)
+        Self::map(fd, len, at)
     }
 
     /// Opens process `pid`'s descriptor `fd` (another process's memfd) and maps `len` bytes.
-    pub fn open(pid: u32, fd: i32, len: usize) -> io::Result<Shared> {
+    fn open_at(pid: u32, fd: i32, len: usize, at: Option<usize>) -> io::Result<Shared> {
         let path = format!("/proc/{pid}/fd/{fd}");
         // The file must hold what the handle claims (mapping past its end would fault later).
         let size = std::fs::metadata(&path)?.len() as usize;
@@ -141,17 +208,19 @@ impl Shared {
         if own < 0 {
             return Err(io::Error::last_os_error());
         }
-        Self::map(own, len)
+        Self::map(own, len, at)
     }
 
-    fn map(fd: i32, len: usize) -> io::Result<Shared> {
-        // SAFETY: a new shared mapping of our own descriptor, at an address the kernel chooses.
+    fn map(fd: i32, len: usize, at: Option<usize>) -> io::Result<Shared> {
+        // SAFETY: a new shared mapping of our own descriptor, at an address the kernel chooses
+        // or (MAP_FIXED) at a fresh place of the model's own reserved backing range, which
+        // nothing else uses.
         let p = unsafe {
             libc::mmap(
-                std::ptr::null_mut(),
+                at.unwrap_or(0) as *mut libc::c_void,
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
+                libc::MAP_SHARED | if at.is_some() { libc::MAP_FIXED } else { 0 },
                 fd,
                 0,
             )
@@ -166,6 +235,7 @@ impl Shared {
             fd,
             base: p as usize,
             len,
+            guarded: at.is_some(),
         })
     }
 
@@ -180,7 +250,19 @@ impl Drop for Shared {
         // SAFETY: unmapping and closing what `map` made; nothing refers to the mapping once
         // its owner drops it (the model keeps every user of it alive until then).
         unsafe {
-            libc::munmap(self.base as *mut libc::c_void, self.len);
+            if self.guarded {
+                // Back to reserved and inaccessible (a late access faults and is named).
+                libc::mmap(
+                    self.base as *mut libc::c_void,
+                    self.len,
+                    libc::PROT_NONE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+                    -1,
+                    0,
+                );
+            } else {
+                libc::munmap(self.base as *mut libc::c_void, self.len);
+            }
             libc::close(self.fd);
         }
     }

@@ -544,3 +544,57 @@ fn a_wait_follows_the_record_it_saw_not_a_later_one() {
         assert_eq!(cuMemFree_v2(a), 0);
     }
 }
+
+#[test]
+fn a_kernel_writing_past_its_allocation_is_named() {
+    let (ok, err) = child("child_writes_past_an_allocation", &[]);
+    assert!(!ok, "the child survived: {err}");
+    assert!(err.contains("memory.out-of-bounds"), "{err}");
+}
+
+#[test]
+#[ignore = "a child of a_kernel_writing_past_its_allocation_is_named"]
+fn child_writes_past_an_allocation() {
+    setup();
+    bind(0);
+    use sluice_cuda_model::compute::*;
+    let src = std::ffi::CString::new(
+        "extern \"C\" __global__ void past(float* x, unsigned long long n) { x[n + threadIdx.x] = 1.0f; }",
+    )
+    .unwrap();
+    // SAFETY: valid pointers; the launch deliberately writes one element past the allocation,
+    // which the model must catch (the process ends there).
+    unsafe {
+        let mut prog = null_mut();
+        assert_eq!(
+            nvrtcCreateProgram(
+                &mut prog,
+                src.as_ptr(),
+                null_mut(),
+                0,
+                std::ptr::null(),
+                std::ptr::null()
+            ),
+            0
+        );
+        assert_eq!(nvrtcCompileProgram(prog, 0, std::ptr::null()), 0);
+        let mut len = 0usize;
+        assert_eq!(nvrtcGetCUBINSize(prog, &mut len), 0);
+        let mut image = vec![0u8; len];
+        assert_eq!(nvrtcGetCUBIN(prog, image.as_mut_ptr().cast()), 0);
+        let (mut module, mut f) = (null_mut(), null_mut());
+        assert_eq!(cuModuleLoadData(&mut module, image.as_ptr().cast()), 0);
+        let name = std::ffi::CString::new("past").unwrap();
+        assert_eq!(cuModuleGetFunction(&mut f, module, name.as_ptr()), 0);
+        let (mut x, mut s) = (0u64, null_mut());
+        assert_eq!(cuMemAlloc_v2(&mut x, 8192), 0);
+        assert_eq!(cuStreamCreate(&mut s, 1), 0);
+        let (mut xp, mut n) = (x, 2048u64);
+        let mut params: [Ptr; 2] = [(&mut xp as *mut u64).cast(), (&mut n as *mut u64).cast()];
+        assert_eq!(
+            cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, s, params.as_mut_ptr(), null_mut()),
+            0
+        );
+        cuStreamSynchronize(s);
+    }
+}
