@@ -17,9 +17,8 @@ static SPACE_BASE: AtomicUsize = AtomicUsize::new(0);
 static BACKING_BASE: AtomicUsize = AtomicUsize::new(0);
 static BACKING_NEXT: AtomicUsize = AtomicUsize::new(0);
 
-/// Reserves the device address space (inaccessible) and installs the fault handler; returns
-/// its base.
-pub fn reserve_space() -> io::Result<usize> {
+/// `SPACE` bytes of address space, inaccessible and unbacked.
+fn reserve() -> io::Result<usize> {
     // SAFETY: a fresh anonymous mapping at an address the kernel chooses, with no access and
     // no backing: it touches no existing memory.
     let p = unsafe {
@@ -35,25 +34,19 @@ pub fn reserve_space() -> io::Result<usize> {
     if p == libc::MAP_FAILED {
         return Err(io::Error::last_os_error());
     }
-    SPACE_BASE.store(p as usize, Ordering::SeqCst);
-    // SAFETY: as above, a second inaccessible range for the model's own views.
-    let b = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            SPACE,
-            libc::PROT_NONE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-    };
-    if b == libc::MAP_FAILED {
-        return Err(io::Error::last_os_error());
-    }
-    BACKING_BASE.store(b as usize, Ordering::SeqCst);
-    BACKING_NEXT.store(b as usize, Ordering::SeqCst);
-    install_fault_handler();
     Ok(p as usize)
+}
+
+/// Reserves the device address space and the model's backing range (both inaccessible) and
+/// installs the fault handler; returns the device space's base.
+pub fn reserve_space() -> io::Result<usize> {
+    let p = reserve()?;
+    SPACE_BASE.store(p, Ordering::SeqCst);
+    let b = reserve()?;
+    BACKING_BASE.store(b, Ordering::SeqCst);
+    BACKING_NEXT.store(b, Ordering::SeqCst);
+    install_fault_handler();
+    Ok(p)
 }
 
 fn in_backing(addr: usize) -> bool {

@@ -333,6 +333,41 @@ fn child_imports() {
     }
 }
 
+/// Compiles `src` with the model's NVRTC, loads it and returns kernel `name`.
+///
+/// # Safety
+/// A context must be current.
+unsafe fn kernel(src: &str, name: &str) -> Ptr {
+    use sluice_cuda_model::compute::*;
+    let src = std::ffi::CString::new(src).unwrap();
+    // SAFETY: valid pointers throughout (the caller's contract for the context).
+    unsafe {
+        let mut prog = null_mut();
+        assert_eq!(
+            nvrtcCreateProgram(
+                &mut prog,
+                src.as_ptr(),
+                null_mut(),
+                0,
+                std::ptr::null(),
+                std::ptr::null()
+            ),
+            0
+        );
+        assert_eq!(nvrtcCompileProgram(prog, 0, std::ptr::null()), 0);
+        let mut len = 0usize;
+        assert_eq!(nvrtcGetCUBINSize(prog, &mut len), 0);
+        let mut image = vec![0u8; len];
+        assert_eq!(nvrtcGetCUBIN(prog, image.as_mut_ptr().cast()), 0);
+        assert_eq!(nvrtcDestroyProgram(&mut prog), 0);
+        let (mut module, mut f) = (null_mut(), null_mut());
+        assert_eq!(cuModuleLoadData(&mut module, image.as_ptr().cast()), 0);
+        let name = std::ffi::CString::new(name).unwrap();
+        assert_eq!(cuModuleGetFunction(&mut f, module, name.as_ptr()), 0);
+        f
+    }
+}
+
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
@@ -367,41 +402,19 @@ fn kernels_compile_launch_in_stream_order_and_foreign_images_are_refused() {
     setup();
     bind(0);
     use sluice_cuda_model::compute::*;
-    let src = std::ffi::CString::new(
-        "extern \"C\" __global__ void scale(float* x, float s, unsigned long long n) {\n\
-         unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;\n\
-         if (i < n) x[i] *= s; }",
-    )
-    .unwrap();
     let n = 1000usize;
     let data: Vec<f32> = (0..n).map(|i| i as f32).collect();
     let mut back = vec![0f32; n];
     // SAFETY: valid pointers throughout; the argument values outlive the launch call (the
     // driver copies them at the call).
     unsafe {
-        let mut prog = null_mut();
-        assert_eq!(
-            nvrtcCreateProgram(
-                &mut prog,
-                src.as_ptr(),
-                null_mut(),
-                0,
-                std::ptr::null(),
-                std::ptr::null()
-            ),
-            0
+        let f = kernel(
+            "extern \"C\" __global__ void scale(float* x, float s, unsigned long long n) {\n\
+             unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;\n\
+             if (i < n) x[i] *= s; }",
+            "scale",
         );
-        assert_eq!(nvrtcCompileProgram(prog, 0, std::ptr::null()), 0);
-        let mut len = 0usize;
-        assert_eq!(nvrtcGetCUBINSize(prog, &mut len), 0);
-        let mut image = vec![0u8; len];
-        assert_eq!(nvrtcGetCUBIN(prog, image.as_mut_ptr().cast()), 0);
-        assert_eq!(nvrtcDestroyProgram(&mut prog), 0);
         let mut module = null_mut();
-        assert_eq!(cuModuleLoadData(&mut module, image.as_ptr().cast()), 0);
-        let mut f = null_mut();
-        let name = std::ffi::CString::new("scale").unwrap();
-        assert_eq!(cuModuleGetFunction(&mut f, module, name.as_ptr()), 0);
         let (mut x, mut s) = (0u64, null_mut());
         assert_eq!(cuMemAlloc_v2(&mut x, n * 4), 0);
         assert_eq!(cuStreamCreate(&mut s, 0), 0);
@@ -557,35 +570,14 @@ fn a_kernel_writing_past_its_allocation_is_named() {
 fn child_writes_past_an_allocation() {
     setup();
     bind(0);
-    use sluice_cuda_model::compute::*;
-    let src = std::ffi::CString::new(
-        "extern \"C\" __global__ void past(float* x, unsigned long long n) { x[n + threadIdx.x] = 1.0f; }",
-    )
-    .unwrap();
+    use sluice_cuda_model::compute::cuLaunchKernel;
     // SAFETY: valid pointers; the launch deliberately writes one element past the allocation,
     // which the model must catch (the process ends there).
     unsafe {
-        let mut prog = null_mut();
-        assert_eq!(
-            nvrtcCreateProgram(
-                &mut prog,
-                src.as_ptr(),
-                null_mut(),
-                0,
-                std::ptr::null(),
-                std::ptr::null()
-            ),
-            0
+        let f = kernel(
+            "extern \"C\" __global__ void past(float* x, unsigned long long n) { x[n + threadIdx.x] = 1.0f; }",
+            "past",
         );
-        assert_eq!(nvrtcCompileProgram(prog, 0, std::ptr::null()), 0);
-        let mut len = 0usize;
-        assert_eq!(nvrtcGetCUBINSize(prog, &mut len), 0);
-        let mut image = vec![0u8; len];
-        assert_eq!(nvrtcGetCUBIN(prog, image.as_mut_ptr().cast()), 0);
-        let (mut module, mut f) = (null_mut(), null_mut());
-        assert_eq!(cuModuleLoadData(&mut module, image.as_ptr().cast()), 0);
-        let name = std::ffi::CString::new("past").unwrap();
-        assert_eq!(cuModuleGetFunction(&mut f, module, name.as_ptr()), 0);
         let (mut x, mut s) = (0u64, null_mut());
         assert_eq!(cuMemAlloc_v2(&mut x, 8192), 0);
         assert_eq!(cuStreamCreate(&mut s, 1), 0);
