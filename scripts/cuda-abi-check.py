@@ -76,19 +76,11 @@ def renames(text):
     return out
 
 
-def header_prototypes(text):
-    # Only the public API: the section for the library's own legacy builds comes after this.
-    # (the last `#if defined(__CUDA_API_VERSION_INTERNAL)` block, near the end of the file).
+def public_part(text):
+    """cuda.h without the section for the library's own legacy builds (its last
+    `#if defined(__CUDA_API_VERSION_INTERNAL)` block, near the end of the file)."""
     cut = text.rfind("#if defined(__CUDA_API_VERSION_INTERNAL)\n")
-    if cut > len(text) // 2:
-        text = text[:cut]
-    protos = {}
-    for m in re.finditer(r"CUresult\s+CUDAAPI\s+(cu\w+)\s*\(([^;]*?)\)\s*;", text, re.S):
-        name, params = m.group(1), " ".join(re.sub(r"/\*.*?\*/", " ", m.group(2)).split())
-        if name in protos:
-            continue
-        protos[name] = params
-    return protos
+    return text[:cut] if cut > len(text) // 2 else text
 
 
 def classes_of(params):
@@ -122,56 +114,53 @@ def sluice_declarations():
     return decls
 
 
-def model_exports():
-    text = (ROOT / "cuda-model/src/api.rs").read_text() + (ROOT / "cuda-model/src/compute.rs").read_text()
-    exports = {}
-    for m in re.finditer(r'extern "C" fn (cu[A-Z]\w*)\(([^)]*)\)\s*->\s*c_int', text, re.S):
-        params = split_params(m.group(2))
-        exports[m.group(1)] = [rust_class(p.split(":", 1)[1]) for p in params]
-    return exports
+def exports(pattern, *files):
+    """The model's `extern "C"` functions whose names match `pattern`, in `files`: their
+    parameters' classes."""
+    text = "".join((ROOT / f).read_text() for f in files)
+    out = {}
+    for m in re.finditer(r'extern "C" fn (' + pattern + r')\(([^)]*)\)\s*->\s*c_int', text, re.S):
+        out[m.group(1)] = [rust_class(p.split(":", 1)[1]) for p in split_params(m.group(2))]
+    return out
 
 
-def library_prototypes(text, names):
-    """The parameters of each of `names` declared in `text` (a declaration starts its line with
-    its return type; comment lines start with `*`)."""
+def prototypes(text, names):
+    """The parameters of each of `names` declared in `text`, the first declaration of each (a
+    declaration starts its line with its return type; comment lines start with `*`)."""
     found = {}
     for name in names:
         m = re.search(r"(?m)^[ \t]*[A-Za-z_][\w \t\*]*?\b" + name + r"\s*\(([^;{]*?)\)\s*;", text)
         if m:
-            found[name] = " ".join(m.group(1).split())
+            found[name] = " ".join(re.sub(r"/\*.*?\*/", " ", m.group(1)).split())
     return found
 
 
-def library_exports(prefix):
-    text = (ROOT / "cuda-model/src/compute.rs").read_text()
-    exports = {}
-    for m in re.finditer(r'extern "C" fn (' + prefix + r'\w*)\(([^)]*)\)\s*->\s*c_int', text, re.S):
-        exports[m.group(1)] = [rust_class(p.split(":", 1)[1]) for p in split_params(m.group(2))]
-    return exports
-
-
 def check_library(header, prefix, problems):
-    exports = library_exports(prefix)
-    protos = library_prototypes(Path(header).read_text(errors="replace"), exports)
-    for name, classes in sorted(exports.items()):
+    found = exports(prefix + r"\w*", "cuda-model/src/compute.rs")
+    protos = prototypes(Path(header).read_text(errors="replace"), found)
+    for name, classes in sorted(found.items()):
         if name not in protos:
             problems.append(f"cuda-model/src/compute.rs: {name}: {header} declares no {name}")
         elif classes_of(protos[name]) != classes:
             problems.append(
                 f"cuda-model/src/compute.rs: {name}: the header has ({', '.join(classes_of(protos[name]))}), we have ({', '.join(classes)})"
             )
-    print(f"cuda-abi-check: cuda-model/src/compute.rs: {len(exports)} {prefix} entry points against {Path(header).name}")
+    print(f"cuda-abi-check: cuda-model/src/compute.rs: {len(found)} {prefix} entry points against {Path(header).name}")
 
 
 def main():
     if not 2 <= len(sys.argv) <= 4:
         raise SystemExit(__doc__)
     text = Path(sys.argv[1]).read_text(errors="replace")
-    protos, names = header_prototypes(text), renames(text)
+    ours = sluice_declarations()
+    model = exports(r"cu[A-Z]\w*", "cuda-model/src/api.rs", "cuda-model/src/compute.rs")
+    names = renames(text)
+    wanted = {n for decl in (ours, model) for d in decl for n in (d, d[:-3] if d.endswith("_v2") else d)}
+    protos = prototypes(public_part(text), wanted)
     problems = []
     for header, prefix in zip(sys.argv[2:], ("nvrtc", "cublas")):
         check_library(header, prefix, problems)
-    for side, decls in (("cuda/src/driver.rs", sluice_declarations()), ("cuda-model/src/api.rs + compute.rs", model_exports())):
+    for side, decls in (("cuda/src/driver.rs", ours), ("cuda-model/src/api.rs + compute.rs", model)):
         for name, classes in sorted(decls.items()):
             base = name[:-3] if name.endswith("_v2") else name
             if base in names and name not in names[base]:
@@ -185,8 +174,7 @@ def main():
             elif want != classes:
                 problems.append(f"{side}: {name}: cuda.h has ({', '.join(want)}), we have ({', '.join(classes)})")
         print(f"cuda-abi-check: {side}: {len(decls)} entry points against cuda.h")
-    model, ours = set(model_exports()), set(sluice_declarations())
-    for name in sorted(ours - model):
+    for name in sorted(set(ours) - set(model)):
         if name not in ("cuFlushGPUDirectRDMAWrites", "cuMemGetHandleForAddressRange"):
             problems.append(f"cuda-model/src/api.rs: exports no {name}, which Sluice requires")
     for p in problems:

@@ -309,21 +309,17 @@ fn reduce_from(
 }
 
 /// Runs the reading part `f` of a collective planned as `plan`: an error fails the group (this
-/// rank's buffer may still be read, and peers may wait for its release); once it is over, the
-/// buffer peers read (`exposed`, if any) may get huge pages for next time (after the release,
-/// so no peer waits on it).
+/// rank's buffer may still be read, and peers may wait for its release). Callers give the
+/// buffer peers read huge pages for next time once this returns Ok (after the release, so no
+/// peer waits on it).
 async fn run<F: std::future::Future<Output = Result<()>>>(
     op: &Op,
     plan: Plan<'_>,
-    exposed: Option<&[u8]>,
     f: impl FnOnce(Peers) -> F,
 ) -> Result<()> {
     let Plan { peers, guard } = plan;
     let r = f(peers).await.map_err(|e| fail_group(op, e));
     guard.disarm();
-    if let (Ok(()), Some(b)) = (&r, exposed) {
-        op.mesh.expose(b);
-    }
     r
 }
 
@@ -338,7 +334,7 @@ pub(crate) async fn all_reduce(
 ) -> Result<()> {
     let n = p.len() as u32;
     let me = plan.peers.me as usize;
-    let done = run(op, plan, None, |peers| async {
+    run(op, plan, |peers| async {
         let peers = peers;
         let mine = p[me].clone();
         blocking(|| {
@@ -355,11 +351,8 @@ pub(crate) async fn all_reduce(
         })?;
         finish(op, DONE_AGAIN).await
     })
-    .await;
-    if done.is_ok() {
-        op.mesh.expose(buf);
-    }
-    done
+    .await
+    .inspect(|()| op.mesh.expose(buf))
 }
 
 /// reduce-scatter: `out` becomes the reduction of piece `me` of every rank's `input` (the
@@ -373,7 +366,7 @@ pub(crate) async fn reduce_scatter(
     rop: ReduceOp,
 ) -> Result<()> {
     let len = out.len();
-    run(op, plan, Some(input), |peers| async move {
+    run(op, plan, |peers| async move {
         let me = peers.me as usize;
         let mine = &input[me * len..(me + 1) * len];
         blocking(|| {
@@ -384,12 +377,13 @@ pub(crate) async fn reduce_scatter(
         finish(op, DONE).await
     })
     .await
+    .inspect(|()| op.mesh.expose(input))
 }
 
 /// allgather: piece `r` of `out` is read from rank `r`'s `input` (the exposed buffer).
 pub(crate) async fn all_gather(op: &Op, plan: Plan<'_>, input: &[u8], out: &mut [u8]) -> Result<()> {
     let len = input.len();
-    run(op, plan, Some(input), |peers| async move {
+    run(op, plan, |peers| async move {
         blocking(|| {
             out.chunks_mut(len).enumerate().try_for_each(|(r, piece)| {
                 if r as u32 == peers.me {
@@ -403,24 +397,26 @@ pub(crate) async fn all_gather(op: &Op, plan: Plan<'_>, input: &[u8], out: &mut 
         finish(op, DONE).await
     })
     .await
+    .inspect(|()| op.mesh.expose(input))
 }
 
 /// broadcast: every rank but the root reads the root's buffer (the exposed one).
 pub(crate) async fn broadcast(op: &Op, plan: Plan<'_>, root: u32, buf: &mut [u8]) -> Result<()> {
     let me = plan.peers.me;
-    let done = run(op, plan, None, |peers| async {
+    run(op, plan, |peers| async {
         let peers = peers;
         if me != root {
             blocking(|| peers.read(root, 0, buf))?;
         }
         finish(op, DONE).await
     })
-    .await;
+    .await
     // Only the root's buffer is read by the others.
-    if done.is_ok() && me == root {
-        op.mesh.expose(buf);
-    }
-    done
+    .inspect(|()| {
+        if me == root {
+            op.mesh.expose(buf)
+        }
+    })
 }
 
 #[cfg(test)]

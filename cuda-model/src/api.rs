@@ -214,7 +214,7 @@ pub unsafe extern "C" fn cuCtxGetDevice(d: *mut c_int) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxEnablePeerAccess(peer: Ptr, flags: c_uint) -> c_int {
     if flags != 0 {
-        return model::fail(
+        return rules::breach(
             rules::PEER_FLAGS,
             INVALID_VALUE,
             format!("cuCtxEnablePeerAccess with flags {flags}"),
@@ -272,7 +272,7 @@ pub unsafe extern "C" fn cuMemHostAlloc(p: *mut Ptr, size: usize, _flags: c_uint
 #[no_mangle]
 pub unsafe extern "C" fn cuMemFreeHost(p: Ptr) -> c_int {
     let r = model::model().and_then(|mut m| match m.pinned.get(&(p as usize)).cloned() {
-        Some((_, busy)) if busy.load(Ordering::Acquire) > 0 => Err(model::fail(
+        Some((_, busy)) if busy.load(Ordering::Acquire) > 0 => Err(rules::breach(
             rules::FREE_BUSY,
             INVALID_VALUE,
             format!("cuMemFreeHost({p:?}) with queued copies still using it"),
@@ -282,7 +282,7 @@ pub unsafe extern "C" fn cuMemFreeHost(p: Ptr) -> c_int {
             crate::sys::host_free(p as usize, len);
             Ok(())
         }
-        None => Err(model::fail(
+        None => Err(rules::breach(
             rules::HOST_FREE,
             INVALID_VALUE,
             format!("cuMemFreeHost({p:?}): not from cuMemHostAlloc"),
@@ -307,7 +307,7 @@ pub unsafe extern "C" fn cuStreamCreate(s: *mut Ptr, flags: c_uint) -> c_int {
 pub unsafe extern "C" fn cuStreamDestroy_v2(s: Ptr) -> c_int {
     let r = model::model().and_then(|mut m| {
         if s.is_null() {
-            return Err(model::fail(
+            return Err(rules::breach(
                 rules::HANDLE,
                 INVALID_HANDLE,
                 "cuStreamDestroy of the legacy default stream (0)".into(),
@@ -431,7 +431,7 @@ pub unsafe extern "C" fn cuIpcGetMemHandle(h: *mut IpcHandle, p: u64) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(p: *mut u64, h: IpcHandle, flags: c_uint) -> c_int {
     if flags != 1 {
-        return model::fail(
+        return rules::breach(
             rules::IPC_FLAGS,
             INVALID_VALUE,
             format!("cuIpcOpenMemHandle with flags {flags}"),
@@ -544,7 +544,7 @@ fn copy_d2d(dst: u64, src: u64, n: usize, s: Ptr, call: &str) -> c_int {
         let (sa, soff) = m.find(src as usize, n, call)?;
         let (dst, src) = (dst as usize, src as usize);
         if n > 0 && dst < src + n && src < dst + n {
-            return Err(model::fail(
+            return Err(rules::breach(
                 rules::COPY_OVERLAP,
                 INVALID_VALUE,
                 format!("{call}: {n} bytes from {src:#x} to {dst:#x} overlap"),

@@ -233,7 +233,7 @@ pub unsafe extern "C" fn cuModuleLoadData(module: *mut Ptr, image: *const c_void
     // magic and the length of the shared object that follows it.
     let head = unsafe { std::slice::from_raw_parts(image.cast::<u8>(), 16) };
     if &head[..8] != kernels::IMAGE_MAGIC {
-        return model::fail(
+        return rules::breach(
             rules::IMAGE,
             200,
             "cuModuleLoadData: not an image from the model's NVRTC (real PTX or CUBIN cannot run here)".into(),
@@ -252,7 +252,7 @@ pub unsafe extern "C" fn cuModuleLoadData(module: *mut Ptr, image: *const c_void
             unsafe { *module = Box::into_raw(Box::new((Arc::new(m), ordinal))).cast() };
             SUCCESS
         }
-        Err(e) => model::fail(rules::IMAGE, 200, format!("cuModuleLoadData: {e}")),
+        Err(e) => rules::breach(rules::IMAGE, 200, format!("cuModuleLoadData: {e}")),
     }
 }
 
@@ -320,7 +320,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
         || !extra.is_null()
         || (params.is_null() && !func.sizes.is_empty())
     {
-        return model::fail(
+        return rules::breach(
             rules::LAUNCH,
             INVALID_VALUE,
             format!(
@@ -331,7 +331,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
     let r = model::model().and_then(|mut m| {
         let st = m.stream(s as usize, "cuLaunchKernel")?;
         if st.ordinal != func.ordinal {
-            return Err(model::fail(
+            return Err(rules::breach(
                 rules::LAUNCH_CONTEXT,
                 INVALID_CONTEXT,
                 format!(
@@ -355,7 +355,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
             if is_ptr == 1 && v[0] != 0 {
                 let (a, off) = m.find(v[0] as usize, 0, &format!("cuLaunchKernel argument {i}"))?;
                 if a.ordinal != st.ordinal && !m.peer_enabled.contains(&(st.ordinal, a.ordinal)) {
-                    return Err(model::fail(
+                    return Err(rules::breach(
                         rules::LAUNCH_CONTEXT,
                         INVALID_VALUE,
                         format!(

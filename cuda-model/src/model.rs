@@ -8,7 +8,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
-use crate::rules::{self, breach, Rule};
+use crate::rules::{self, breach};
 use crate::sys::{self, Shared};
 
 pub const SUCCESS: i32 = 0;
@@ -735,11 +735,11 @@ impl Stream {
 /// Words of an event's state after the shared page's 16-byte header (fits the 4096-byte page).
 const EVENT_WORDS: usize = 510;
 /// Records tracked at once (a record's bit is reused `DONE_BITS` records later).
-const DONE_BITS: u64 = (EVENT_WORDS as u64 - 3) * 64;
+const DONE_BITS: u64 = (EVENT_WORDS as u64 - 2) * 64;
 
 /// Where an event's counters live: [recorded, completed, destroyed].
 pub enum Cell {
-    /// [recorded, unused, destroyed, then the done bitmap] (see [`Event::done_word`]).
+    /// [recorded, destroyed, then the done bitmap] (see [`Event::done_word`]).
     Heap(Box<[AtomicU64; EVENT_WORDS]>),
     /// An interprocess event: the counters in a shared page after its header.
     Shared { shared: Shared, generation: u64 },
@@ -753,7 +753,7 @@ pub struct Event {
 }
 
 impl Event {
-    /// Word `i` after the header: 0 recorded, 1 unused, 2 destroyed, then the done bitmap.
+    /// Word `i` after the header: 0 recorded, 1 destroyed, then the done bitmap.
     fn counter(&self, i: usize) -> &AtomicU64 {
         match &self.cell {
             Cell::Heap(c) => &c[i],
@@ -769,11 +769,11 @@ impl Event {
     /// time of the API call, and are not affected by later calls to cuEventRecord()").
     fn done_word(&self, mark: u64) -> (&AtomicU64, u64) {
         let bit = mark % DONE_BITS;
-        (self.counter(3 + (bit / 64) as usize), 1 << (bit % 64))
+        (self.counter(2 + (bit / 64) as usize), 1 << (bit % 64))
     }
 
     fn live(&self, call: &str) -> R<()> {
-        if self.imported && self.counter(2).load(Ordering::Acquire) != 0 {
+        if self.imported && self.counter(1).load(Ordering::Acquire) != 0 {
             return Err(breach(
                 rules::EVENT_DESTROYED,
                 INVALID_HANDLE,
@@ -857,12 +857,7 @@ impl Event {
     /// Destroyed by its owner: importers that use it later break a rule.
     pub fn destroyed(&self) {
         if !self.imported {
-            self.counter(2).store(1, Ordering::Release);
+            self.counter(1).store(1, Ordering::Release);
         }
     }
-}
-
-/// A rule for callers outside this module.
-pub fn fail(rule: Rule, code: i32, detail: String) -> i32 {
-    breach(rule, code, detail)
 }

@@ -128,7 +128,6 @@ fn another_process_maps_exported_memory_and_counts_its_openings() {
             "--nocapture",
         ])
         .env("SLUICE_FACTS_HANDLE", &hex)
-        .env("SLUICE_FACTS_BASE", p.to_string())
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -149,12 +148,10 @@ fn child_opens_an_exported_handle() {
     for (i, o) in h.iter_mut().enumerate() {
         *o = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
     }
-    let exporter_base: u64 = std::env::var("SLUICE_FACTS_BASE").unwrap().parse().unwrap();
     let b = runtime().unwrap().bind(0).unwrap();
     let p = driver::ipc_open_mem_handle(&b, &h).unwrap();
     let again = driver::ipc_open_mem_handle(&b, &h).unwrap();
     assert_eq!(p, again, "a second opening in one context gives the same pointer");
-    let _ = exporter_base; // the address may or may not differ on hardware (unified addressing)
     let n = 1 << 16;
     let mut back = vec![0u8; n];
     let s = driver::stream_create(&b).unwrap();

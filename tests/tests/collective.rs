@@ -191,109 +191,107 @@ worker_test!(every_collective_dtype_and_op_matches_the_reference, 4, |env| {
 /// broadcast and allgather at the largest length).
 async fn conformance(g: &Group) -> u64 {
     let mut big = 0;
-    {
-        let (me, n) = (g.rank(), g.world_size());
-        for dtype in DTYPES {
-            let size = dtype.size();
-            // Nothing, one element, an odd count, past the ring threshold and past the local
-            // one (odd counts again).
-            for elems in [0, 1, 1001, DIRECT_MAX / size + 3001, LOCAL_MIN / size + 3001] {
-                for op in OPS {
-                    let want = reference(dtype, op, n, elems);
-                    if sluice_collective::reduce::check(dtype, op).is_err() {
-                        let mut buf = input(dtype, me, elems);
-                        let e = g.all_reduce(&mut buf, dtype, op).await.unwrap_err();
-                        assert!(matches!(e, CollectiveError::Unsupported(_)), "{e}");
-                        continue;
-                    }
-                    let what = format!("{} {} x{elems}", dtype.name(), op.name());
+    let (me, n) = (g.rank(), g.world_size());
+    for dtype in DTYPES {
+        let size = dtype.size();
+        // Nothing, one element, an odd count, past the ring threshold and past the local
+        // one (odd counts again).
+        for elems in [0, 1, 1001, DIRECT_MAX / size + 3001, LOCAL_MIN / size + 3001] {
+            for op in OPS {
+                let want = reference(dtype, op, n, elems);
+                if sluice_collective::reduce::check(dtype, op).is_err() {
                     let mut buf = input(dtype, me, elems);
-                    g.all_reduce(&mut buf, dtype, op).await.unwrap();
-                    assert!(same(dtype, &buf, &want), "all_reduce {what}");
-                    big += u64::from(elems > LOCAL_MIN / size);
-                    let mut buf = input(dtype, me, elems);
-                    g.reduce(1, &mut buf, dtype, op).await.unwrap();
-                    if me == 1 {
-                        assert!(same(dtype, &buf, &want), "reduce {what}");
-                    } else {
-                        assert!(buf == input(dtype, me, elems), "reduce leaves non-roots alone: {what}");
-                    }
-                    // reduce_scatter: each rank's input is n pieces of `elems` elements.
-                    let whole: Vec<u8> = (0..n).flat_map(|_| input(dtype, me, elems)).collect();
-                    let mut out = vec![0u8; elems * size];
-                    g.reduce_scatter(&whole, &mut out, dtype, op).await.unwrap();
-                    assert!(same(dtype, &out, &want), "reduce_scatter {what}");
+                    let e = g.all_reduce(&mut buf, dtype, op).await.unwrap_err();
+                    assert!(matches!(e, CollectiveError::Unsupported(_)), "{e}");
+                    continue;
                 }
+                let what = format!("{} {} x{elems}", dtype.name(), op.name());
+                let mut buf = input(dtype, me, elems);
+                g.all_reduce(&mut buf, dtype, op).await.unwrap();
+                assert!(same(dtype, &buf, &want), "all_reduce {what}");
+                big += u64::from(elems > LOCAL_MIN / size);
+                let mut buf = input(dtype, me, elems);
+                g.reduce(1, &mut buf, dtype, op).await.unwrap();
+                if me == 1 {
+                    assert!(same(dtype, &buf, &want), "reduce {what}");
+                } else {
+                    assert!(buf == input(dtype, me, elems), "reduce leaves non-roots alone: {what}");
+                }
+                // reduce_scatter: each rank's input is n pieces of `elems` elements.
+                let whole: Vec<u8> = (0..n).flat_map(|_| input(dtype, me, elems)).collect();
+                let mut out = vec![0u8; elems * size];
+                g.reduce_scatter(&whole, &mut out, dtype, op).await.unwrap();
+                assert!(same(dtype, &out, &want), "reduce_scatter {what}");
             }
         }
-        // The data-moving collectives, bytes only, at a small, a ring-sized and a local length.
-        for len in [0usize, 5, DIRECT_MAX + 7, LOCAL_MIN + 7] {
-            let mine = |r: u32| sluice_tests::pattern(r as u64 + 100, len);
-            let mut buf = if me == 2 { mine(2) } else { vec![0; len] };
-            g.broadcast(2, &mut buf).await.unwrap();
-            assert!(buf == mine(2), "broadcast {len}");
-            let all: Vec<u8> = (0..n).flat_map(mine).collect();
-            let mut out = vec![0; len * n as usize];
-            g.all_gather(&mine(me), &mut out).await.unwrap();
-            assert!(out == all, "all_gather {len}");
-            big += 2 * u64::from(len > LOCAL_MIN);
-            let mut out = if me == 3 { vec![0; len * n as usize] } else { Vec::new() };
-            g.gather(3, &mine(me), &mut out).await.unwrap();
-            if me == 3 {
-                assert!(out == all, "gather {len}");
-            }
-            let mut out = vec![0; len];
-            g.scatter(0, if me == 0 { &all } else { &[] }, &mut out).await.unwrap();
-            assert!(out == mine(me), "scatter {len}");
-            // all_to_all: rank i's piece j is pattern(i * 16 + j).
-            let piece = |i: u32, j: u32| sluice_tests::pattern((i * 16 + j) as u64, len);
-            let input: Vec<u8> = (0..n).flat_map(|j| piece(me, j)).collect();
-            let want: Vec<u8> = (0..n).flat_map(|i| piece(i, me)).collect();
-            let mut out = vec![0; input.len()];
-            g.all_to_all(&input, &mut out).await.unwrap();
-            assert!(out == want, "all_to_all {len}");
-            g.barrier().await.unwrap();
+    }
+    // The data-moving collectives, bytes only, at a small, a ring-sized and a local length.
+    for len in [0usize, 5, DIRECT_MAX + 7, LOCAL_MIN + 7] {
+        let mine = |r: u32| sluice_tests::pattern(r as u64 + 100, len);
+        let mut buf = if me == 2 { mine(2) } else { vec![0; len] };
+        g.broadcast(2, &mut buf).await.unwrap();
+        assert!(buf == mine(2), "broadcast {len}");
+        let all: Vec<u8> = (0..n).flat_map(mine).collect();
+        let mut out = vec![0; len * n as usize];
+        g.all_gather(&mine(me), &mut out).await.unwrap();
+        assert!(out == all, "all_gather {len}");
+        big += 2 * u64::from(len > LOCAL_MIN);
+        let mut out = if me == 3 { vec![0; len * n as usize] } else { Vec::new() };
+        g.gather(3, &mine(me), &mut out).await.unwrap();
+        if me == 3 {
+            assert!(out == all, "gather {len}");
         }
-        // Point to point: tags keep messages apart, and order holds within a tag.
-        let next = (me + 1) % n;
-        let prev = (me + n - 1) % n;
-        for k in 0..3u8 {
-            g.send(next, 7, vec![me as u8, k].into()).await.unwrap();
-        }
-        g.send(next, 9, vec![99].into()).await.unwrap();
-        assert_eq!(&g.recv(prev, 9).await.unwrap()[..], [99]);
-        for k in 0..3u8 {
-            assert_eq!(&g.recv(prev, 7).await.unwrap()[..], [prev as u8, k]);
-        }
-        // One 8 MiB buffer used again and again (given huge pages from its second use on,
-        // where the peers read it directly): right every time.
-        let mut reused = vec![0u8; 8 << 20];
-        for k in 0..3u32 {
-            for (i, c) in reused.chunks_exact_mut(4).enumerate() {
-                c.copy_from_slice(&((i % 1000) as f32 + (me * 7 + k) as f32).to_ne_bytes());
-            }
-            g.all_reduce(&mut reused, DType::F32, ReduceOp::Sum).await.unwrap();
-            let base: u32 = (0..n).map(|r| r * 7 + k).sum();
-            for (i, c) in reused.chunks_exact(4).enumerate().step_by(4099) {
-                let got = f32::from_ne_bytes(c.try_into().unwrap());
-                assert_eq!(
-                    got,
-                    (n * (i % 1000) as u32 + base) as f32,
-                    "reused buffer, round {k}, element {i}"
-                );
-            }
-            big += 1;
-        }
-        // Sizes that disagree across ranks are an error, not a hang.
-        let mut odd = vec![0u8; if me == 0 { 8 } else { 12 }];
-        let e = g.all_reduce(&mut odd, DType::F32, ReduceOp::Sum).await.unwrap_err();
-        assert!(e.to_string().contains("bytes"), "{e}");
-        // Also when both are long enough to read each other's memory.
-        let mut odd = vec![0u8; LOCAL_MIN + if me == 0 { 8 } else { 12 }];
-        let e = g.all_reduce(&mut odd, DType::F32, ReduceOp::Sum).await.unwrap_err();
-        assert!(e.to_string().contains("bytes"), "{e}");
+        let mut out = vec![0; len];
+        g.scatter(0, if me == 0 { &all } else { &[] }, &mut out).await.unwrap();
+        assert!(out == mine(me), "scatter {len}");
+        // all_to_all: rank i's piece j is pattern(i * 16 + j).
+        let piece = |i: u32, j: u32| sluice_tests::pattern((i * 16 + j) as u64, len);
+        let input: Vec<u8> = (0..n).flat_map(|j| piece(me, j)).collect();
+        let want: Vec<u8> = (0..n).flat_map(|i| piece(i, me)).collect();
+        let mut out = vec![0; input.len()];
+        g.all_to_all(&input, &mut out).await.unwrap();
+        assert!(out == want, "all_to_all {len}");
         g.barrier().await.unwrap();
     }
+    // Point to point: tags keep messages apart, and order holds within a tag.
+    let next = (me + 1) % n;
+    let prev = (me + n - 1) % n;
+    for k in 0..3u8 {
+        g.send(next, 7, vec![me as u8, k].into()).await.unwrap();
+    }
+    g.send(next, 9, vec![99].into()).await.unwrap();
+    assert_eq!(&g.recv(prev, 9).await.unwrap()[..], [99]);
+    for k in 0..3u8 {
+        assert_eq!(&g.recv(prev, 7).await.unwrap()[..], [prev as u8, k]);
+    }
+    // One 8 MiB buffer used again and again (given huge pages from its second use on,
+    // where the peers read it directly): right every time.
+    let mut reused = vec![0u8; 8 << 20];
+    for k in 0..3u32 {
+        for (i, c) in reused.chunks_exact_mut(4).enumerate() {
+            c.copy_from_slice(&((i % 1000) as f32 + (me * 7 + k) as f32).to_ne_bytes());
+        }
+        g.all_reduce(&mut reused, DType::F32, ReduceOp::Sum).await.unwrap();
+        let base: u32 = (0..n).map(|r| r * 7 + k).sum();
+        for (i, c) in reused.chunks_exact(4).enumerate().step_by(4099) {
+            let got = f32::from_ne_bytes(c.try_into().unwrap());
+            assert_eq!(
+                got,
+                (n * (i % 1000) as u32 + base) as f32,
+                "reused buffer, round {k}, element {i}"
+            );
+        }
+        big += 1;
+    }
+    // Sizes that disagree across ranks are an error, not a hang.
+    let mut odd = vec![0u8; if me == 0 { 8 } else { 12 }];
+    let e = g.all_reduce(&mut odd, DType::F32, ReduceOp::Sum).await.unwrap_err();
+    assert!(e.to_string().contains("bytes"), "{e}");
+    // Also when both are long enough to read each other's memory.
+    let mut odd = vec![0u8; LOCAL_MIN + if me == 0 { 8 } else { 12 }];
+    let e = g.all_reduce(&mut odd, DType::F32, ReduceOp::Sum).await.unwrap_err();
+    assert!(e.to_string().contains("bytes"), "{e}");
+    g.barrier().await.unwrap();
     big
 }
 
