@@ -43,6 +43,9 @@ pub enum Error {
     Rpc(#[from] RpcError),
     #[error("optimizer: {0}")]
     Optimizer(String),
+    /// A remote tensor's misuse or failure (placement, mixed devices, a failed flush).
+    #[error("remote tensor: {0}")]
+    Remote(String),
     #[error("CUDA: {0}")]
     Cuda(String),
 }

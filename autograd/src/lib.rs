@@ -24,6 +24,7 @@ pub mod ops;
 pub mod optim;
 pub mod tensor;
 
+pub use dist::remote::RemoteTensor;
 pub use dtype::DType;
 pub use error::{Error, Result};
 pub use graph::{checkpoint, enable_grad, no_grad};

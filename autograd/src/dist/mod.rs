@@ -22,6 +22,7 @@
 //! tree with retried, idempotent messages. A reaper reclaims contexts whose driver died (or
 //! whose release never arrived): it asks the driver whether the context is still alive.
 
+pub mod remote;
 pub mod wire;
 
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -244,6 +245,7 @@ impl Container {
     /// contexts it took part in are marked so their backward fails at once, naming it. Those
     /// are released by their driver as usual (a release to the lost worker fails fast).
     fn worker_lost(&self, worker: u32, detail: &str) {
+        remote::forget_caller(worker);
         let (driven, involved): (Vec<u64>, Vec<Arc<ContextState>>) = {
             let contexts = self.contexts.lock().unwrap();
             let driven = contexts
@@ -741,20 +743,24 @@ fn serve_call<A: DeserializeOwned, R: Serialize>(
     mut payload: Payload,
     run: impl FnOnce(A) -> std::result::Result<R, HandlerError>,
 ) -> std::result::Result<Payload, HandlerError> {
-    let c = container();
-    let me = c.bind(&cx.agent);
     let header: CallHeader = payload
         .decode()
         .map_err(|e| HandlerError::new("DecodeError", e.to_string()))?;
     let buffers = payload.take_tensors();
-    let ctx = match header.context {
-        Some(id) => {
-            let ctx = c.get_or_create(id).map_err(|e| to_handler_error(me, e))?;
-            ctx.known.lock().unwrap().insert(cx.caller.id);
-            Some(ctx)
-        }
-        None => None,
-    };
+    let (ctx, inputs) = serve_inputs(cx, &header, buffers)?;
+    let arg: A = wire::decode(&header.value, inputs).map_err(|e| HandlerError::new("DecodeError", e.to_string()))?;
+    let result = with_current(header.context, || run(arg))?;
+    serve_reply(cx, &result, ctx.as_ref())
+}
+
+/// The first half of serving a recorded call: the caller's context (created here on first
+/// sight) and the arguments' tensors, tied to the caller's send node by a recv node.
+fn serve_inputs(
+    cx: &CallContext,
+    header: &CallHeader,
+    buffers: Vec<sluice_agent::Tensor>,
+) -> std::result::Result<(Option<Arc<ContextState>>, Vec<Tensor>), HandlerError> {
+    let ctx = caller_context(cx, header.context)?;
     let inputs = recv_side(
         &header.tensors,
         buffers,
@@ -763,10 +769,29 @@ fn serve_call<A: DeserializeOwned, R: Serialize>(
         cx.caller.id,
     )
     .map_err(|e| HandlerError::new("DecodeError", e.to_string()))?;
-    let arg: A = wire::decode(&header.value, inputs).map_err(|e| HandlerError::new("DecodeError", e.to_string()))?;
-    let result = with_current(header.context, || run(arg))?;
-    let (mut payload, metas, value, message) = send_side(&result, ctx.as_ref(), me, cx.caller.id)
-        .map_err(|e| HandlerError::new("EncodeError", e.to_string()))?;
+    Ok((ctx, inputs))
+}
+
+/// The caller's context `id` names, created here on first sight, knowing the caller.
+fn caller_context(cx: &CallContext, id: Option<u64>) -> std::result::Result<Option<Arc<ContextState>>, HandlerError> {
+    let c = container();
+    let me = c.bind(&cx.agent);
+    let Some(id) = id else { return Ok(None) };
+    let ctx = c.get_or_create(id).map_err(|e| to_handler_error(me, e))?;
+    ctx.known.lock().unwrap().insert(cx.caller.id);
+    Ok(Some(ctx))
+}
+
+/// The second half: the result as a recorded reply (a send node for its tensors that need
+/// grad, inside `ctx`).
+fn serve_reply<R: Serialize + ?Sized>(
+    cx: &CallContext,
+    result: &R,
+    ctx: Option<&Arc<ContextState>>,
+) -> std::result::Result<Payload, HandlerError> {
+    let me = container().bind(&cx.agent);
+    let (mut payload, metas, value, message) =
+        send_side(result, ctx, me, cx.caller.id).map_err(|e| HandlerError::new("EncodeError", e.to_string()))?;
     let tensors = payload.take_tensors();
     let reply = ReplyHeader {
         message,
@@ -968,6 +993,7 @@ pub fn rpc_sync<A: Serialize + ?Sized, R: DeserializeOwned>(
 /// Registers the handlers distributed autograd and the distributed optimizer need. Call on
 /// the registry of every worker before `Agent::init`.
 pub fn install(registry: &mut Registry) {
+    remote::install(registry);
     registry.raw_handler(H_BACKWARD, |cx, mut payload| {
         let c = container();
         let me = c.bind(&cx.agent);
