@@ -8,6 +8,11 @@
 //! cuda:0`), against the same step run locally on the GPU. Each step ends by reading the loss
 //! back, so GPU work is finished, not just queued, when a step is timed.
 //!
+//! Remote tensors placed on the peer: a chain of 100 elementwise ops and a matmul on a 1 MiB
+//! tensor, fused into one call (`remote-fused-…`) and with one call per op (`remote-per-op-…`),
+//! both against the chain run locally plus one no-op round trip (`local+rtt-…`); and the same
+//! training step written with remote tensors (`remote-step-…`) against the local step.
+//!
 //! The remote side is the rpc suite's second process (its registry includes [`serve`]).
 
 use std::sync::OnceLock;
@@ -15,7 +20,9 @@ use std::time::{Duration, Instant};
 
 use sluice_agent::{Agent, CallContext, HandlerError, RRef, Registry};
 use sluice_autograd::dist::{self, Context};
-use sluice_autograd::{linear, DType, DistributedOptimizer, Optimizer, OptimizerKind, Parameter, Tensor, UpdateMode};
+use sluice_autograd::{
+    linear, DType, DistributedOptimizer, Optimizer, OptimizerKind, Parameter, RemoteTensor, Tensor, UpdateMode,
+};
 
 use crate::report::Record;
 use crate::run::BenchOptions;
@@ -183,9 +190,11 @@ pub fn run(
     })?;
     let mut r = Record::rtt("autograd", "dist-step-linear1024-b32", 0, dist_samples);
     r.against(&base);
+    drop(dopt);
+    let remote = remote_rows(&agent, &x, &base, budget)?;
     out.push(base);
     out.push(r);
-    drop(dopt);
+    out.extend(remote);
     if crate::rpc::gpu().is_some() {
         match sluice_autograd::cuda::available() {
             Ok(()) => out.extend(gpu_steps(&agent, budget)?),
@@ -194,6 +203,100 @@ pub fn run(
     }
     agent.shutdown()?;
     Ok(out)
+}
+
+/// Elementwise operations in the remote-tensor chain (then one matmul and a sum).
+const CHAIN: usize = 100;
+/// The chain's tensor: 512 × 512 f32, 1 MiB.
+const SIDE: usize = 512;
+
+/// Operation `i` of the chain, for either kind of tensor.
+macro_rules! chain_op {
+    ($t:expr, $i:expr) => {
+        match $i % 4 {
+            0 => $t.mul_scalar(0.999),
+            1 => $t.add_scalar(0.001),
+            2 => $t.relu(),
+            _ => $t.mul_scalar(1.001),
+        }
+    };
+}
+
+/// Remote tensors on the peer (`to("bench-peer/cpu")`): a chain of 100 elementwise ops and a
+/// matmul on a 1 MiB tensor, fused into one call against one call per op, both against the
+/// same chain run locally plus one no-op round trip; and the Linear(1024, 1024) training step
+/// written with remote tensors against the local step (`base`).
+fn remote_rows(agent: &Agent, x: &Tensor, base: &Record, budget: Duration) -> anyhow::Result<Vec<Record>> {
+    let a = Tensor::uniform(&[SIDE, SIDE], -1.0, 1.0, 6, DType::F32)?;
+    let m = Tensor::uniform(&[SIDE, SIDE], -0.05, 0.05, 7, DType::F32)?;
+    let local = samples(budget, || {
+        let mut t = a.clone();
+        for i in 0..CHAIN {
+            t = chain_op!(t, i)?;
+        }
+        std::hint::black_box(t.matmul(&m)?.sum()?.item()?);
+        Ok(())
+    })?;
+    let rtt = samples(budget, || {
+        agent.call::<_, ()>(1u32, "noop", &())?;
+        Ok(())
+    })?;
+    let mut sorted = rtt.clone();
+    sorted.sort_by(f64::total_cmp);
+    let rtt_p50 = sorted[sorted.len() / 2];
+    let name = |kind: &str| format!("{kind}-chain{CHAIN}-mm-{SIDE}");
+    let plus_rtt: Vec<f64> = local.iter().map(|t| t + rtt_p50).collect();
+    let chain_base = Record::rtt("autograd", name("local+rtt"), SIDE * SIDE * 4, plus_rtt);
+    let (ra, rm) = (
+        a.to_remote(agent, "bench-peer/cpu")?,
+        m.to_remote(agent, "bench-peer/cpu")?,
+    );
+    ra.sync()?;
+    rm.sync()?;
+    let run = |per_op: bool| {
+        samples(budget, || {
+            let mut t = ra.clone();
+            for i in 0..CHAIN {
+                t = chain_op!(t, i)?;
+                if per_op {
+                    t.sync()?;
+                }
+            }
+            std::hint::black_box(t.matmul(&rm)?.sum()?.item()?);
+            Ok(())
+        })
+    };
+    let mut fused = Record::rtt("autograd", name("remote-fused"), SIDE * SIDE * 4, run(false)?);
+    let mut per_op = Record::rtt("autograd", name("remote-per-op"), SIDE * SIDE * 4, run(true)?);
+    fused.against(&chain_base);
+    per_op.against(&chain_base);
+
+    // The training step, written with remote tensors.
+    let w = RemoteTensor::parameter(agent, "bench-peer/cpu", "weight", &layer()[0].data())?;
+    let b = RemoteTensor::parameter(agent, "bench-peer/cpu", "bias", &layer()[1].data())?;
+    let dopt = DistributedOptimizer::new(
+        agent,
+        OptimizerKind::sgd(LR),
+        &[
+            w.param_rref().expect("a parameter"),
+            b.param_rref().expect("a parameter"),
+        ],
+        UpdateMode::Locked,
+    )?;
+    let steps = samples(budget, || {
+        let ctx = Context::new(agent)?;
+        let loss = ctx.run(|| -> anyhow::Result<Tensor> {
+            let y = x.to_remote(agent, "bench-peer/cpu")?.linear(&w, Some(&b))?;
+            Ok(y.mul(&y)?.mean()?.to_here()?)
+        })?;
+        ctx.backward(&[loss], false)?;
+        dopt.step(ctx.id())?;
+        drop(ctx);
+        Ok(())
+    })?;
+    let mut step = Record::rtt("autograd", "remote-step-linear1024-b32", 0, steps);
+    step.against(base);
+    Ok(vec![chain_base, per_op, fused, step])
 }
 
 /// The step with CUDA parameters, locally and through the peer.

@@ -6,6 +6,7 @@ pub mod data;
 pub mod ddp;
 pub mod pipeline;
 pub mod ps;
+pub mod remote;
 pub mod rl;
 
 use std::time::Duration;
@@ -34,6 +35,8 @@ pub enum Demo {
     Pipeline(pipeline::Settings),
     /// Agent and observers: observers, rounds.
     Rl { observers: u32, rounds: u32 },
+    /// Remote tensors: a model on worker 1 trained from rank 0; `per_op`: no fusion.
+    Remote { epochs: u32, per_op: bool },
 }
 
 impl Demo {
@@ -43,6 +46,7 @@ impl Demo {
             Demo::Ddp { workers, .. } => *workers,
             Demo::Pipeline(s) => pipeline::world_size(s),
             Demo::Rl { observers, .. } => observers + 1,
+            Demo::Remote { .. } => 2,
         }
     }
 
@@ -55,6 +59,7 @@ impl Demo {
             (Demo::Pipeline(_), r) => format!("stage{r}"),
             (Demo::Rl { .. }, 0) => "agent".to_owned(),
             (Demo::Rl { .. }, r) => format!("observer{r}"),
+            (Demo::Remote { .. }, r) => format!("worker{r}"),
         }
     }
 
@@ -68,6 +73,7 @@ impl Demo {
                 anyhow::ensure!(*observers >= 1, "--observers must be at least 1");
                 anyhow::ensure!(*rounds >= 1, "--rounds must be at least 1");
             }
+            Demo::Remote { epochs, .. } => anyhow::ensure!(*epochs >= 1, "--epochs must be at least 1"),
         }
         Ok(())
     }
@@ -87,6 +93,7 @@ impl Demo {
             Demo::Ddp { .. } => ddp::run(self, rank),
             Demo::Pipeline { .. } => pipeline::run(self, rank),
             Demo::Rl { .. } => rl::run(self, rank),
+            Demo::Remote { .. } => remote::run(self, rank),
         }
     }
 }
@@ -161,6 +168,15 @@ pub enum DemoCommand {
         #[arg(long, default_value_t = 60, value_parser = at_least_one())]
         rounds: u32,
     },
+    /// Remote tensors: the model written against tensors placed with to("worker1/cpu"), every
+    /// forward fused into one call, trained from rank 0 with distributed autograd.
+    Remote {
+        #[arg(long, default_value_t = 30)]
+        epochs: u32,
+        /// One call per operation instead of one per forward (to compare).
+        #[arg(long)]
+        per_op: bool,
+    },
 }
 
 fn at_least_one() -> clap::builder::RangedI64ValueParser<u32> {
@@ -216,6 +232,7 @@ impl From<DemoCommand> for Demo {
                 slow_saves_ms,
             }),
             DemoCommand::Rl { observers, rounds } => Demo::Rl { observers, rounds },
+            DemoCommand::Remote { epochs, per_op } => Demo::Remote { epochs, per_op },
         }
     }
 }

@@ -86,6 +86,8 @@ enum Binary {
     Div,
     MatMul,
     MseLoss,
+    /// Logits (N × C) against class indices (N, i64): the mean cross-entropy.
+    CrossEntropy,
 }
 
 /// One recorded operation; operands are indices of earlier operations of the same graph.
@@ -106,6 +108,8 @@ enum Op {
     Softmax(u32, i64),
     LogSoftmax(u32, i64),
     ToDevice(u32, Device),
+    /// `x · wᵀ (+ b)`, as [`crate::ops::linear`] (gradients as contiguous as the weight).
+    Linear(u32, u32, Option<u32>),
 }
 
 impl Op {
@@ -114,6 +118,7 @@ impl Op {
         match self {
             Op::Input(_) => vec![],
             Op::Binary(_, a, b) => vec![a, b],
+            Op::Linear(x, w, b) => [x, w].into_iter().chain(b.as_mut()).collect(),
             Op::Unary(_, a)
             | Op::MulScalar(a, _)
             | Op::AddScalar(a, _)
@@ -157,14 +162,31 @@ impl Graph {
     }
 
     /// Runs the graph on the owner. Operands are checked, never trusted: the graph came from a
-    /// peer.
+    /// peer. Each intermediate is dropped after its last use, so a chain of operations works in
+    /// a few buffers the allocator reuses (hot in cache) instead of one fresh buffer per step.
     fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-        let mut v: Vec<Tensor> = Vec::with_capacity(self.ops.len());
-        fn at(v: &[Tensor], i: u32) -> Result<&Tensor> {
+        let n = self.ops.len();
+        // The last operation reading each value (outputs: never dropped).
+        let mut last = vec![0usize; n];
+        for (j, op) in self.ops.iter().enumerate() {
+            for i in op.operands() {
+                if (i as usize) < j {
+                    last[i as usize] = j;
+                }
+            }
+        }
+        for &o in &self.outputs {
+            if let Some(l) = last.get_mut(o as usize) {
+                *l = usize::MAX;
+            }
+        }
+        let mut v: Vec<Option<Tensor>> = Vec::with_capacity(n);
+        fn at(v: &[Option<Tensor>], i: u32) -> Result<&Tensor> {
             v.get(i as usize)
+                .and_then(Option::as_ref)
                 .ok_or_else(|| Error::Wire(format!("an operation reads value {i} before it exists")))
         }
-        for op in &self.ops {
+        for (j, op) in self.ops.iter().enumerate() {
             let out = match op {
                 Op::Input(k) => inputs
                     .get(*k as usize)
@@ -192,6 +214,7 @@ impl Graph {
                         Binary::Div => a.div(b),
                         Binary::MatMul => a.matmul(b),
                         Binary::MseLoss => crate::ops::mse_loss(a, b),
+                        Binary::CrossEntropy => crate::ops::cross_entropy(a, b),
                     }?
                 }
                 Op::MulScalar(a, s) => at(&v, *a)?.mul_scalar(*s)?,
@@ -208,8 +231,20 @@ impl Graph {
                 Op::Softmax(a, d) => at(&v, *a)?.softmax(*d as isize)?,
                 Op::LogSoftmax(a, d) => at(&v, *a)?.log_softmax(*d as isize)?,
                 Op::ToDevice(a, d) => at(&v, *a)?.to_device(*d)?,
+                Op::Linear(x, w, b) => {
+                    let b = match b {
+                        Some(b) => Some(at(&v, *b)?),
+                        None => None,
+                    };
+                    crate::ops::linear(at(&v, *x)?, at(&v, *w)?, b)?
+                }
             };
-            v.push(out);
+            for i in op.operands() {
+                if last.get(i as usize) == Some(&j) {
+                    v[i as usize] = None;
+                }
+            }
+            v.push(Some(out));
         }
         self.outputs.iter().map(|&i| at(&v, i).cloned()).collect()
     }
@@ -483,13 +518,26 @@ fn dim_of(op: &'static str, shape: &[usize], dim: i64) -> Result<usize> {
 
 /// The shape an operation produces from its operands' shapes (the rules of [`crate::ops`]),
 /// checked when it is recorded.
-fn infer(op: &Op, a: &Node, b: Option<&Node>) -> Result<Vec<usize>> {
+fn infer(op: &Op, operands: &[&Node]) -> Result<Vec<usize>> {
+    let a = operands[0];
+    let b = operands.get(1).copied();
     let s = &a.shape;
     Ok(match op {
         Op::Input(_) | Op::ToDevice(..) => s.clone(),
         Op::Unary(..) | Op::MulScalar(..) | Op::AddScalar(..) => {
             computable("elementwise", a.dtype)?;
             s.clone()
+        }
+        Op::Binary(Binary::CrossEntropy, _, _) => {
+            let t = b.expect("cross-entropy has targets");
+            computable("cross_entropy", a.dtype)?;
+            if s.len() != 2 || t.dtype != DType::I64 || t.shape != [s[0]] {
+                return Err(shape_err(
+                    "cross_entropy",
+                    format!("logits {s:?} against {} targets {:?}", t.dtype, t.shape),
+                ));
+            }
+            vec![]
         }
         Op::Binary(f, _, _) => {
             let b = b.expect("a binary operation has two operands");
@@ -543,6 +591,21 @@ fn infer(op: &Op, a: &Node, b: Option<&Node>) -> Result<Vec<usize>> {
                 out.remove(d);
             }
             out
+        }
+        Op::Linear(..) => {
+            let w = b.expect("linear has a weight");
+            computable("linear", a.dtype)?;
+            let bias_ok = operands
+                .get(2)
+                .is_none_or(|bias| bias.shape == [w.shape[0]] && bias.dtype == a.dtype);
+            if s.len() != 2 || w.shape.len() != 2 || s[1] != w.shape[1] || a.dtype != w.dtype || !bias_ok {
+                let bias = operands.get(2).map(|b| b.shape.clone());
+                return Err(shape_err(
+                    "linear",
+                    format!("input {s:?}, weight {:?}, bias {bias:?}", w.shape),
+                ));
+            }
+            vec![s[0], w.shape[0]]
         }
         Op::Softmax(_, d) | Op::LogSoftmax(_, d) => {
             computable("softmax", a.dtype)?;
@@ -737,18 +800,20 @@ impl RemoteTensor {
         matches!(*self.node.state.lock().unwrap(), State::Pending { .. })
     }
 
-    /// Records `op` over `self` (and `other`) on `self`'s owner.
-    fn record(&self, make: impl Fn(u32, u32) -> Op, other: Option<&RemoteTensor>) -> Result<RemoteTensor> {
+    /// Records the operation `make` builds from its operands' indices, over `self` and
+    /// `others`, on `self`'s owner.
+    fn record(&self, others: &[&RemoteTensor], make: impl Fn(&[u32]) -> Op) -> Result<RemoteTensor> {
         let a = &self.node;
+        let nodes: Vec<&Node> = std::iter::once(&**a).chain(others.iter().map(|o| &*o.node)).collect();
         // Shapes first, with placeholders: the operands' indices are not known yet.
-        let probe = make(0, 0);
-        let shape = infer(&probe, a, other.map(|o| &*o.node))?;
+        let probe = make(&vec![0; nodes.len()]);
+        let shape = infer(&probe, &nodes)?;
         if numel(&shape) > MAX_ELEMENTS {
             return Err(remote_err(format!(
                 "{probe:?} would make a tensor of shape {shape:?}: too large"
             )));
         }
-        if let Some(o) = other {
+        for o in others {
             if o.node.owner.id == a.owner.id && o.node.device != a.device {
                 return Err(remote_err(format!(
                     "operands on {}/{} and {}/{}: move one with to() first",
@@ -758,13 +823,12 @@ impl RemoteTensor {
         }
         let mut map = recorder().lock().unwrap();
         let owner = a.owner.id;
-        let ia = operand(&mut map, &self.node, owner, a.device)?;
-        let ib = match other {
-            Some(o) => Some(operand(&mut map, &o.node, owner, a.device)?),
-            None => None,
-        };
+        let mut indices = vec![operand(&mut map, &self.node, owner, a.device)?];
+        for o in others {
+            indices.push(operand(&mut map, &o.node, owner, a.device)?);
+        }
         let rec = &mut map.entry(owner).or_default().open;
-        rec.ops.push(make(ia, ib.unwrap_or(0)));
+        rec.ops.push(make(&indices));
         let index = (rec.ops.len() - 1) as u32;
         let node = Arc::new(Node {
             agent: a.agent.clone(),
@@ -772,7 +836,7 @@ impl RemoteTensor {
             device: a.device,
             shape,
             dtype: a.dtype,
-            requires_grad: a.requires_grad || other.is_some_and(|o| o.node.requires_grad),
+            requires_grad: nodes.iter().any(|n| n.requires_grad),
             state: Mutex::new(State::Pending { index }),
         });
         rec.members.push((index, Arc::downgrade(&node)));
@@ -784,11 +848,11 @@ impl RemoteTensor {
     }
 
     fn unary(&self, f: Unary) -> Result<RemoteTensor> {
-        self.record(|a, _| Op::Unary(f, a), None)
+        self.record(&[], |i| Op::Unary(f, i[0]))
     }
 
     fn binary(&self, f: Binary, other: &RemoteTensor) -> Result<RemoteTensor> {
-        self.record(|a, b| Op::Binary(f, a, b), Some(other))
+        self.record(&[other], |i| Op::Binary(f, i[0], i[1]))
     }
 
     methods! {
@@ -797,22 +861,24 @@ impl RemoteTensor {
         binary matmul MatMul,
         /// Mean squared error against the other tensor (a 0-d tensor).
         binary mse_loss MseLoss,
+        /// Mean cross-entropy of these logits (N × C) against class indices (N, i64).
+        binary cross_entropy CrossEntropy,
         unary neg Neg, unary exp Exp, unary log Log, unary tanh Tanh,
         unary sigmoid Sigmoid, unary relu Relu, unary sin Sin, unary cos Cos,
     }
 
     pub fn mul_scalar(&self, s: f64) -> Result<RemoteTensor> {
-        self.record(|a, _| Op::MulScalar(a, s), None)
+        self.record(&[], |i| Op::MulScalar(i[0], s))
     }
     pub fn add_scalar(&self, s: f64) -> Result<RemoteTensor> {
-        self.record(|a, _| Op::AddScalar(a, s), None)
+        self.record(&[], |i| Op::AddScalar(i[0], s))
     }
     pub fn transpose(&self, d0: usize, d1: usize) -> Result<RemoteTensor> {
         let (d0, d1) = (
             u32::try_from(d0).unwrap_or(u32::MAX),
             u32::try_from(d1).unwrap_or(u32::MAX),
         );
-        self.record(|a, _| Op::Transpose(a, d0, d1), None)
+        self.record(&[], |i| Op::Transpose(i[0], d0, d1))
     }
     /// Transpose of a 2-D tensor.
     pub fn t(&self) -> Result<RemoteTensor> {
@@ -823,33 +889,32 @@ impl RemoteTensor {
     }
     pub fn reshape(&self, shape: &[usize]) -> Result<RemoteTensor> {
         let shape = shape.to_vec();
-        self.record(move |a, _| Op::Reshape(a, shape.clone()), None)
+        self.record(&[], move |i| Op::Reshape(i[0], shape.clone()))
     }
     pub fn sum(&self) -> Result<RemoteTensor> {
-        self.record(|a, _| Op::Sum(a), None)
+        self.record(&[], |i| Op::Sum(i[0]))
     }
     pub fn mean(&self) -> Result<RemoteTensor> {
-        self.record(|a, _| Op::Mean(a), None)
+        self.record(&[], |i| Op::Mean(i[0]))
     }
     pub fn sum_dim(&self, dim: isize, keepdim: bool) -> Result<RemoteTensor> {
-        self.record(|a, _| Op::SumDim(a, dim as i64, keepdim), None)
+        self.record(&[], |i| Op::SumDim(i[0], dim as i64, keepdim))
     }
     pub fn mean_dim(&self, dim: isize, keepdim: bool) -> Result<RemoteTensor> {
-        self.record(|a, _| Op::MeanDim(a, dim as i64, keepdim), None)
+        self.record(&[], |i| Op::MeanDim(i[0], dim as i64, keepdim))
     }
     pub fn softmax(&self, dim: isize) -> Result<RemoteTensor> {
-        self.record(|a, _| Op::Softmax(a, dim as i64), None)
+        self.record(&[], |i| Op::Softmax(i[0], dim as i64))
     }
     pub fn log_softmax(&self, dim: isize) -> Result<RemoteTensor> {
-        self.record(|a, _| Op::LogSoftmax(a, dim as i64), None)
+        self.record(&[], |i| Op::LogSoftmax(i[0], dim as i64))
     }
 
     /// `x · wᵀ + b` with `x` this tensor.
     pub fn linear(&self, w: &RemoteTensor, b: Option<&RemoteTensor>) -> Result<RemoteTensor> {
-        let y = self.matmul(&w.t()?)?;
         match b {
-            Some(b) => y.add(b),
-            None => Ok(y),
+            Some(b) => self.record(&[w, b], |i| Op::Linear(i[0], i[1], Some(i[2]))),
+            None => self.record(&[w], |i| Op::Linear(i[0], i[1], None)),
         }
     }
 
@@ -858,7 +923,7 @@ impl RemoteTensor {
     pub fn to(&self, placement: &str) -> Result<RemoteTensor> {
         let (owner, device) = parse_placement(&self.node.agent, placement)?;
         if owner.id == self.node.owner.id {
-            return self.record(|a, _| Op::ToDevice(a, device), None);
+            return self.record(&[], |i| Op::ToDevice(i[0], device));
         }
         let stored = self.stored()?;
         let meta = Arc::new(Node {
