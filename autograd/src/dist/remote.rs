@@ -677,11 +677,21 @@ fn record_input(meta: Arc<Node>, input: Input, device: Device) -> Result<RemoteT
         requires_grad: meta.requires_grad,
         state: Mutex::new(State::Pending { index }),
     });
+    admit(&mut map, node)
+}
+
+/// Makes `node` (just recorded as an operation of its owner's open recording) a member of that
+/// recording, and flushes it once it reaches the size bound.
+fn admit(map: &mut HashMap<u32, OwnerState>, node: Arc<Node>) -> Result<RemoteTensor> {
+    let owner = node.owner.id;
+    let rec = &mut map.entry(owner).or_default().open;
+    let State::Pending { index } = *node.state.lock().unwrap() else {
+        unreachable!("a node is admitted as it is recorded")
+    };
     rec.members.push((index, Arc::downgrade(&node)));
     counters().ops_recorded.fetch_add(1, Ordering::Relaxed);
-    let full = rec.ops.len() >= FLUSH_OPS || rec.local_bytes >= FLUSH_BYTES;
-    if full {
-        flush_locked(&mut map, &node.agent, owner)?;
+    if rec.ops.len() >= FLUSH_OPS || rec.local_bytes >= FLUSH_BYTES {
+        flush_locked(map, &node.agent, owner)?;
     }
     Ok(RemoteTensor { node })
 }
@@ -839,12 +849,7 @@ impl RemoteTensor {
             requires_grad: nodes.iter().any(|n| n.requires_grad),
             state: Mutex::new(State::Pending { index }),
         });
-        rec.members.push((index, Arc::downgrade(&node)));
-        counters().ops_recorded.fetch_add(1, Ordering::Relaxed);
-        if rec.ops.len() >= FLUSH_OPS || rec.local_bytes >= FLUSH_BYTES {
-            flush_locked(&mut map, &a.agent, owner)?;
-        }
-        Ok(RemoteTensor { node })
+        admit(&mut map, node)
     }
 
     fn unary(&self, f: Unary) -> Result<RemoteTensor> {
