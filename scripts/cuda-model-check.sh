@@ -56,7 +56,10 @@ run() { env SLUICE_CUDA_DRIVER="$model" SLUICE_REQUIRE_GPU=1 SLUICE_SKIP_LOG="$s
 for seed in "" 1 2; do
     # The last pass also makes pageable uploads synchronous (a driver may): nothing may mind.
     if [ "$seed" = 2 ]; then export SLUICE_CUDA_MODEL_PAGEABLE=sync; fi
-    echo "== the CUDA driver model, seed ${seed:-none}${SLUICE_CUDA_MODEL_PAGEABLE:+, pageable copies synchronous}"
+    # cuda_ipc between processes waits for the peer's events on the host by default (one GPU,
+    # two contexts); the middle pass makes those waits on the device instead, as under MPS.
+    if [ "$seed" = 1 ]; then export SLUICE_CUDA_PEER_WAIT=device; else unset SLUICE_CUDA_PEER_WAIT; fi
+    echo "== the CUDA driver model, seed ${seed:-none}${SLUICE_CUDA_MODEL_PAGEABLE:+, pageable copies synchronous}${SLUICE_CUDA_PEER_WAIT:+, peer waits on the device}"
     : >"$skips"
     run -p sluice-cuda --lib -- --skip nvrtc --skip without
     run -p sluice-channel --lib cuda
@@ -71,7 +74,7 @@ for seed in "" 1 2; do
         exit 1
     fi
 done
-unset SLUICE_CUDA_MODEL_PAGEABLE
+unset SLUICE_CUDA_MODEL_PAGEABLE SLUICE_CUDA_PEER_WAIT
 
 # End to end: the parameter-server demo with its parameters on the (model's) GPU trains.
 SLUICE_CUDA_DRIVER="$model" cargo run --release -q -- demo ps --gpu --epochs 30 | tee target/ps-gpu-model.log

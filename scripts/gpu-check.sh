@@ -61,46 +61,76 @@ for line in sys.stdin:
     cp target/release/sluice target/release/sluice-test-peer target/release/examples/parameter_server "$bin/"
     strip "$bin"/* 2>/dev/null || true
     ls -la "$bin"
+    # Too large to travel to a device machine as they are (its working tree is limited to
+    # 64 MiB): also packed, in the git-ignored device-bin/, which `run` unpacks when gpu-bin/
+    # is missing (carry device-bin).
+    mkdir -p "$here/device-bin"
+    tar -C "$bin" -cf - . | gzip -6 > "$here/device-bin/gpu-bin.tar.gz"
+    ls -la "$here/device-bin/gpu-bin.tar.gz"
 }
 
 run() {
     cd "$here"
+    if [ ! -x "$bin/sluice" ] && [ -f "$here/device-bin/gpu-bin.tar.gz" ]; then
+        mkdir -p "$bin"
+        tar -C "$bin" -xzf "$here/device-bin/gpu-bin.tar.gz"
+    fi
     if [ -n "${SLUICE_CUDA_DRIVER:-}" ]; then
         echo "gpu-check: SLUICE_CUDA_DRIVER=$SLUICE_CUDA_DRIVER names a CUDA driver model, not a GPU;" >&2
         echo "gpu-check: unset it (scripts/cuda-model-check.sh is the model's run)" >&2
         exit 2
     fi
     export SLUICE_REQUIRE_GPU=1
+    # GPU_CHECK_QUICK=1: the benches in their --quick form (fewer sizes, shorter budgets), for a
+    # device lease too short for the full ones. Each bench gets GPU_CHECK_BENCH_TIMEOUT seconds
+    # (default 300); a bench that fails or runs out is reported and the check goes on, failing
+    # at the end.
+    local quick=()
+    [ -n "${GPU_CHECK_QUICK:-}" ] && quick=(--quick)
+    local limit="${GPU_CHECK_BENCH_TIMEOUT:-300}"
+    local failed_benches=()
+    local t0=$SECONDS
+    bench() {
+        local name="$1"; shift
+        echo "== $name (at ${SECONDS}s, limit ${limit}s)"
+        if ! timeout --signal=KILL "$limit" "$@" "${quick[@]}"; then
+            echo "gpu-check: $name FAILED or ran past ${limit}s" >&2
+            failed_benches+=("$name")
+        fi
+    }
     export SLUICE_TEST_PEER="$bin/sluice-test-peer"
     export RUST_BACKTRACE=1
     echo "== GPUs"
     nvidia-smi -L || echo "(nvidia-smi not found)"
-    echo "== CUDA runtime unit tests (probe, device and pinned memory, IPC export, events, NVRTC)"
+    echo "== [${SECONDS}s] CUDA runtime unit tests (probe, device and pinned memory, IPC export, events, NVRTC)"
     "$bin/test-sluice_cuda" --test-threads=1
-    echo "== channel unit tests"
+    echo "== [${SECONDS}s] channel unit tests"
     "$bin/test-sluice_channel" --test-threads=1
-    echo "== channel conformance, CUDA channels included (tests/tests/channel_conformance.rs)"
+    echo "== [${SECONDS}s] channel conformance, CUDA channels included (tests/tests/channel_conformance.rs)"
     "$bin/test-channel_conformance" --test-threads=1 --nocapture
-    echo "== CUDA particulars through the pipe (tests/tests/cuda.rs)"
+    echo "== [${SECONDS}s] CUDA particulars through the pipe (tests/tests/cuda.rs)"
     "$bin/test-cuda" --test-threads=1 --nocapture
-    echo "== pipe suite with CUDA present (tests/tests/pipe.rs)"
+    echo "== [${SECONDS}s] pipe suite with CUDA present (tests/tests/pipe.rs)"
     "$bin/test-pipe" --test-threads=1
-    echo "== sluice bench cuda"
     local out="${OUT:-$bin}"
-    "$bin/sluice" bench cuda --json "$out/cuda.jsonl"
-    echo "== autograd unit tests (kernels compiled by NVRTC, parameters checked)"
+    bench "sluice bench cuda" "$bin/sluice" bench cuda --json "$out/cuda.jsonl"
+    echo "== [${SECONDS}s] autograd unit tests (kernels compiled by NVRTC, parameters checked)"
     SLUICE_REQUIRE_NVRTC=1 "$bin/test-sluice_autograd" --test-threads=1
-    echo "== autograd on CUDA against the CPU (tests/tests/cuda_autograd.rs)"
+    echo "== [${SECONDS}s] autograd on CUDA against the CPU (tests/tests/cuda_autograd.rs)"
     "$bin/test-cuda_autograd" --test-threads=1 --nocapture
-    echo "== CUDA tensors through RPC and distributed autograd (tests/tests/cuda_rpc.rs)"
+    echo "== [${SECONDS}s] CUDA tensors through RPC and distributed autograd (tests/tests/cuda_rpc.rs)"
     "$bin/test-cuda_rpc" --test-threads=1 --nocapture
-    echo "== pipelines with CUDA stages (tests/tests/pipeline.rs)"
+    echo "== [${SECONDS}s] pipelines with CUDA stages (tests/tests/pipeline.rs)"
     "$bin/test-pipeline" --test-threads=1 --nocapture
-    echo "== sluice bench rpc autograd (CUDA records included)"
-    "$bin/sluice" bench rpc autograd --json "$out/rpc-autograd.jsonl"
-    echo "== parameter server with its parameters on the GPU"
+    bench "sluice bench rpc autograd (CUDA records included)" \
+        "$bin/sluice" bench rpc autograd --json "$out/rpc-autograd.jsonl"
+    echo "== [${SECONDS}s] parameter server with its parameters on the GPU"
     "$bin/parameter_server" --trainers 2 --epochs 100 --gpu
-    echo "== all GPU checks passed"
+    if [ ${#failed_benches[@]} -gt 0 ]; then
+        echo "gpu-check: every test passed; benches that did not finish: ${failed_benches[*]} ($((SECONDS - t0))s)" >&2
+        exit 1
+    fi
+    echo "== all GPU checks passed ($((SECONDS - t0))s)"
 }
 
 case "${1:-all}" in

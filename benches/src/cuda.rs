@@ -165,7 +165,9 @@ async fn measure_channel(channel: ChannelKind, quick: bool, spawn: SpawnPeer<'_>
                 payloads: Vec::new(),
                 tensors: vec![Tensor::cuda(send.clone(), GPU)],
             };
+            cuda::trace::mark("bench: write");
             pipe.write(&message).await?;
+            cuda::trace::mark("bench: written");
             let d = pipe.read_descriptor().await?;
             let alloc = match recv.take() {
                 Some(a) => a,
@@ -173,7 +175,9 @@ async fn measure_channel(channel: ChannelKind, quick: bool, spawn: SpawnPeer<'_>
             };
             let got = pipe.read(alloc).await?;
             // Landed, not just queued.
+            cuda::trace::mark("bench: synchronize");
             stream.synchronize()?;
+            cuda::trace::mark("bench: landed");
             if i > 0 {
                 samples.push(start.elapsed().as_nanos() as f64);
             }
@@ -218,6 +222,7 @@ async fn echo(pipe: Pipe) -> anyhow::Result<()> {
             _ => Allocation::try_for_descriptor(&d, |i| if i == 0 { Ok(stream.clone()) } else { Stream::new(i) })?,
         };
         let got = pipe.read(alloc).await?;
+        cuda::trace::mark("echo: read");
         let tensors: Vec<Tensor> = got
             .tensors
             .iter()

@@ -257,6 +257,7 @@ fn cuda_records(agent: &Agent, options: &BenchOptions, budget: std::time::Durati
     let small = CudaBuffer::alloc(4 << 10, &stream)?;
     small.fill(3)?;
     let payload = Payload::empty().with_tensors(vec![Tensor::cuda(small, Device::Cuda(0))]);
+    eprintln!("rpc: CUDA 4 KiB echo");
     let mut samples = Vec::new();
     let start = Instant::now();
     while samples.len() < MAX_RTT_SAMPLES && (start.elapsed() < budget || samples.len() < 3) {
@@ -273,6 +274,7 @@ fn cuda_records(agent: &Agent, options: &BenchOptions, budget: std::time::Durati
 
     let size = if options.quick { 64 << 20 } else { 256 << 20 };
     let iterations = if options.quick { 5 } else { 20 };
+    eprintln!("rpc: CUDA {} MiB send, and the raw copy", size >> 20);
     let raw = cuda::time_raw_copies(0, RawCopy::DeviceToDevice, size, iterations)?;
     let raw_gbps = size as f64 * iterations as f64 / raw.as_nanos() as f64;
     let base = Record::bw("rpc", "raw-dtod-copy/cuda:0", size, raw_gbps, iterations as u64);

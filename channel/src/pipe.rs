@@ -520,6 +520,7 @@ impl Pipe {
             side.tx.control.flush().await?;
         }
         if needs_ack {
+            crate::cuda::trace::mark("send: announced");
             let cuda = prepared.iter().filter(|p| p.ready.is_some()).count();
             let ack = side.acks.read_vec(64 + cuda * 80).await?;
             let ack: Ack = wire::decode(&ack, &inner.info.peer)?;
@@ -538,7 +539,7 @@ impl Pipe {
             let answered = message.tensors.iter().zip(&channels).zip(&prepared);
             let answered = answered.filter(|(_, p)| p.ready.is_some());
             for (((t, &channel), _), done) in answered.zip(&ack.cuda) {
-                path::finish(channel, &link, &t.buffer, done)?;
+                path::finish(channel, &link, &t.buffer, done).await?;
             }
             side.exposed.clear();
             side.tx.acknowledged();
@@ -566,6 +567,7 @@ impl Pipe {
             Ok(d) => d,
             Err(e) => return Err(self.inner.fail(e)),
         };
+        crate::cuda::trace::mark("recv: descriptor");
         if descriptor.seq != side.seq {
             return Err(self.inner.fail(
                 self.inner
@@ -684,6 +686,7 @@ impl Pipe {
                 cuda,
             };
             side.acks.write(&[&wire::encode(&ack)]).await?;
+            crate::cuda::trace::mark("recv: ack sent");
         }
         Ok(())
     }

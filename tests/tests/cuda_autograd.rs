@@ -45,6 +45,38 @@ fn rand(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
     Tensor::uniform(shape, 0.1, 1.0, seed, dtype).unwrap()
 }
 
+/// Long reductions are summed in passes of partial sums (a thread per chunk, then per chunk of
+/// partials): every split (one pass, two, three), over contiguous and strided dimensions and
+/// views with an offset, equals the CPU's sum.
+#[test]
+fn long_reductions_split_into_passes_match_the_cpu() {
+    if !compute_or_skip("long_reductions_split_into_passes_match_the_cpu") {
+        return;
+    }
+    for (dtype, tol) in [(DType::F64, 1e-10), (DType::F32, 1e-4)] {
+        // 64 elements: one pass; 65 and 2,000: two; 5,000 and 70,000: three.
+        for n in [1usize, 63, 64, 65, 2000, 5000, 70_000] {
+            let x = rand(&[n], n as u64, dtype);
+            parity(&format!("sum of {n}"), std::slice::from_ref(&x), tol, |t| {
+                t[0].sum().unwrap()
+            });
+        }
+        let m = rand(&[300, 70], 9, dtype);
+        parity("sum over a strided dim", std::slice::from_ref(&m), tol, |t| {
+            t[0].sum_dim(0, false).unwrap()
+        });
+        parity(
+            "mean over rows of a transposed view",
+            std::slice::from_ref(&m),
+            tol,
+            |t| t[0].t().unwrap().mean_dim(1, true).unwrap(),
+        );
+        parity("sum of a narrowed view", std::slice::from_ref(&m), tol, |t| {
+            t[0].narrow(0, 7, 200).unwrap().sum().unwrap()
+        });
+    }
+}
+
 #[test]
 fn every_op_matches_the_cpu_forward_and_backward() {
     if !compute_or_skip("every_op_matches_the_cpu_forward_and_backward") {

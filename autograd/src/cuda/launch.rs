@@ -192,6 +192,23 @@ pub(super) fn copy(
     unsafe { run(sb.device(), kernel, n, stream, &args, &[sb]) }
 }
 
+/// Reduced elements one thread of [`sum`] adds up per pass.
+const SUM_CHUNK: usize = 32;
+
+/// How many parts a reduction of `n` elements is split into for one pass (1: done in it).
+fn sum_parts(n: usize) -> usize {
+    if n <= 2 * SUM_CHUNK {
+        1
+    } else {
+        n.div_ceil(SUM_CHUNK)
+    }
+}
+
+/// Sums `t` over the `reduced` dimensions into `out` (`kept` elements). A reduction longer than
+/// a few dozen elements is split: the first pass sums chunks of [`SUM_CHUNK`] elements, one
+/// thread each, into partial sums, and further passes sum those (contiguous) the same way until
+/// one value per output is left. A thread per output alone serialised a whole-tensor mean on
+/// the GPU: 12 ms for a 32 × 1024 step on an H100.
 pub(super) fn sum(
     t: &Tensor,
     tb: &CudaBuffer,
@@ -202,22 +219,58 @@ pub(super) fn sum(
 ) -> Result<()> {
     let ob = buf(out)?;
     let n_out: usize = kept.iter().product();
-    let n_red: usize = reduced.iter().product();
-    let args = [
-        Arg::Ptr(tb.ptr()),
-        Arg::Ptr(ob.ptr()),
-        Arg::U64(n_out as u64),
-        Arg::U64(n_red as u64),
-        Arg::I32(t.dims() as i32),
-        Arg::Dims(dims("sum", kept)?),
-        Arg::Dims(dims("sum", reduced)?),
-        Arg::Dims(dims("sum", t.strides())?),
-        Arg::U64(t.inner.offset as u64),
-    ];
+    let mut n_red: usize = reduced.iter().product();
     let kernel = format!("sum_{}", suffix(t.dtype())?);
-    // SAFETY: index (kept i, reduced r) addresses element i+r of `t`'s shape (the two shapes
-    // split it), which lies inside `tb`; `out` is fresh with `n_out` elements.
-    unsafe { run(tb.device(), &kernel, n_out, stream, &args, &[tb]) }
+    let elem = t.dtype().size();
+    // The first pass reads `t` in its own layout; later ones the previous pass's partials, a
+    // contiguous [n_out, parts] matrix.
+    let mut parts = sum_parts(n_red);
+    let mut partials: Vec<CudaBuffer> = Vec::new();
+    let mut src = (tb.ptr(), t.inner.offset as u64);
+    let (mut kept_dims, mut red_dims, mut strides) =
+        (dims("sum", kept)?, dims("sum", reduced)?, dims("sum", t.strides())?);
+    let mut nd = t.dims() as i32;
+    loop {
+        let dst = if parts == 1 {
+            ob.ptr()
+        } else {
+            let b = super::alloc(tb.device(), n_out * parts * elem)?;
+            let p = b.ptr();
+            partials.push(b);
+            p
+        };
+        let chunk = if parts == 1 { n_red } else { SUM_CHUNK };
+        let args = [
+            Arg::Ptr(src.0),
+            Arg::Ptr(dst),
+            Arg::U64(n_out as u64),
+            Arg::U64(n_red as u64),
+            Arg::U64(chunk as u64),
+            Arg::U64(parts as u64),
+            Arg::I32(nd),
+            Arg::Dims(kept_dims),
+            Arg::Dims(red_dims),
+            Arg::Dims(strides),
+            Arg::U64(src.1),
+        ];
+        // SAFETY: index (kept i, reduced r) addresses element i+r of the source's shape (the
+        // two shapes split it), which lies inside the source buffer (`t`'s, or the previous
+        // pass's partials); the destination is fresh with n_out * parts elements (n_out for
+        // `out`). Partials are freed into the compute stream's cache, so reused only after
+        // these passes.
+        unsafe { run(tb.device(), &kernel, n_out * parts, stream, &args, &[]) }?;
+        if parts == 1 {
+            break;
+        }
+        src = (dst, 0);
+        n_red = parts;
+        parts = sum_parts(n_red);
+        nd = 2;
+        kept_dims = dims("sum", &[n_out, 1])?;
+        red_dims = dims("sum", &[1, n_red])?;
+        strides = dims("sum", &[n_red, 1])?;
+    }
+    release(&[tb], stream)
 }
 
 #[allow(clippy::too_many_arguments)]

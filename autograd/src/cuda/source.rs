@@ -91,13 +91,18 @@ __device__ void copy(const T* src, T* dst, u64 n, int nd, Dims shape, Dims ss, u
 // One thread per output element: `kept` is the shape with reduced dims 1, `red` the shape
 // with kept dims 1; both address the input through its strides.
 template <typename T>
-__device__ void sum(const T* x, T* out, u64 n_out, u64 n_red, int nd, Dims kept, Dims red, Dims sx, u64 ox) {
-    u64 o = tid();
-    if (o >= n_out) return;
+__device__ void sum(const T* x, T* out, u64 n_out, u64 n_red, u64 chunk, u64 parts, int nd, Dims kept,
+                    Dims red, Dims sx, u64 ox) {
+    // Thread t sums part t % parts (`chunk` consecutive reduced indices) of output t / parts
+    // into out[t]; with parts = 1, the whole reduction of each output.
+    u64 t = tid();
+    if (t >= n_out * parts) return;
+    u64 o = t / parts, begin = (t % parts) * chunk;
+    u64 end = begin + chunk < n_red ? begin + chunk : n_red;
     u64 base = ox + at(o, nd, kept, sx);
     T acc = T(0);
-    for (u64 r = 0; r < n_red; ++r) acc += x[base + at(r, nd, red, sx)];
-    out[o] = acc;
+    for (u64 r = begin; r < end; ++r) acc += x[base + at(r, nd, red, sx)];
+    out[t] = acc;
 }
 
 template <typename T>
@@ -169,9 +174,9 @@ extern "C" __global__ void unary_##S(int op, const T* x, T* out, u64 n, int nd, 
 extern "C" __global__ void binary_##S(int op, const T* a, const T* b, T* out, u64 n, int nd,         \
                                       Dims shape, Dims sa, u64 oa, Dims sb, u64 ob) {                  \
     binary<T>(op, a, b, out, n, nd, shape, sa, oa, sb, ob); }                                         \
-extern "C" __global__ void sum_##S(const T* x, T* out, u64 n_out, u64 n_red, int nd, Dims kept,       \
-                                   Dims red, Dims sx, u64 ox) {                                        \
-    sum<T>(x, out, n_out, n_red, nd, kept, red, sx, ox); }                                            \
+extern "C" __global__ void sum_##S(const T* x, T* out, u64 n_out, u64 n_red, u64 chunk, u64 parts,   \
+                                   int nd, Dims kept, Dims red, Dims sx, u64 ox) {                     \
+    sum<T>(x, out, n_out, n_red, chunk, parts, nd, kept, red, sx, ox); }                              \
 extern "C" __global__ void softmax_##S(const T* x, T* y, u64 rows, u64 cols, int log_) {             \
     softmax<T>(x, y, rows, cols, log_); }                                                             \
 extern "C" __global__ void softmax_backward_##S(const T* y, const T* g, T* dx, u64 rows, u64 cols,   \
@@ -250,7 +255,7 @@ mod tests {
         let expect = [
             ("unary", "ippuiDDud"),
             ("binary", "ipppuiDDuDu"),
-            ("sum", "ppuuiDDDu"),
+            ("sum", "ppuuuuiDDDu"),
             ("softmax", "ppuui"),
             ("softmax_backward", "pppuui"),
             ("nll", "pppuu"),

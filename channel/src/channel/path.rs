@@ -291,7 +291,9 @@ pub(crate) async fn recv(
             gdr::recv(rx, link, dst, addr, rkey).await.map(|()| Received::Ack)
         }
         (s @ (Source::CudaIpc { .. } | Source::CudaLocal { .. }), RecvBuffer::Cuda(dst)) => {
-            direct::recv(channel, rx, link, s, source_device, dst).map(Received::Cuda)
+            direct::recv(channel, rx, link, s, source_device, dst)
+                .await
+                .map(Received::Cuda)
         }
         (_, b) => Err(link.protocol(format!("channel {channel} cannot fill a {} buffer", b.device()))),
     }
@@ -304,9 +306,9 @@ fn lands_in_pool(length: u64, buffer: &RecvBuffer) -> bool {
 }
 
 /// Sender, once acknowledged: what the receiver sent back for one CUDA tensor.
-pub(crate) fn finish(channel: ChannelKind, link: &Link<'_>, buffer: &SendBuffer, done: &CudaDone) -> Result<()> {
+pub(crate) async fn finish(channel: ChannelKind, link: &Link<'_>, buffer: &SendBuffer, done: &CudaDone) -> Result<()> {
     match buffer {
-        SendBuffer::Cuda(b) if channel.is_direct_cuda() => direct::finish(channel, link, b, done),
+        SendBuffer::Cuda(b) if channel.is_direct_cuda() => direct::finish(channel, link, b, done).await,
         b => Err(link.wrong_buffer(channel, b.device())),
     }
 }

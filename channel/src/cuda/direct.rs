@@ -20,7 +20,8 @@
 
 use bytes::Bytes;
 
-use super::events::{self, EventSlot};
+use super::events::{self, EventSlot, PeerWait};
+use super::trace::mark;
 use super::{driver, ipc, CudaBuffer, CudaError, Event};
 use crate::channel::path::{Link, Prepared, Rx};
 use crate::channel::ChannelKind;
@@ -35,6 +36,7 @@ fn cuda_error(link: &Link<'_>, channel: ChannelKind, e: CudaError) -> PipeError 
 /// Sender: the ready event and where the bytes are. A buffer that cannot be exported is the
 /// caller's mistake (reported without breaking the pipe).
 pub(crate) fn prepare(channel: ChannelKind, link: &Link<'_>, b: &CudaBuffer) -> Result<Prepared> {
+    mark("send: prepare");
     let export = || -> std::result::Result<Prepared, CudaError> {
         // Across processes, memory we did not allocate is copied into ours first: its owner
         // could free it while the peer still maps it.
@@ -49,6 +51,7 @@ pub(crate) fn prepare(channel: ChannelKind, link: &Link<'_>, b: &CudaBuffer) -> 
         // Recorded after everything queued on the stream, the staging copy included.
         let event = EventSlot::take(b.device())?;
         event.record(b.stream())?;
+        mark("send: ready recorded");
         let source = if link.same_process {
             Source::CudaLocal {
                 address: b.ptr(),
@@ -83,7 +86,7 @@ pub(crate) fn accepts(same_process: bool, source: &Source) -> bool {
 
 /// Receiver: queues the copy into `dst` on its stream, after the sender's ready event, and
 /// records the event the sender will wait on (held until the sender's next message).
-pub(crate) fn recv(
+pub(crate) async fn recv(
     channel: ChannelKind,
     rx: &mut Rx,
     link: &Link<'_>,
@@ -128,16 +131,25 @@ pub(crate) fn recv(
                     dst.len()
                 )));
             }
+            mark("recv: start");
             let mapping = ipc::open_memory(link.process, device, &memory, *size).map_err(|e| match e {
                 CudaError::Invalid(detail) => link.protocol(detail),
                 e => fail(e),
             })?;
             let ready = ipc::open_event(link.process, device, &event).map_err(fail)?;
-            events::stream_wait(dst.stream(), ready.raw()).map_err(fail)?;
+            mark("recv: opened");
+            if PeerWait::current().on_host(shares_gpu(channel)) {
+                let raw = ready.raw();
+                events::wait_host(device, raw, ready).await.map_err(fail)?;
+            } else {
+                events::stream_wait(dst.stream(), ready.raw()).map_err(fail)?;
+            }
+            mark("recv: waited for ready");
             // SAFETY: the range lies inside the peer's allocation (checked above), which the
             // peer never frees (exported memory is kept for good), and the copy is ordered
             // after its ready event.
             unsafe { dst.copy_from_address(device, mapping.base() + offset) }.map_err(fail)?;
+            mark("recv: copy queued");
             // The mapping is closed only after this copy (and any other that read it). Without
             // a fence it can never be known unread: it is then left open for good.
             match Event::record(dst.stream()) {
@@ -162,11 +174,14 @@ pub(crate) fn recv(
         }
     };
     rx.held.push(copied);
+    mark("recv: copied recorded");
     Ok(done)
 }
 
-/// Sender, acknowledged: makes the buffer's stream wait for the receiver's copy.
-pub(crate) fn finish(channel: ChannelKind, link: &Link<'_>, buffer: &CudaBuffer, done: &CudaDone) -> Result<()> {
+/// Sender, acknowledged: makes the buffer's stream wait for the receiver's copy. Where the two
+/// ends are one GPU in two processes the wait is made on the host (see [`PeerWait`]): the
+/// write then completes once the copy has.
+pub(crate) async fn finish(channel: ChannelKind, link: &Link<'_>, buffer: &CudaBuffer, done: &CudaDone) -> Result<()> {
     let fail = |e| cuda_error(link, channel, e);
     match done {
         CudaDone::Local { event } if link.same_process => {
@@ -175,10 +190,24 @@ pub(crate) fn finish(channel: ChannelKind, link: &Link<'_>, buffer: &CudaBuffer,
         CudaDone::Ipc { event } if !link.same_process => {
             let handle = ipc_handle(event).ok_or_else(|| link.protocol("malformed IPC event handle"))?;
             let copied = ipc::open_event(link.process, buffer.device(), &handle).map_err(fail)?;
-            events::stream_wait(buffer.stream(), copied.raw()).map_err(fail)
+            mark("send: acked");
+            let waited = if PeerWait::current().on_host(shares_gpu(channel)) {
+                let raw = copied.raw();
+                events::wait_host(buffer.device(), raw, copied).await.map_err(fail)
+            } else {
+                events::stream_wait(buffer.stream(), copied.raw()).map_err(fail)
+            };
+            mark("send: waited for copied");
+            waited
         }
         _ => Err(link.protocol("acknowledgement of the wrong kind for this peer")),
     }
+}
+
+/// Whether the two ends of a cross-process transfer are one physical GPU: cuda_ipc connects a
+/// GPU only with itself (the same UUID on the same host), cuda_p2p two different GPUs.
+fn shares_gpu(channel: ChannelKind) -> bool {
+    channel == ChannelKind::CudaIpc
 }
 
 /// A 64-byte IPC handle from the wire.

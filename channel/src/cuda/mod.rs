@@ -12,3 +12,4 @@ pub mod descriptor;
 pub(crate) mod direct;
 pub(crate) mod ipc;
 pub mod staged;
+pub mod trace;
