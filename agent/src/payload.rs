@@ -231,6 +231,23 @@ impl Value {
         })
     }
 
+    /// For a handler run by `remote`: the owner keeps `value`, and the creating call completes
+    /// with `reply` instead of an empty payload (what [`RRef::created`](crate::RRef::created)
+    /// returns), so a caller can have a value made and read part of it in one round trip. As
+    /// the result of a plain call, it is `value`.
+    pub fn kept_with_reply(value: Value, reply: Payload) -> Value {
+        Value::encodable(KeptWithReply { value, reply })
+    }
+
+    /// `(value to keep, creation reply)` for a [`kept_with_reply`](Self::kept_with_reply)
+    /// value; `(self, None)` otherwise.
+    pub(crate) fn split_reply(self) -> (Value, Option<Payload>) {
+        match self.object_ref::<KeptWithReply>() {
+            Some(k) => (k.value.clone(), Some(k.reply.clone())),
+            None => (self, None),
+        }
+    }
+
     /// The object itself, if this value is an object of type `T` (no decoding).
     pub fn object_ref<T: Send + Sync + 'static>(&self) -> Option<&T> {
         match self {
@@ -270,6 +287,18 @@ impl Value {
             }),
             Value::Payload(p) => p.decode::<T>().map(Arc::new),
         }
+    }
+}
+
+/// See [`Value::kept_with_reply`].
+struct KeptWithReply {
+    value: Value,
+    reply: Payload,
+}
+
+impl Encode for KeptWithReply {
+    fn encode(&self) -> Result<Payload, RpcError> {
+        self.value.to_payload()
     }
 }
 

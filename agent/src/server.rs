@@ -336,10 +336,17 @@ impl AgentInner {
         result: Result<Value, HandlerError>,
     ) -> Result<Payload, WireError> {
         let Some(r) = rref else {
-            return self.encode_result(result);
+            return self.encode_result(result.map(|v| v.split_reply().0));
+        };
+        let (result, created) = match result {
+            Ok(v) => {
+                let (v, reply) = v.split_reply();
+                (Ok(v), reply)
+            }
+            Err(e) => (Err(e), None),
         };
         let reply = match &result {
-            Ok(_) => Ok(Payload::empty()),
+            Ok(_) => Ok(created.unwrap_or_else(Payload::empty)),
             Err(e) => Err(WireError::Handler(e.clone())),
         };
         // A value on a GPU keeps events marking the work that made it, for fetches.

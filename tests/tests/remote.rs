@@ -111,6 +111,7 @@ worker_test!(remote_results_and_gradients_equal_local, 2, |env: WorkerEnv| {
         });
         let after = remote::stats();
         assert_eq!(after.flushes - before.flushes, 1, "one flush for the whole forward");
+        assert_eq!(after.fetches, before.fetches, "the loss came back in the flush's reply");
         assert_eq!(
             bits(&loss),
             bits(&local),
@@ -138,12 +139,28 @@ worker_test!(each_flush_point_sends_the_recording, 3, |env: WorkerEnv| {
         let flushes = || remote::stats().flushes;
         let on1 = || base.to_remote(&agent, "worker1/cpu").unwrap().mul_scalar(2.0).unwrap();
 
-        // to_here
-        let (n, a) = (flushes(), on1());
+        // to_here: a small recorded value comes back in the flush's own reply (no fetch)
+        let fetches = || remote::stats().fetches;
+        let (n, f, a) = (flushes(), fetches(), on1());
         assert!(a.is_pending());
         assert_eq!(a.to_here().unwrap().to_vec::<f64>().unwrap(), vec![2.0, 4.0, 6.0, 8.0]);
-        assert_eq!(flushes() - n, 1);
+        assert_eq!((flushes() - n, fetches() - f), (1, 0));
         assert!(!a.is_pending());
+        // ... and once stored, by a fetch; a value over the bound is always fetched
+        assert_eq!(a.to_here().unwrap().to_vec::<f64>().unwrap(), vec![2.0, 4.0, 6.0, 8.0]);
+        assert_eq!(fetches() - f, 1);
+        let big = remote::FETCH_WITH_FLUSH_MAX / 8 + 1;
+        let ones = Tensor::from_vec(vec![1.0f64; big], &[big]).unwrap();
+        let (n, f) = (flushes(), fetches());
+        let got = ones
+            .to_remote(&agent, "worker1/cpu")
+            .unwrap()
+            .mul_scalar(3.0)
+            .unwrap()
+            .to_here()
+            .unwrap();
+        assert_eq!((flushes() - n, fetches() - f), (1, 1));
+        assert!(got.to_vec::<f64>().unwrap().iter().all(|&v| v == 3.0));
         // item
         let n = flushes();
         assert_eq!(on1().sum().unwrap().item().unwrap(), 20.0);

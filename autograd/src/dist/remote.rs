@@ -61,6 +61,10 @@ pub const FLUSH_OPS: usize = 1024;
 pub const FLUSH_BYTES: usize = 64 << 20;
 /// Graphs an owner keeps per caller.
 pub const CACHE_GRAPHS: usize = 4096;
+/// The largest value `to_here` reads in the flush's own reply (one round trip instead of two).
+/// A value read so stays referenced by its call's completion for as long as the flush's
+/// results are referenced, so only small ones (losses, logits, statistics) go this way.
+pub const FETCH_WITH_FLUSH_MAX: usize = 1 << 20;
 /// The largest tensor an operation may be recorded to produce, in elements.
 const MAX_ELEMENTS: usize = 1 << 40;
 
@@ -275,6 +279,8 @@ struct RunHeader {
     call: CallHeader,
     graph: GraphRef,
     inputs: Vec<InputRef>,
+    /// Outputs whose values the owner also sends back in the reply to this call.
+    fetch: Vec<u32>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -691,7 +697,7 @@ fn admit(map: &mut HashMap<u32, OwnerState>, node: Arc<Node>) -> Result<RemoteTe
     rec.members.push((index, Arc::downgrade(&node)));
     counters().ops_recorded.fetch_add(1, Ordering::Relaxed);
     if rec.ops.len() >= FLUSH_OPS || rec.local_bytes >= FLUSH_BYTES {
-        flush_locked(map, &node.agent, owner)?;
+        flush_locked(map, &node.agent, owner, None)?;
     }
     Ok(RemoteTensor { node })
 }
@@ -954,10 +960,37 @@ impl RemoteTensor {
 
     /// The value, here (a flush point). Inside a distributed autograd context the fetch is
     /// recorded: gradients of a loss computed from it reach the owner's graph.
+    ///
+    /// A small value still only recorded is read in the reply of the flush that computes it
+    /// (one round trip; see [`FETCH_WITH_FLUSH_MAX`]).
     pub fn to_here(&self) -> Result<Tensor> {
-        let stored = self.stored()?;
-        let mut values = fetch(&self.node.agent, &stored)?;
+        let mut values = match self.flush_fetching()? {
+            Some(rref) => {
+                let agent = &self.node.agent;
+                let owner = self.node.owner.id;
+                let payload = rref.created().wait().map_err(remote_error)?;
+                let ctx = current_for(agent, owner)?;
+                let values: Vec<Tensor> = receive_reply(payload, ctx.as_ref(), owner)?;
+                count_fetch(&values);
+                values
+            }
+            None => fetch(&self.node.agent, &self.stored()?)?,
+        };
         values.pop().ok_or_else(|| remote_err("the owner sent no value"))
+    }
+
+    /// Flushes the owner's recording asking for this tensor's value in the reply, when it is
+    /// recorded there and small; `None` otherwise (read it with a fetch).
+    fn flush_fetching(&self) -> Result<Option<RRef<Bundle>>> {
+        let small = self.numel().saturating_mul(self.dtype().size()) <= FETCH_WITH_FLUSH_MAX;
+        if !small || !matches!(*self.node.state.lock().unwrap(), State::Pending { .. }) {
+            return Ok(None);
+        }
+        let mut map = recorder().lock().unwrap();
+        if !matches!(*self.node.state.lock().unwrap(), State::Pending { .. }) {
+            return Ok(None);
+        }
+        flush_locked(&mut map, &self.node.agent, self.node.owner.id, Some(&self.node))
     }
 
     /// The single value of a one-element tensor.
@@ -971,7 +1004,7 @@ impl RemoteTensor {
         if pending {
             let mut map = recorder().lock().unwrap();
             if matches!(*self.node.state.lock().unwrap(), State::Pending { .. }) {
-                flush_locked(&mut map, &self.node.agent, self.node.owner.id)?;
+                flush_locked(&mut map, &self.node.agent, self.node.owner.id, None)?;
             }
         }
         match &*self.node.state.lock().unwrap() {
@@ -988,7 +1021,7 @@ pub fn flush_all(agent: &Agent) -> Result<()> {
     let owners: Vec<u32> = map.keys().copied().collect();
     let mut first = None;
     for owner in owners {
-        if let Err(e) = flush_locked(&mut map, agent, owner) {
+        if let Err(e) = flush_locked(&mut map, agent, owner, None) {
             first.get_or_insert(e);
         }
     }
@@ -1000,7 +1033,7 @@ pub fn flush_all(agent: &Agent) -> Result<()> {
 /// an input reading where it is kept, moved to `device`.
 fn operand(map: &mut HashMap<u32, OwnerState>, node: &Arc<Node>, owner: u32, device: Device) -> Result<u32> {
     if node.owner.id != owner && matches!(*node.state.lock().unwrap(), State::Pending { .. }) {
-        flush_locked(map, &node.agent, node.owner.id)?;
+        flush_locked(map, &node.agent, node.owner.id, None)?;
     }
     let stored = match &*node.state.lock().unwrap() {
         State::Pending { index } => return Ok(*index),
@@ -1031,10 +1064,17 @@ fn operand(map: &mut HashMap<u32, OwnerState>, node: &Arc<Node>, owner: u32, dev
 }
 
 /// Sends `owner`'s open recording as one call (nothing when no recorded tensor is still
-/// referenced). Called with the recorder locked.
-fn flush_locked(map: &mut HashMap<u32, OwnerState>, agent: &Agent, owner: u32) -> Result<()> {
+/// referenced). With `fetch`, a recorded tensor of it, the owner also sends that tensor's value
+/// back in the call's reply, and the call's reference is returned to read it from. Called with
+/// the recorder locked.
+fn flush_locked(
+    map: &mut HashMap<u32, OwnerState>,
+    agent: &Agent,
+    owner: u32,
+    fetch: Option<&Arc<Node>>,
+) -> Result<Option<RRef<Bundle>>> {
     let Some(state) = map.get_mut(&owner) else {
-        return Ok(());
+        return Ok(None);
     };
     let rec = std::mem::take(&mut state.open);
     let live: Vec<(u32, Arc<Node>)> = rec
@@ -1044,8 +1084,13 @@ fn flush_locked(map: &mut HashMap<u32, OwnerState>, agent: &Agent, owner: u32) -
         .filter(|(_, n)| matches!(*n.state.lock().unwrap(), State::Pending { .. }))
         .collect();
     if live.is_empty() {
-        return Ok(());
+        return Ok(None);
     }
+    let fetch: Vec<u32> = fetch
+        .and_then(|f| live.iter().position(|(_, n)| Arc::ptr_eq(n, f)))
+        .map(|k| k as u32)
+        .into_iter()
+        .collect();
     // Keep only the operations the live tensors need; renumber them and the inputs.
     let mut needed = vec![false; rec.ops.len()];
     for (i, _) in &live {
@@ -1102,7 +1147,8 @@ fn flush_locked(map: &mut HashMap<u32, OwnerState>, agent: &Agent, owner: u32) -
             state.known.len() + state.caching.len() < CACHE_GRAPHS && !state.caching.iter().any(|(k, _)| *k == key);
         GraphRef::Full { key, graph, cache }
     };
-    let sent = send_run(agent, owner, graph_ref, inputs);
+    let fetching = !fetch.is_empty();
+    let sent = send_run(agent, owner, graph_ref, inputs, fetch);
     let c = counters();
     c.flushes.fetch_add(1, Ordering::Relaxed);
     match sent {
@@ -1122,7 +1168,7 @@ fn flush_locked(map: &mut HashMap<u32, OwnerState>, agent: &Agent, owner: u32) -
             for (k, (_, n)) in live.iter().enumerate() {
                 *n.state.lock().unwrap() = State::Stored(Stored::Output(rref.clone(), k as u32));
             }
-            Ok(())
+            Ok(fetching.then_some(rref))
         }
         Err(e) => {
             let detail = format!("flushing the operations recorded for worker {owner}: {e}");
@@ -1136,7 +1182,13 @@ fn flush_locked(map: &mut HashMap<u32, OwnerState>, agent: &Agent, owner: u32) -
 
 /// Issues one flush: `remote` on the owner, whose value is the graph's outputs. Returns the
 /// reference and whether the graph went whole (and was to be cached).
-fn send_run(agent: &Agent, owner: u32, graph: GraphRef, inputs: Vec<Input>) -> Result<(RRef<Bundle>, Option<bool>)> {
+fn send_run(
+    agent: &Agent,
+    owner: u32,
+    graph: GraphRef,
+    inputs: Vec<Input>,
+    fetch: Vec<u32>,
+) -> Result<(RRef<Bundle>, Option<bool>)> {
     let ctx = current_for(agent, owner)?;
     let me = container().bind(agent);
     let mut locals = Vec::new();
@@ -1168,6 +1220,7 @@ fn send_run(agent: &Agent, owner: u32, graph: GraphRef, inputs: Vec<Input>) -> R
         },
         graph,
         inputs: refs,
+        fetch,
     };
     let payload = Payload::encode(&header)?.with_tensors(tensors);
     let rref = agent.remote::<Bundle>(owner, H_RUN, payload).map_err(remote_error)?;
@@ -1192,9 +1245,14 @@ fn fetch(agent: &Agent, stored: &Stored) -> Result<Vec<Tensor>> {
     };
     let payload = fut.wait().map_err(remote_error)?;
     let values: Vec<Tensor> = receive_reply(payload, ctx.as_ref(), owner)?;
+    count_fetch(&values);
+    Ok(values)
+}
+
+/// Counts values read back from an owner (by a fetch, or in a flush's reply).
+fn count_fetch(values: &[Tensor]) {
     let bytes: usize = values.iter().map(|t| t.numel() * t.dtype().size()).sum();
     counters().bytes_fetched.fetch_add(bytes as u64, Ordering::Relaxed);
-    Ok(values)
 }
 
 /// A stored value as the owner running a graph reads it: its own (no copy), or fetched from
@@ -1257,7 +1315,7 @@ pub(crate) fn install(registry: &mut Registry) {
             .decode()
             .map_err(|e| HandlerError::new("DecodeError", e.to_string()))?;
         let buffers = payload.take_tensors();
-        let (_ctx, locals) = serve_inputs(cx, &header.call, buffers)?;
+        let (ctx, locals) = serve_inputs(cx, &header.call, buffers)?;
         let me = container().bind(&cx.agent);
         let graph = cached_graph(cx.caller.id, header.graph)?;
         counters().graphs_run.fetch_add(1, Ordering::Relaxed);
@@ -1276,7 +1334,23 @@ pub(crate) fn install(registry: &mut Registry) {
             graph.run(&inputs)
         })
         .map_err(|e| to_handler_error(me, e))?;
-        Ok(Value::encodable(Bundle(outputs)))
+        if header.fetch.is_empty() {
+            return Ok(Value::encodable(Bundle(outputs)));
+        }
+        let fetched = header
+            .fetch
+            .iter()
+            .map(|&k| {
+                outputs.get(k as usize).cloned().ok_or_else(|| {
+                    HandlerError::new(
+                        "IndexError",
+                        format!("output {k} of a call that keeps {}", outputs.len()),
+                    )
+                })
+            })
+            .collect::<std::result::Result<Vec<Tensor>, _>>()?;
+        let reply = serve_reply(cx, &fetched, ctx.as_ref())?;
+        Ok(Value::kept_with_reply(Value::encodable(Bundle(outputs)), reply))
     });
     registry.value_handler(H_PARAM, |cx: &CallContext, mut payload: Payload| {
         let header: ParamHeader = payload
