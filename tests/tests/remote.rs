@@ -200,6 +200,70 @@ worker_test!(each_flush_point_sends_the_recording, 3, |env: WorkerEnv| {
     agent.shutdown().unwrap();
 });
 
+worker_test!(narrow_cat_and_embedding_equal_local, 2, |env: WorkerEnv| {
+    let agent = env.agent(registry());
+    if env.rank == 0 {
+        let x = Tensor::from_vec((0..24).map(|v| v as f64 * 0.1).collect(), &[4, 6])
+            .unwrap()
+            .requires_grad_();
+        let w = Tensor::from_vec((0..15).map(|v| 1.0 + v as f64).collect(), &[5, 3])
+            .unwrap()
+            .requires_grad_();
+        let idx = Tensor::from_vec(vec![4i64, 0, 2, 2, 1, 4], &[2, 3]).unwrap();
+        // Locally.
+        let a = x.narrow(1, 1, 3).unwrap();
+        let c = sluice_autograd::ops::cat(&[a.exp().unwrap(), a.mul_scalar(2.0).unwrap()], 0).unwrap();
+        let e = sluice_autograd::ops::embedding(&w, &idx).unwrap();
+        let local = c.sum().unwrap().add(&e.mul(&e).unwrap().sum().unwrap()).unwrap();
+        local.backward().unwrap();
+        let (gx, gw) = (x.grad().unwrap(), w.grad().unwrap());
+        // On worker 1, recorded and run as one graph.
+        let ctx = Context::new(&agent).unwrap();
+        let remote = ctx.run(|| {
+            let xr = x.to_remote(&agent, "worker1/cpu").unwrap();
+            let a = xr.narrow(1, 1, 3).unwrap();
+            assert_eq!(a.shape(), &[4, 3]);
+            let c = RemoteTensor::cat(&[&a.exp().unwrap(), &a.mul_scalar(2.0).unwrap()], 0).unwrap();
+            assert_eq!(c.shape(), &[8, 3]);
+            let wr = w.to_remote(&agent, "worker1/cpu").unwrap();
+            let e = wr.embedding(&idx.to_remote(&agent, "worker1/cpu").unwrap()).unwrap();
+            assert_eq!(e.shape(), &[2, 3, 3]);
+            // Shapes and dtypes are checked where they are written.
+            assert!(matches!(xr.narrow(1, 4, 3), Err(Error::Shape { .. })));
+            assert!(matches!(RemoteTensor::cat(&[&xr, &e], 0), Err(Error::Shape { .. })));
+            assert!(matches!(wr.embedding(&xr), Err(Error::Shape { .. })));
+            c.sum()
+                .unwrap()
+                .add(&e.mul(&e).unwrap().sum().unwrap())
+                .unwrap()
+                .to_here()
+                .unwrap()
+        });
+        assert_eq!(bits(&remote), bits(&local), "forward");
+        ctx.backward(&[remote], false).unwrap();
+        close(
+            &ctx.gradient(&x).expect("x's gradient"),
+            &gx,
+            "x's gradient through narrow and cat",
+        );
+        close(
+            &ctx.gradient(&w).expect("w's gradient"),
+            &gw,
+            "w's gradient through embedding",
+        );
+        ctx.release().unwrap();
+        // An index past the vocabulary is the owner's error, at the flush.
+        let bad = Tensor::from_vec(vec![9i64], &[1]).unwrap();
+        let wr = w.to_remote(&agent, "worker1/cpu").unwrap();
+        let err = wr
+            .embedding(&bad.to_remote(&agent, "worker1/cpu").unwrap())
+            .unwrap()
+            .to_here();
+        assert!(err.is_err(), "{err:?}");
+    }
+    agent.shutdown().unwrap();
+});
+
 worker_test!(record_time_errors_name_the_mistake, 2, |env: WorkerEnv| {
     let agent = env.agent(registry());
     if env.rank == 0 {

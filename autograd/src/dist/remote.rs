@@ -114,6 +114,12 @@ enum Op {
     ToDevice(u32, Device),
     /// `x · wᵀ (+ b)`, as [`crate::ops::linear`] (gradients as contiguous as the weight).
     Linear(u32, u32, Option<u32>),
+    /// Elements `start..start + len` along a dimension, as [`Tensor::narrow`].
+    Narrow(u32, u32, u64, u64),
+    /// Concatenation along a dimension, as [`crate::ops::cat`].
+    Cat(Vec<u32>, u32),
+    /// Rows of a weight picked by i64 indices, as [`crate::ops::embedding`].
+    Embedding(u32, u32),
 }
 
 impl Op {
@@ -123,6 +129,8 @@ impl Op {
             Op::Input(_) => vec![],
             Op::Binary(_, a, b) => vec![a, b],
             Op::Linear(x, w, b) => [x, w].into_iter().chain(b.as_mut()).collect(),
+            Op::Cat(parts, _) => parts.iter_mut().collect(),
+            Op::Embedding(w, i) => vec![w, i],
             Op::Unary(_, a)
             | Op::MulScalar(a, _)
             | Op::AddScalar(a, _)
@@ -134,6 +142,7 @@ impl Op {
             | Op::MeanDim(a, _, _)
             | Op::Softmax(a, _)
             | Op::LogSoftmax(a, _)
+            | Op::Narrow(a, ..)
             | Op::ToDevice(a, _) => vec![a],
         }
     }
@@ -242,6 +251,24 @@ impl Graph {
                     };
                     crate::ops::linear(at(&v, *x)?, at(&v, *w)?, b)?
                 }
+                Op::Narrow(a, d, start, len) => {
+                    let a = at(&v, *a)?;
+                    let (start, len) = (usize::try_from(*start), usize::try_from(*len));
+                    match (start, len) {
+                        (Ok(start), Ok(len)) if start.checked_add(len).is_some() => {
+                            a.narrow(*d as usize, start, len)?
+                        }
+                        _ => return Err(shape_err("narrow", "a range past the end of memory")),
+                    }
+                }
+                Op::Cat(parts, d) => {
+                    let parts = parts.iter().map(|&i| at(&v, i).cloned()).collect::<Result<Vec<_>>>()?;
+                    if parts.is_empty() || parts.iter().any(|t| *d as usize >= t.dims()) {
+                        return Err(shape_err("cat", format!("dimension {d} of {} tensors", parts.len())));
+                    }
+                    crate::ops::cat(&parts, *d as usize)?
+                }
+                Op::Embedding(w, i) => crate::ops::embedding(at(&v, *w)?, at(&v, *i)?)?,
             };
             for i in op.operands() {
                 if last.get(i as usize) == Some(&j) {
@@ -613,6 +640,48 @@ fn infer(op: &Op, operands: &[&Node]) -> Result<Vec<usize>> {
             }
             vec![s[0], w.shape[0]]
         }
+        Op::Narrow(_, d, start, len) => {
+            let d = *d as usize;
+            let end = start.checked_add(*len);
+            if d >= s.len() || end.is_none_or(|e| e > s[d] as u64) {
+                return Err(shape_err(
+                    "narrow",
+                    format!("{start} + {len} along dimension {d} of {s:?}"),
+                ));
+            }
+            let mut out = s.clone();
+            out[d] = *len as usize;
+            out
+        }
+        Op::Cat(_, d) => {
+            let d = *d as usize;
+            let fits = |n: &Node| {
+                n.dtype == a.dtype
+                    && n.shape.len() == s.len()
+                    && d < s.len()
+                    && n.shape.iter().zip(s).enumerate().all(|(k, (x, y))| k == d || x == y)
+            };
+            if !operands.iter().all(|n| fits(n)) {
+                let shapes: Vec<_> = operands.iter().map(|n| (n.dtype, n.shape.clone())).collect();
+                return Err(shape_err("cat", format!("along dimension {d}: {shapes:?}")));
+            }
+            let mut out = s.clone();
+            out[d] = operands.iter().map(|n| n.shape[d]).sum();
+            out
+        }
+        Op::Embedding(..) => {
+            let idx = b.expect("embedding has indices");
+            computable("embedding", a.dtype)?;
+            if s.len() != 2 || idx.dtype != DType::I64 {
+                return Err(shape_err(
+                    "embedding",
+                    format!("weight {s:?} with {} indices {:?}", idx.dtype, idx.shape),
+                ));
+            }
+            let mut out = idx.shape.clone();
+            out.push(s[1]);
+            out
+        }
         Op::Softmax(_, d) | Op::LogSoftmax(_, d) => {
             computable("softmax", a.dtype)?;
             dim_of("softmax", s, *d)?;
@@ -919,6 +988,26 @@ impl RemoteTensor {
     }
     pub fn log_softmax(&self, dim: isize) -> Result<RemoteTensor> {
         self.record(&[], |i| Op::LogSoftmax(i[0], dim as i64))
+    }
+
+    /// Elements `start..start + len` along `dim`.
+    pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<RemoteTensor> {
+        let dim = u32::try_from(dim).unwrap_or(u32::MAX);
+        self.record(&[], |i| Op::Narrow(i[0], dim, start as u64, len as u64))
+    }
+
+    /// Concatenation along `dim` of tensors of one owner and device (recorded there; a tensor
+    /// of another owner is moved there first, owner to owner).
+    pub fn cat(tensors: &[&RemoteTensor], dim: usize) -> Result<RemoteTensor> {
+        let (first, rest) = tensors.split_first().ok_or_else(|| shape_err("cat", "no tensors"))?;
+        let dim = u32::try_from(dim).unwrap_or(u32::MAX);
+        first.record(rest, |i| Op::Cat(i.to_vec(), dim))
+    }
+
+    /// Rows of this weight (`[vocab, dim]`) picked by `indices` (i64, any shape):
+    /// `[indices…, dim]`. Indices are checked against the vocabulary when the owner runs it.
+    pub fn embedding(&self, indices: &RemoteTensor) -> Result<RemoteTensor> {
+        self.record(&[indices], |i| Op::Embedding(i[0], i[1]))
     }
 
     /// `x · wᵀ + b` with `x` this tensor.
@@ -1433,6 +1522,11 @@ mod tests {
             vec![Op::Input(0), Op::Reshape(0, vec![usize::MAX, 2])],
             vec![Op::Input(0), Op::Transpose(0, 9, 0)],
             vec![Op::Input(0), Op::SumDim(0, i64::MIN, false)],
+            vec![Op::Input(0), Op::Narrow(0, 0, u64::MAX, 2)],
+            vec![Op::Input(0), Op::Narrow(0, 5, 0, 1)],
+            vec![Op::Input(0), Op::Cat(vec![], 0)],
+            vec![Op::Input(0), Op::Cat(vec![0, 0], 3)],
+            vec![Op::Input(0), Op::Embedding(0, 0)],
         ] {
             let g = Graph { ops, outputs: vec![0] };
             assert!(g.run(std::slice::from_ref(&x)).is_err(), "{g:?}");
