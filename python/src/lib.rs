@@ -2,6 +2,7 @@
 //!
 //! - [`pipe`]: contexts, listeners, pipes, messages (blocking and asyncio forms).
 //! - [`rpc`]: the agent, calls, futures and RRefs behind `sluice.rpc`.
+//! - [`remote`]: remote tensors behind `sluice.remote`.
 //! - [`tensor`]: DLPack tensors in and out without copies; [`capsule`]: the DLPack capsule
 //!   protocol (the binding's only unsafe code).
 //!
@@ -10,6 +11,7 @@
 mod capsule;
 mod gil;
 mod pipe;
+mod remote;
 mod rpc;
 mod runtime;
 mod tensor;
@@ -52,6 +54,8 @@ fn _sluice(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<rpc::PyAgent>()?;
     m.add_class::<rpc::PyFuture>()?;
     m.add_class::<rpc::PyRRef>()?;
+    m.add_class::<remote::PyRemoteTensor>()?;
+    m.add_function(wrap_pyfunction!(remote::_remote_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(tensor::_send_view, m)?)?;
     Ok(())
 }

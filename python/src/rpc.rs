@@ -260,6 +260,9 @@ async fn serve_async(payload: Payload) -> Result<Value, HandlerError> {
 
 fn registry() -> Registry {
     let mut r = Registry::new();
+    // Distributed autograd's and remote tensors' handlers: a Python worker can own remote
+    // tensors that Rust or Python workers record.
+    sluice_autograd::dist::install(&mut r);
     r.value_handler("py.call", |_cx, payload| serve_call(payload));
     r.value_async_handler("py.call_async", |_cx, payload| serve_async(payload));
     r.value_method("py.method", |_cx, value, payload| serve_method(value, payload));
@@ -284,6 +287,12 @@ fn timeout(agent: &Agent, seconds_or_default: Option<f64>) -> Duration {
 #[pyclass(module = "sluice._sluice", name = "_Agent", frozen)]
 pub struct PyAgent {
     agent: Agent,
+}
+
+impl PyAgent {
+    pub(crate) fn agent(&self) -> &Agent {
+        &self.agent
+    }
 }
 
 impl Drop for PyAgent {

@@ -269,3 +269,67 @@ def options(rank, world):
         assert rpc._get_current_rpc_agent().default_timeout == 5
         assert rpc.rpc_sync("worker1", rpcfns.add, (2, 2)) == 4
     rpc.shutdown()
+
+
+def remote_tensors(rank, world):
+    """Remote tensors from Python: recorded on worker1, run there as one call, equal to NumPy;
+    owner-to-owner moves from worker2; record-time errors; the supported dtypes."""
+    _init(rank)
+    if rank == 0:
+        from sluice import remote
+
+        x = np.arange(12, dtype=np.float64).reshape(3, 4) / 10
+        w = np.linspace(-1, 1, 20).reshape(5, 4)
+        xr, wr = remote.to(x, "worker1/cpu"), remote.to(w, "worker1/cpu")
+        y = (xr.linear(wr).tanh() * 2 + 1).softmax(-1)
+        assert y.is_pending() and y.shape == (3, 5) and y.dtype == np.float64
+        assert y.placement == "worker1/cpu" and "recorded" in repr(y)
+        z = np.tanh(x @ w.T) * 2 + 1
+        expect = np.exp(z - z.max(-1, keepdims=True))
+        expect /= expect.sum(-1, keepdims=True)
+        np.testing.assert_allclose(y.to_here(), expect, rtol=1e-12)
+        assert not y.is_pending()
+        assert abs(xr.sum().item() - x.sum()) < 1e-12
+        np.testing.assert_allclose(xr.mean(1, keepdim=True).to_here(), x.mean(1, keepdims=True), rtol=1e-12)
+        np.testing.assert_allclose((1 - xr).to_here(), 1 - x, rtol=1e-12)
+        np.testing.assert_allclose((xr @ wr.t()).to_here(), x @ w.T, rtol=1e-12)
+        parts = remote.cat([xr.narrow(1, 2, 2), xr.narrow(1, 0, 2)], 0)
+        np.testing.assert_array_equal(parts.to_here(), np.concatenate([x[:, 2:], x[:, :2]], 0))
+        idx = np.array([[4, 0], [2, 2]], dtype=np.int64)
+        np.testing.assert_array_equal(wr.embedding(remote.to(idx, "worker1/cpu")).to_here(), w[idx])
+        logits = np.array([[2.0, 0.5, -1.0], [0.1, 0.2, 3.0]])
+        targets = np.array([0, 2], dtype=np.int64)
+        ce = remote.to(logits, "worker1/cpu").cross_entropy(remote.to(targets, "worker1/cpu")).item()
+        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        assert abs(ce + logp[[0, 1], targets].mean()) < 1e-12
+        # Owner to owner: b lives on worker2; the op on worker1 fetches it from there.
+        b = remote.to(np.ones((3, 4)), "worker2/cpu")
+        assert b.placement == "worker2/cpu"
+        np.testing.assert_allclose((xr + b.to("worker1/cpu")).to_here(), x + 1, rtol=1e-12)
+        np.testing.assert_allclose(xr.add(b).to_here(), x + 1, rtol=1e-12)
+        # A print is a flush point; torch tensors go in as arrays.
+        assert "worker1/cpu" in str(xr * 2)
+        t = remote.to(torch.ones(2, 2), "worker1/cpu")
+        assert t.dtype == np.float32
+        np.testing.assert_array_equal((t * 3).to_here(), np.full((2, 2), 3, np.float32))
+        # Mistakes are ValueErrors where they are written, before anything is sent.
+        for mistake in (
+            lambda: xr.matmul(xr),
+            lambda: xr.reshape(5, 5),
+            lambda: xr.narrow(1, 3, 2),
+            lambda: remote.to(np.ones(2, dtype=np.int32), "worker1/cpu"),
+            lambda: remote.to(x, "nobody/cpu"),
+        ):
+            try:
+                mistake()
+            except (ValueError, rpc.RpcError) as e:
+                assert str(e), e
+            else:
+                raise AssertionError("a mistake was accepted")
+        try:
+            xr + 1j
+        except TypeError:
+            pass
+        else:
+            raise AssertionError("a complex scalar was accepted")
+    rpc.shutdown()

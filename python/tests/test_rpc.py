@@ -29,3 +29,7 @@ def test_the_gil_is_released_during_calls(group):
 
 def test_options_device_maps_timeouts_and_transports(group):
     group("options")
+
+
+def test_remote_tensors_run_on_their_owners(group):
+    group("remote_tensors", world=3)

@@ -1,0 +1,206 @@
+"""Remote tensors: values that live on another worker.
+
+``RemoteTensor.place(array, "worker1/cpu")`` (or ``sluice.remote.to``) puts a NumPy array (or
+anything ``numpy.asarray`` takes: a CPU torch tensor, a list) on worker1. Operations on remote
+tensors of one owner are *recorded*, with shapes and dtypes checked where they are written
+(a mistake raises ``ValueError`` on that line); the owner runs them as one call when a value is
+needed (``to_here()``, ``item()``, ``str()``), when an operation mixes owners, on ``sync()``,
+or at the recording's size bound. A tensor moved to another owner (``.to("worker2/cpu")``)
+travels owner to owner. This is the Rust ``RemoteTensor`` (README, "Remote tensors"); from
+Python it computes forward only: gradients do not flow back into Python.
+
+Any worker started with ``sluice.rpc.init_rpc`` can own remote tensors, Python or Rust.
+"""
+
+from numbers import Number
+
+import numpy as np
+
+from . import _sluice, rpc
+
+__all__ = ["RemoteTensor", "cat", "to"]
+
+_DTYPES = {np.dtype("float32"), np.dtype("float64"), np.dtype("int64")}
+
+
+def to(array, placement):
+    """``array`` placed on ``placement`` (``"worker1/cpu"``): a :class:`RemoteTensor`."""
+    return RemoteTensor.place(array, placement)
+
+
+def cat(tensors, dim=0):
+    """Concatenation along ``dim`` of remote tensors of one owner and device."""
+    return RemoteTensor(_sluice._RemoteTensor.cat([t._t for t in tensors], dim))
+
+
+class RemoteTensor:
+    """A tensor whose value lives on another worker (see the module's docs)."""
+
+    __slots__ = ("_t",)
+
+    def __init__(self, native):
+        self._t = native
+
+    @staticmethod
+    def place(array, placement):
+        if hasattr(array, "detach"):  # a torch tensor
+            array = array.detach().cpu().numpy()
+        a = np.ascontiguousarray(array)
+        if a.dtype not in _DTYPES:
+            raise ValueError(f"remote tensors from Python hold float32, float64 or int64, not {a.dtype}")
+        native = _sluice._remote_tensor(
+            rpc._require_agent(), a.tobytes(), list(a.shape), a.dtype.newbyteorder("<").str, placement
+        )
+        return RemoteTensor(native)
+
+    # Where it is and what it is (no call).
+    @property
+    def shape(self):
+        return tuple(self._t.shape)
+
+    @property
+    def dtype(self):
+        return np.dtype(self._t.dtype)
+
+    @property
+    def placement(self):
+        return self._t.placement
+
+    def is_pending(self):
+        """Still only recorded (not yet sent to its owner)."""
+        return self._t.is_pending()
+
+    def __repr__(self):
+        state = "recorded" if self.is_pending() else "stored"
+        return f"RemoteTensor(shape={self.shape}, dtype={self.dtype}, on {self.placement}, {state})"
+
+    def __str__(self):
+        return f"{self.to_here()!s} (on {self.placement})"
+
+    # Flush points.
+    def to_here(self):
+        """The value here, as a NumPy array."""
+        data, shape, dtype = self._t.to_here()
+        return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
+
+    numpy = to_here
+
+    def item(self):
+        return self._t.item()
+
+    def sync(self):
+        """Sends the owner's recording if this tensor is in it; waits until the owner holds it."""
+        self._t.sync()
+        return self
+
+    def to(self, placement):
+        return RemoteTensor(self._t.to(placement))
+
+    # Recorded operations.
+    def _binary(self, name, other):
+        if not isinstance(other, RemoteTensor):
+            raise TypeError(f"{name} of a RemoteTensor and {type(other).__name__}: place it with sluice.remote.to first")
+        return RemoteTensor(self._t.binary(name, other._t))
+
+    def _unary(self, name):
+        return RemoteTensor(self._t.unary(name))
+
+    def add(self, other):
+        if isinstance(other, Number):
+            return RemoteTensor(self._t.add_scalar(float(other)))
+        return self._binary("add", other)
+
+    def sub(self, other):
+        if isinstance(other, Number):
+            return RemoteTensor(self._t.add_scalar(-float(other)))
+        return self._binary("sub", other)
+
+    def mul(self, other):
+        if isinstance(other, Number):
+            return RemoteTensor(self._t.mul_scalar(float(other)))
+        return self._binary("mul", other)
+
+    def div(self, other):
+        if isinstance(other, Number):
+            return RemoteTensor(self._t.mul_scalar(1.0 / float(other)))
+        return self._binary("div", other)
+
+    __add__ = add
+    __sub__ = sub
+    __mul__ = mul
+    __truediv__ = div
+
+    def __radd__(self, other):
+        return self.add(other)
+
+    def __rmul__(self, other):
+        return self.mul(other)
+
+    def __rsub__(self, other):
+        return self.neg().add(other)
+
+    def __neg__(self):
+        return self.neg()
+
+    def __matmul__(self, other):
+        return self.matmul(other)
+
+    def matmul(self, other):
+        return self._binary("matmul", other)
+
+    def linear(self, weight, bias=None):
+        """``self · weightᵀ + bias``."""
+        return RemoteTensor(self._t.linear(weight._t, None if bias is None else bias._t))
+
+    def transpose(self, d0, d1):
+        return RemoteTensor(self._t.transpose(d0, d1))
+
+    def t(self):
+        if len(self.shape) != 2:
+            raise ValueError(f"t() of a {len(self.shape)}-d tensor")
+        return self.transpose(0, 1)
+
+    def reshape(self, *shape):
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = shape[0]
+        return RemoteTensor(self._t.reshape(list(shape)))
+
+    def sum(self, dim=None, keepdim=False):
+        return RemoteTensor(self._t.sum(dim, keepdim))
+
+    def mean(self, dim=None, keepdim=False):
+        return RemoteTensor(self._t.mean(dim, keepdim))
+
+    def softmax(self, dim):
+        return RemoteTensor(self._t.softmax(dim))
+
+    def log_softmax(self, dim):
+        return RemoteTensor(self._t.log_softmax(dim))
+
+    def narrow(self, dim, start, length):
+        return RemoteTensor(self._t.narrow(dim, start, length))
+
+    def embedding(self, indices):
+        """Rows of this weight (``[vocab, dim]``) picked by int64 ``indices``."""
+        return self._binary("embedding", indices)
+
+    def mse_loss(self, target):
+        return self._binary("mse_loss", target)
+
+    def cross_entropy(self, targets):
+        """Mean cross-entropy of these logits (N × C) against int64 class indices (N)."""
+        return self._binary("cross_entropy", targets)
+
+
+def _unary(name):
+    def op(self):
+        return self._unary(name)
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"Elementwise {name}, recorded on the owner."
+    return op
+
+
+for _name in ("neg", "exp", "log", "tanh", "sigmoid", "relu", "sin", "cos"):
+    setattr(RemoteTensor, _name, _unary(_name))
+del _name

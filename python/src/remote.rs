@@ -1,0 +1,236 @@
+//! Remote tensors from Python (`sluice.remote`): the Rust [`RemoteTensor`] of sluice-autograd,
+//! recorded, fused and flushed exactly as from Rust. Values cross the binding as bytes with a
+//! shape and a NumPy dtype string (the Python layer makes and reads the arrays). Python has no
+//! autograd tensors here, so gradients do not flow from Python: forward work only.
+
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use sluice_autograd::{DType, Error, RemoteTensor, Tensor};
+
+use crate::rpc::PyAgent;
+use crate::RpcErrorPy;
+
+fn dtype_of(s: &str) -> PyResult<DType> {
+    match s {
+        "<f4" => Ok(DType::F32),
+        "<f8" => Ok(DType::F64),
+        "<i8" => Ok(DType::I64),
+        other => Err(PyValueError::new_err(format!(
+            "remote tensors from Python hold float32, float64 or int64, not {other}"
+        ))),
+    }
+}
+
+fn dtype_str(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "<f4",
+        DType::F64 => "<f8",
+        DType::I64 => "<i8",
+        // Never made from Python (operations keep their operands' dtype).
+        DType::F16 => "<f2",
+        DType::BF16 => "bfloat16",
+    }
+}
+
+/// Mistakes in what was written are `ValueError`s; a failed call is an `RpcError`.
+fn err(e: Error) -> PyErr {
+    match e {
+        Error::Shape { .. } | Error::DType { .. } | Error::Index { .. } => PyValueError::new_err(e.to_string()),
+        Error::Remote(_) | Error::Rpc(_) => RpcErrorPy::new_err(e.to_string()),
+        e => PyRuntimeError::new_err(e.to_string()),
+    }
+}
+
+fn wrap(r: sluice_autograd::Result<RemoteTensor>) -> PyResult<PyRemoteTensor> {
+    r.map(|inner| PyRemoteTensor { inner }).map_err(err)
+}
+
+/// A tensor whose value lives on another worker (see `sluice.remote.RemoteTensor`).
+#[pyclass(module = "sluice._sluice", name = "_RemoteTensor", frozen)]
+pub struct PyRemoteTensor {
+    inner: RemoteTensor,
+}
+
+/// `data` (row-major, `shape`, NumPy dtype string `dtype`) placed on `placement`
+/// (`"worker1/cpu"`): recorded there, sent with that owner's next flush.
+#[pyfunction]
+pub fn _remote_tensor(
+    py: Python<'_>,
+    agent: &PyAgent,
+    data: &[u8],
+    shape: Vec<usize>,
+    dtype: &str,
+    placement: &str,
+) -> PyResult<PyRemoteTensor> {
+    let dtype = dtype_of(dtype)?;
+    let mut strides = vec![1usize; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        strides[d] = strides[d + 1].saturating_mul(shape[d + 1]);
+    }
+    let t = Tensor::from_bytes(bytes::Bytes::copy_from_slice(data), dtype, &shape, &strides, 0).map_err(err)?;
+    let agent = agent.agent().clone();
+    py.detach(|| wrap(t.to_remote(&agent, placement)))
+}
+
+macro_rules! unary {
+    ($($name:ident),* $(,)?) => {
+        fn unary_op(t: &RemoteTensor, name: &str) -> PyResult<sluice_autograd::Result<RemoteTensor>> {
+            Ok(match name {
+                $(stringify!($name) => t.$name(),)*
+                other => return Err(PyValueError::new_err(format!("no remote operation {other}"))),
+            })
+        }
+    };
+}
+unary!(neg, exp, log, tanh, sigmoid, relu, sin, cos);
+
+macro_rules! binary {
+    ($($name:ident),* $(,)?) => {
+        fn binary_op(a: &RemoteTensor, name: &str, b: &RemoteTensor) -> PyResult<sluice_autograd::Result<RemoteTensor>> {
+            Ok(match name {
+                $(stringify!($name) => a.$name(b),)*
+                other => return Err(PyValueError::new_err(format!("no remote operation {other}"))),
+            })
+        }
+    };
+}
+binary!(add, sub, mul, div, matmul, mse_loss, cross_entropy, embedding);
+
+#[pymethods]
+impl PyRemoteTensor {
+    /// An elementwise function by name (`neg`, `exp`, `log`, `tanh`, `sigmoid`, `relu`, `sin`,
+    /// `cos`).
+    fn unary(&self, py: Python<'_>, name: &str) -> PyResult<PyRemoteTensor> {
+        let r = py.detach(|| unary_op(&self.inner, name))?;
+        wrap(r)
+    }
+
+    /// A two-operand operation by name (`add`, `sub`, `mul`, `div`, `matmul`, `mse_loss`,
+    /// `cross_entropy`, `embedding`).
+    fn binary(&self, py: Python<'_>, name: &str, other: &PyRemoteTensor) -> PyResult<PyRemoteTensor> {
+        let r = py.detach(|| binary_op(&self.inner, name, &other.inner))?;
+        wrap(r)
+    }
+
+    fn mul_scalar(&self, py: Python<'_>, s: f64) -> PyResult<PyRemoteTensor> {
+        py.detach(|| wrap(self.inner.mul_scalar(s)))
+    }
+
+    fn add_scalar(&self, py: Python<'_>, s: f64) -> PyResult<PyRemoteTensor> {
+        py.detach(|| wrap(self.inner.add_scalar(s)))
+    }
+
+    #[pyo3(signature = (w, b=None))]
+    fn linear(&self, py: Python<'_>, w: &PyRemoteTensor, b: Option<&PyRemoteTensor>) -> PyResult<PyRemoteTensor> {
+        py.detach(|| wrap(self.inner.linear(&w.inner, b.map(|b| &b.inner))))
+    }
+
+    fn transpose(&self, py: Python<'_>, d0: usize, d1: usize) -> PyResult<PyRemoteTensor> {
+        py.detach(|| wrap(self.inner.transpose(d0, d1)))
+    }
+
+    fn reshape(&self, py: Python<'_>, shape: Vec<usize>) -> PyResult<PyRemoteTensor> {
+        py.detach(|| wrap(self.inner.reshape(&shape)))
+    }
+
+    #[pyo3(signature = (dim=None, keepdim=false))]
+    fn sum(&self, py: Python<'_>, dim: Option<isize>, keepdim: bool) -> PyResult<PyRemoteTensor> {
+        py.detach(|| {
+            wrap(match dim {
+                Some(d) => self.inner.sum_dim(d, keepdim),
+                None => self.inner.sum(),
+            })
+        })
+    }
+
+    #[pyo3(signature = (dim=None, keepdim=false))]
+    fn mean(&self, py: Python<'_>, dim: Option<isize>, keepdim: bool) -> PyResult<PyRemoteTensor> {
+        py.detach(|| {
+            wrap(match dim {
+                Some(d) => self.inner.mean_dim(d, keepdim),
+                None => self.inner.mean(),
+            })
+        })
+    }
+
+    fn softmax(&self, py: Python<'_>, dim: isize) -> PyResult<PyRemoteTensor> {
+        py.detach(|| wrap(self.inner.softmax(dim)))
+    }
+
+    fn log_softmax(&self, py: Python<'_>, dim: isize) -> PyResult<PyRemoteTensor> {
+        py.detach(|| wrap(self.inner.log_softmax(dim)))
+    }
+
+    fn narrow(&self, py: Python<'_>, dim: usize, start: usize, length: usize) -> PyResult<PyRemoteTensor> {
+        py.detach(|| wrap(self.inner.narrow(dim, start, length)))
+    }
+
+    #[staticmethod]
+    fn cat(py: Python<'_>, tensors: Vec<PyRef<'_, PyRemoteTensor>>, dim: usize) -> PyResult<PyRemoteTensor> {
+        let inner: Vec<RemoteTensor> = tensors.iter().map(|t| t.inner.clone()).collect();
+        py.detach(|| wrap(RemoteTensor::cat(&inner.iter().collect::<Vec<_>>(), dim)))
+    }
+
+    /// The value placed on another worker or device (`"worker2/cpu"`), moved owner to owner.
+    fn to(&self, py: Python<'_>, placement: &str) -> PyResult<PyRemoteTensor> {
+        py.detach(|| wrap(self.inner.to(placement)))
+    }
+
+    /// Sends the owner's recording if this tensor is in it and waits until the owner holds it.
+    fn sync(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.sync()).map_err(err)
+    }
+
+    /// The value here: `(bytes, shape, dtype string)` (a flush point).
+    fn to_here<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyBytes>, Vec<usize>, &'static str)> {
+        let (bytes, shape, dtype) = py
+            .detach(|| -> sluice_autograd::Result<_> {
+                let t = self.inner.to_here()?.to_device(sluice_channel::Device::Cpu)?;
+                let bytes: Vec<u8> = match t.dtype() {
+                    DType::F32 => t.to_vec::<f32>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                    DType::F64 => t.to_vec::<f64>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                    DType::I64 => t.to_vec::<i64>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                    DType::F16 | DType::BF16 => t
+                        .to_dtype(DType::F32)?
+                        .to_vec::<f32>()?
+                        .iter()
+                        .flat_map(|v| v.to_le_bytes())
+                        .collect(),
+                };
+                let dtype = match t.dtype() {
+                    DType::F16 | DType::BF16 => DType::F32,
+                    d => d,
+                };
+                let t_shape = t.shape().to_vec();
+                Ok((bytes, t_shape, dtype))
+            })
+            .map_err(err)?;
+        Ok((PyBytes::new(py, &bytes), shape, dtype_str(dtype)))
+    }
+
+    /// The single value of a one-element tensor (a flush point).
+    fn item(&self, py: Python<'_>) -> PyResult<f64> {
+        py.detach(|| self.inner.item()).map_err(err)
+    }
+
+    #[getter]
+    fn shape(&self) -> Vec<usize> {
+        self.inner.shape().to_vec()
+    }
+
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        dtype_str(self.inner.dtype())
+    }
+
+    /// `"worker1/cpu"`: where the value lives.
+    #[getter]
+    fn placement(&self) -> String {
+        format!("{}/{}", self.inner.owner().name, self.inner.device())
+    }
+
+    fn is_pending(&self) -> bool {
+        self.inner.is_pending()
+    }
+}
