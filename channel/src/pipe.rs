@@ -538,8 +538,8 @@ impl Pipe {
             }
             let answered = message.tensors.iter().zip(&channels).zip(&prepared);
             let answered = answered.filter(|(_, p)| p.ready.is_some());
-            for (((t, &channel), _), done) in answered.zip(&ack.cuda) {
-                path::finish(channel, &link, &t.buffer, done).await?;
+            for (((t, &channel), p), done) in answered.zip(&ack.cuda) {
+                path::finish(channel, &link, &t.buffer, p, done).await?;
             }
             side.exposed.clear();
             side.tx.acknowledged();
@@ -645,7 +645,12 @@ impl Pipe {
             });
         }
         let mut allocation = allocation;
-        match self.read_locked(&mut side, &descriptor, &mut allocation).await {
+        // The descriptor is taken: a read abandoned from here on would leave the peer waiting
+        // for an acknowledgement that cannot come, so abandoning it closes the pipe.
+        let abandoned = CloseOnDrop(Some(&self.inner));
+        let read = self.read_locked(&mut side, &descriptor, &mut allocation).await;
+        abandoned.disarm();
+        match read {
             Ok(()) => {
                 side.seq += 1;
                 Ok(allocation)
@@ -689,6 +694,27 @@ impl Pipe {
             crate::cuda::trace::mark("recv: ack sent");
         }
         Ok(())
+    }
+}
+
+/// Closes the pipe when dropped armed: a read given up between taking a message's descriptor
+/// and acknowledging it.
+struct CloseOnDrop<'a>(Option<&'a Inner>);
+
+impl CloseOnDrop<'_> {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for CloseOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(inner) = self.0.take() {
+            tracing::debug!(peer = %inner.info.peer, "a read abandoned mid-message closes the pipe");
+            inner.fail(PipeError::Closed {
+                peer: inner.info.peer.clone(),
+            });
+        }
     }
 }
 

@@ -171,12 +171,39 @@ impl PeerWait {
 /// until the wait has returned, even if this future is dropped first.
 pub async fn wait_host(device: u32, event: RawEvent, keep: impl Send + 'static) -> Result<(), CudaError> {
     static SPIN: OnceLock<std::time::Duration> = OnceLock::new();
-    let budget = *SPIN.get_or_init(|| {
-        let us = std::env::var("SLUICE_CUDA_PEER_SPIN_US")
-            .ok()
-            .and_then(|v| v.parse().ok());
-        std::time::Duration::from_micros(us.unwrap_or(1000))
-    });
+    let budget = *SPIN.get_or_init(|| spin_from_env("SLUICE_CUDA_PEER_SPIN_US", 1000));
+    poll_then_block(device, event, keep, budget).await
+}
+
+fn spin_from_env(var: &str, default_us: u64) -> std::time::Duration {
+    let us = std::env::var(var).ok().and_then(|v| v.parse().ok());
+    std::time::Duration::from_micros(us.unwrap_or(default_us))
+}
+
+/// How long a host wait for this process's own event polls it before handing the wait to a
+/// blocking thread (`SLUICE_CUDA_HOST_SPIN_US`, default 50 µs: a blocking thread's wake-up
+/// costs tens of µs, and most waits on small copies end within it).
+fn host_spin() -> std::time::Duration {
+    static SPIN: OnceLock<std::time::Duration> = OnceLock::new();
+    *SPIN.get_or_init(|| spin_from_env("SLUICE_CUDA_HOST_SPIN_US", 50))
+}
+
+/// Waits for `event` (of `device`), polling it for up to [`host_spin`] first (see
+/// [`poll_then_block`]).
+async fn wait_kept(device: u32, event: RawEvent, keep: impl Send + 'static) -> Result<(), CudaError> {
+    poll_then_block(device, event, keep, host_spin()).await
+}
+
+/// Asks `event` whether it has completed, again after each yield to the async runtime for up to
+/// `budget` (so other tasks on this thread run meanwhile), then waits for it on a blocking
+/// thread. `keep` holds the event alive until the blocking wait has returned, even if this
+/// future is dropped first.
+async fn poll_then_block(
+    device: u32,
+    event: RawEvent,
+    keep: impl Send + 'static,
+    budget: std::time::Duration,
+) -> Result<(), CudaError> {
     let cuda = runtime()?;
     let start = std::time::Instant::now();
     loop {
@@ -191,42 +218,6 @@ pub async fn wait_host(device: u32, event: RawEvent, keep: impl Send + 'static) 
             break;
         }
         tokio::task::yield_now().await;
-    }
-    wait_kept(device, event, keep).await
-}
-
-/// How long a host wait for this process's own event polls it before handing the wait to a
-/// blocking thread (`SLUICE_CUDA_HOST_SPIN_US`, default 50 µs: a blocking thread's wake-up
-/// costs tens of µs, and most waits on small copies end within it).
-fn host_spin() -> std::time::Duration {
-    static SPIN: OnceLock<std::time::Duration> = OnceLock::new();
-    *SPIN.get_or_init(|| {
-        let us = std::env::var("SLUICE_CUDA_HOST_SPIN_US")
-            .ok()
-            .and_then(|v| v.parse().ok());
-        std::time::Duration::from_micros(us.unwrap_or(50))
-    })
-}
-
-/// Waits for `event` (of `device`): a query first, then a blocking wait on a blocking thread.
-/// `keep` holds the event alive until the blocking wait has returned, even if this future is
-/// dropped first.
-async fn wait_kept(device: u32, event: RawEvent, keep: impl Send + 'static) -> Result<(), CudaError> {
-    let cuda = runtime()?;
-    {
-        let bound = cuda.bind(device)?;
-        let spin = host_spin();
-        let start = std::time::Instant::now();
-        loop {
-            // SAFETY: the event is alive (`keep`).
-            if unsafe { driver::event_query(&bound, event) }? {
-                return Ok(());
-            }
-            if start.elapsed() >= spin {
-                break;
-            }
-            std::hint::spin_loop();
-        }
     }
     tokio::task::spawn_blocking(move || {
         let _keep = keep;

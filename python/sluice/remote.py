@@ -45,7 +45,9 @@ class RemoteTensor:
     def place(array, placement):
         if hasattr(array, "detach"):  # a torch tensor
             array = array.detach().cpu().numpy()
-        a = np.ascontiguousarray(array)
+        a = np.asarray(array)
+        if not a.flags.c_contiguous:  # ascontiguousarray would make a 0-d array 1-d
+            a = a.copy(order="C")
         if a.dtype not in _DTYPES:
             raise ValueError(f"remote tensors from Python hold float32, float64 or int64, not {a.dtype}")
         native = _sluice._remote_tensor(
@@ -81,7 +83,7 @@ class RemoteTensor:
     def to_here(self):
         """The value here, as a NumPy array."""
         data, shape, dtype = self._t.to_here()
-        return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
+        return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape).copy()
 
     numpy = to_here
 

@@ -33,11 +33,13 @@ fn dtype_str(d: DType) -> &'static str {
     }
 }
 
-/// Mistakes in what was written are `ValueError`s; a failed call is an `RpcError`.
+/// Mistakes in what was written are `ValueError`s; a call that failed, or failed on the owner,
+/// is an `RpcError` (`RpcTimeout` for a timeout, as from `sluice.rpc`).
 fn err(e: Error) -> PyErr {
     match e {
         Error::Shape { .. } | Error::DType { .. } | Error::Index { .. } => PyValueError::new_err(e.to_string()),
-        Error::Remote(_) | Error::Rpc(_) => RpcErrorPy::new_err(e.to_string()),
+        Error::Rpc(e) => Python::attach(|py| crate::rpc::rpc_err(py, e)),
+        Error::Remote(_) | Error::OnWorker { .. } => RpcErrorPy::new_err(e.to_string()),
         e => PyRuntimeError::new_err(e.to_string()),
     }
 }

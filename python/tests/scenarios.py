@@ -307,6 +307,11 @@ def remote_tensors(rank, world):
         assert b.placement == "worker2/cpu"
         np.testing.assert_allclose((xr + b.to("worker1/cpu")).to_here(), x + 1, rtol=1e-12)
         np.testing.assert_allclose(xr.add(b).to_here(), x + 1, rtol=1e-12)
+        # A 0-d array stays 0-d; results are writable arrays.
+        s0 = remote.to(np.float64(2.5), "worker1/cpu")
+        assert s0.shape == () and (s0 * 2).item() == 5.0
+        got = xr.to_here()
+        got[0, 0] = 7.0
         # A print is a flush point; torch tensors go in as arrays.
         assert "worker1/cpu" in str(xr * 2)
         t = remote.to(torch.ones(2, 2), "worker1/cpu")

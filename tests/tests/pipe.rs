@@ -562,6 +562,29 @@ async fn first_error_is_sticky_and_fails_pending_operations() {
     .await
 }
 
+/// A read given up in the middle of a message (its descriptor taken, its bytes still arriving)
+/// cannot be resumed and the peer would wait for its acknowledgement for ever: abandoning it
+/// closes the pipe, so both sides learn at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_abandoned_mid_message_closes_the_pipe() {
+    watchdog("abandoned read", async {
+        let (a, b) = pair_with(options(&[TransportKind::Tcp], &[ChannelKind::Basic])).await;
+        let writer = tokio::spawn({
+            let a = a.clone();
+            async move { a.write(&message(0, &[64 << 20])).await }
+        });
+        let d = b.read_descriptor().await.expect("descriptor");
+        // 64 MiB over TCP cannot have arrived within a microsecond: the read is abandoned.
+        let read = tokio::time::timeout(Duration::from_micros(1), b.read(Allocation::for_descriptor(&d))).await;
+        assert!(read.is_err(), "the read finished before it could be abandoned");
+        assert!(matches!(b.read_descriptor().await, Err(PipeError::Closed { .. })));
+        let sent = writer.await.unwrap();
+        let next = a.write(&message(1, &[1])).await;
+        assert!(sent.is_err() || next.is_err(), "the writer never learned: {sent:?} then {next:?}");
+    })
+    .await
+}
+
 /// A real second process echoes every message back; then it is killed with SIGKILL while we
 /// wait, and the wait fails promptly with a peer-lost error.
 async fn echo_with_peer(channel: &str) {

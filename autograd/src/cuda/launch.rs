@@ -217,6 +217,20 @@ pub(super) fn sum(
     reduced: &[usize],
     stream: &Stream,
 ) -> Result<()> {
+    // Released whatever happens: a later pass can fail after the first was queued reading `tb`.
+    let passes = sum_passes(t, tb, out, kept, reduced, stream);
+    release(&[tb], stream)?;
+    passes
+}
+
+fn sum_passes(
+    t: &Tensor,
+    tb: &CudaBuffer,
+    out: &Tensor,
+    kept: &[usize],
+    reduced: &[usize],
+    stream: &Stream,
+) -> Result<()> {
     let ob = buf(out)?;
     let n_out: usize = kept.iter().product();
     let mut n_red: usize = reduced.iter().product();
@@ -270,7 +284,7 @@ pub(super) fn sum(
         red_dims = dims("sum", &[1, n_red])?;
         strides = dims("sum", &[n_red, 1])?;
     }
-    release(&[tb], stream)
+    Ok(())
 }
 
 #[allow(clippy::too_many_arguments)]

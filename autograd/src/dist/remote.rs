@@ -522,9 +522,11 @@ fn parse_placement(agent: &Agent, placement: &str) -> Result<(sluice_agent::Work
 
 /// Elements of `shape`, or an error when they cannot be counted.
 fn checked_numel(shape: &[usize]) -> Result<usize> {
+    // Each dimension is bounded too: an empty tensor with a huge dimension would make loops
+    // over its other dimensions (cat's, say) run for ever.
     shape
         .iter()
-        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .try_fold(1usize, |n, &d| if d > MAX_ELEMENTS { None } else { n.checked_mul(d) })
         .filter(|&n| n <= MAX_ELEMENTS)
         .ok_or_else(|| shape_err("reshape", format!("{shape:?} has too many elements")))
 }
@@ -666,7 +668,10 @@ fn infer(op: &Op, operands: &[&Node]) -> Result<Vec<usize>> {
                 return Err(shape_err("cat", format!("along dimension {d}: {shapes:?}")));
             }
             let mut out = s.clone();
-            out[d] = operands.iter().map(|n| n.shape[d]).sum();
+            out[d] = operands
+                .iter()
+                .try_fold(0usize, |n, o| n.checked_add(o.shape[d]))
+                .ok_or_else(|| shape_err("cat", format!("dimension {d} overflows")))?;
             out
         }
         Op::Embedding(..) => {
@@ -1520,6 +1525,7 @@ mod tests {
             vec![Op::Input(3)],
             vec![Op::Input(0), Op::Binary(Binary::Add, 0, 7)],
             vec![Op::Input(0), Op::Reshape(0, vec![usize::MAX, 2])],
+            vec![Op::Input(0), Op::Reshape(0, vec![0, 1 << 62])],
             vec![Op::Input(0), Op::Transpose(0, 9, 0)],
             vec![Op::Input(0), Op::SumDim(0, i64::MIN, false)],
             vec![Op::Input(0), Op::Narrow(0, 0, u64::MAX, 2)],

@@ -306,9 +306,17 @@ fn lands_in_pool(length: u64, buffer: &RecvBuffer) -> bool {
 }
 
 /// Sender, once acknowledged: what the receiver sent back for one CUDA tensor.
-pub(crate) async fn finish(channel: ChannelKind, link: &Link<'_>, buffer: &SendBuffer, done: &CudaDone) -> Result<()> {
+pub(crate) async fn finish(
+    channel: ChannelKind,
+    link: &Link<'_>,
+    buffer: &SendBuffer,
+    prepared: &Prepared,
+    done: &CudaDone,
+) -> Result<()> {
     match buffer {
-        SendBuffer::Cuda(b) if channel.is_direct_cuda() => direct::finish(channel, link, b, done).await,
+        SendBuffer::Cuda(b) if channel.is_direct_cuda() => {
+            direct::finish(channel, link, b, prepared._keep.as_ref(), done).await
+        }
         b => Err(link.wrong_buffer(channel, b.device())),
     }
 }

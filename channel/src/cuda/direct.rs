@@ -180,8 +180,16 @@ pub(crate) async fn recv(
 
 /// Sender, acknowledged: makes the buffer's stream wait for the receiver's copy. Where the two
 /// ends are one GPU in two processes the wait is made on the host (see [`PeerWait`]): the
-/// write then completes once the copy has.
-pub(crate) async fn finish(channel: ChannelKind, link: &Link<'_>, buffer: &CudaBuffer, done: &CudaDone) -> Result<()> {
+/// write then completes once the copy has. That wait runs as a task of its own holding the
+/// buffer and `staged` (the copy [`prepare`] exported in its place), so a write abandoned
+/// meanwhile cannot hand either back for reuse while the peer still reads it.
+pub(crate) async fn finish(
+    channel: ChannelKind,
+    link: &Link<'_>,
+    buffer: &CudaBuffer,
+    staged: Option<&CudaBuffer>,
+    done: &CudaDone,
+) -> Result<()> {
     let fail = |e| cuda_error(link, channel, e);
     match done {
         CudaDone::Local { event } if link.same_process => {
@@ -192,8 +200,12 @@ pub(crate) async fn finish(channel: ChannelKind, link: &Link<'_>, buffer: &CudaB
             let copied = ipc::open_event(link.process, buffer.device(), &handle).map_err(fail)?;
             mark("send: acked");
             let waited = if PeerWait::current().on_host(shares_gpu(channel)) {
-                let raw = copied.raw();
-                events::wait_host(buffer.device(), raw, copied).await.map_err(fail)
+                let (device, raw) = (buffer.device(), copied.raw());
+                let held = (copied, buffer.clone(), staged.cloned());
+                match tokio::spawn(events::wait_host(device, raw, held)).await {
+                    Ok(r) => r.map_err(fail),
+                    Err(e) => Err(link.channel_error(channel, format!("waiting for the peer's copy: {e}"))),
+                }
             } else {
                 events::stream_wait(buffer.stream(), copied.raw()).map_err(fail)
             };
