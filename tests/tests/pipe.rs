@@ -580,7 +580,10 @@ async fn a_read_abandoned_mid_message_closes_the_pipe() {
         assert!(matches!(b.read_descriptor().await, Err(PipeError::Closed { .. })));
         let sent = writer.await.unwrap();
         let next = a.write(&message(1, &[1])).await;
-        assert!(sent.is_err() || next.is_err(), "the writer never learned: {sent:?} then {next:?}");
+        assert!(
+            sent.is_err() || next.is_err(),
+            "the writer never learned: {sent:?} then {next:?}"
+        );
     })
     .await
 }

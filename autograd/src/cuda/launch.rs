@@ -217,74 +217,66 @@ pub(super) fn sum(
     reduced: &[usize],
     stream: &Stream,
 ) -> Result<()> {
+    let passes = || -> Result<()> {
+        let ob = buf(out)?;
+        let n_out: usize = kept.iter().product();
+        let mut n_red: usize = reduced.iter().product();
+        let kernel = format!("sum_{}", suffix(t.dtype())?);
+        let elem = t.dtype().size();
+        // The first pass reads `t` in its own layout; later ones the previous pass's partials, a
+        // contiguous [n_out, parts] matrix.
+        let mut parts = sum_parts(n_red);
+        let mut partials: Vec<CudaBuffer> = Vec::new();
+        let mut src = (tb.ptr(), t.inner.offset as u64);
+        let (mut kept_dims, mut red_dims, mut strides) =
+            (dims("sum", kept)?, dims("sum", reduced)?, dims("sum", t.strides())?);
+        let mut nd = t.dims() as i32;
+        loop {
+            let dst = if parts == 1 {
+                ob.ptr()
+            } else {
+                let b = super::alloc(tb.device(), n_out * parts * elem)?;
+                let p = b.ptr();
+                partials.push(b);
+                p
+            };
+            let chunk = if parts == 1 { n_red } else { SUM_CHUNK };
+            let args = [
+                Arg::Ptr(src.0),
+                Arg::Ptr(dst),
+                Arg::U64(n_out as u64),
+                Arg::U64(n_red as u64),
+                Arg::U64(chunk as u64),
+                Arg::U64(parts as u64),
+                Arg::I32(nd),
+                Arg::Dims(kept_dims),
+                Arg::Dims(red_dims),
+                Arg::Dims(strides),
+                Arg::U64(src.1),
+            ];
+            // SAFETY: index (kept i, reduced r) addresses element i+r of the source's shape (the
+            // two shapes split it), which lies inside the source buffer (`t`'s, or the previous
+            // pass's partials); the destination is fresh with n_out * parts elements (n_out for
+            // `out`). Partials are freed into the compute stream's cache, so reused only after
+            // these passes.
+            unsafe { run(tb.device(), &kernel, n_out * parts, stream, &args, &[]) }?;
+            if parts == 1 {
+                break;
+            }
+            src = (dst, 0);
+            n_red = parts;
+            parts = sum_parts(n_red);
+            nd = 2;
+            kept_dims = dims("sum", &[n_out, 1])?;
+            red_dims = dims("sum", &[1, n_red])?;
+            strides = dims("sum", &[n_red, 1])?;
+        }
+        Ok(())
+    };
     // Released whatever happens: a later pass can fail after the first was queued reading `tb`.
-    let passes = sum_passes(t, tb, out, kept, reduced, stream);
+    let passes = passes();
     release(&[tb], stream)?;
     passes
-}
-
-fn sum_passes(
-    t: &Tensor,
-    tb: &CudaBuffer,
-    out: &Tensor,
-    kept: &[usize],
-    reduced: &[usize],
-    stream: &Stream,
-) -> Result<()> {
-    let ob = buf(out)?;
-    let n_out: usize = kept.iter().product();
-    let mut n_red: usize = reduced.iter().product();
-    let kernel = format!("sum_{}", suffix(t.dtype())?);
-    let elem = t.dtype().size();
-    // The first pass reads `t` in its own layout; later ones the previous pass's partials, a
-    // contiguous [n_out, parts] matrix.
-    let mut parts = sum_parts(n_red);
-    let mut partials: Vec<CudaBuffer> = Vec::new();
-    let mut src = (tb.ptr(), t.inner.offset as u64);
-    let (mut kept_dims, mut red_dims, mut strides) =
-        (dims("sum", kept)?, dims("sum", reduced)?, dims("sum", t.strides())?);
-    let mut nd = t.dims() as i32;
-    loop {
-        let dst = if parts == 1 {
-            ob.ptr()
-        } else {
-            let b = super::alloc(tb.device(), n_out * parts * elem)?;
-            let p = b.ptr();
-            partials.push(b);
-            p
-        };
-        let chunk = if parts == 1 { n_red } else { SUM_CHUNK };
-        let args = [
-            Arg::Ptr(src.0),
-            Arg::Ptr(dst),
-            Arg::U64(n_out as u64),
-            Arg::U64(n_red as u64),
-            Arg::U64(chunk as u64),
-            Arg::U64(parts as u64),
-            Arg::I32(nd),
-            Arg::Dims(kept_dims),
-            Arg::Dims(red_dims),
-            Arg::Dims(strides),
-            Arg::U64(src.1),
-        ];
-        // SAFETY: index (kept i, reduced r) addresses element i+r of the source's shape (the
-        // two shapes split it), which lies inside the source buffer (`t`'s, or the previous
-        // pass's partials); the destination is fresh with n_out * parts elements (n_out for
-        // `out`). Partials are freed into the compute stream's cache, so reused only after
-        // these passes.
-        unsafe { run(tb.device(), &kernel, n_out * parts, stream, &args, &[]) }?;
-        if parts == 1 {
-            break;
-        }
-        src = (dst, 0);
-        n_red = parts;
-        parts = sum_parts(n_red);
-        nd = 2;
-        kept_dims = dims("sum", &[n_out, 1])?;
-        red_dims = dims("sum", &[1, n_red])?;
-        strides = dims("sum", &[n_red, 1])?;
-    }
-    Ok(())
 }
 
 #[allow(clippy::too_many_arguments)]
