@@ -563,8 +563,9 @@ async fn first_error_is_sticky_and_fails_pending_operations() {
 }
 
 /// A read given up in the middle of a message (its descriptor taken, its bytes still arriving)
-/// cannot be resumed and the peer would wait for its acknowledgement for ever: abandoning it
-/// closes the pipe, so both sides learn at once.
+/// cannot be resumed: abandoning it closes the pipe on this side, so later reads and writes
+/// fail at once instead of parsing the middle of a tensor as a descriptor. (The writer is not
+/// awaited: over TCP it learns only when the connection's close reaches it.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_abandoned_mid_message_closes_the_pipe() {
     watchdog("abandoned read", async {
@@ -578,12 +579,12 @@ async fn a_read_abandoned_mid_message_closes_the_pipe() {
         let read = tokio::time::timeout(Duration::from_micros(1), b.read(Allocation::for_descriptor(&d))).await;
         assert!(read.is_err(), "the read finished before it could be abandoned");
         assert!(matches!(b.read_descriptor().await, Err(PipeError::Closed { .. })));
-        let sent = writer.await.unwrap();
-        let next = a.write(&message(1, &[1])).await;
-        assert!(
-            sent.is_err() || next.is_err(),
-            "the writer never learned: {sent:?} then {next:?}"
-        );
+        assert!(matches!(
+            b.write(&message(1, &[1])).await,
+            Err(PipeError::Closed { .. })
+        ));
+        writer.abort();
+        a.close();
     })
     .await
 }
