@@ -165,13 +165,14 @@ impl PeerWait {
 
 /// Waits on the host for `event` of `device` (one of this process's, or one opened from a
 /// peer's handle), without blocking the async runtime: it is asked again between yields to the
-/// runtime for up to `SLUICE_CUDA_PEER_SPIN_US` (default 1,000 µs: a GPU's switch between two
+/// runtime for up to `SLUICE_CUDA_PEER_SPIN_US` (default 200 µs: a GPU's switch between two
 /// processes' contexts takes ~100 µs, and a blocking thread's hand-off added ~40 µs and a
-/// long tail on an H100), then waited for on a blocking thread. `keep` holds the event alive
+/// long tail on an H100; polling longer only burns a core others may need), then waited for on
+/// a blocking thread. `keep` holds the event alive
 /// until the wait has returned, even if this future is dropped first.
 pub async fn wait_host(device: u32, event: RawEvent, keep: impl Send + 'static) -> Result<(), CudaError> {
     static SPIN: OnceLock<std::time::Duration> = OnceLock::new();
-    let budget = *SPIN.get_or_init(|| spin_from_env("SLUICE_CUDA_PEER_SPIN_US", 1000));
+    let budget = *SPIN.get_or_init(|| spin_from_env("SLUICE_CUDA_PEER_SPIN_US", 200));
     poll_then_block(device, event, keep, budget).await
 }
 
@@ -181,11 +182,11 @@ fn spin_from_env(var: &str, default_us: u64) -> std::time::Duration {
 }
 
 /// How long a host wait for this process's own event polls it before handing the wait to a
-/// blocking thread (`SLUICE_CUDA_HOST_SPIN_US`, default 50 µs: a blocking thread's wake-up
-/// costs tens of µs, and most waits on small copies end within it).
+/// blocking thread (`SLUICE_CUDA_HOST_SPIN_US`, default 0: asked once; on an H100, 200 µs cut
+/// cuda_staged's 4 KiB round trip from ~500 to ~390 µs, at a core's cost while it polls).
 fn host_spin() -> std::time::Duration {
     static SPIN: OnceLock<std::time::Duration> = OnceLock::new();
-    *SPIN.get_or_init(|| spin_from_env("SLUICE_CUDA_HOST_SPIN_US", 50))
+    *SPIN.get_or_init(|| spin_from_env("SLUICE_CUDA_HOST_SPIN_US", 0))
 }
 
 /// Waits for `event` (of `device`), polling it for up to [`host_spin`] first (see
