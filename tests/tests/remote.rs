@@ -41,38 +41,31 @@ fn close(a: &Tensor, b: &Tensor, what: &str) {
 }
 
 /// The model both ways: `loss = mean(tanh(x·W + b) * 2 - 1)^2`-ish, with a softmax branch.
+macro_rules! model {
+    ($x:expr, $w:expr, $b:expr) => {{
+        let h = $x.matmul($w).unwrap().add($b).unwrap().tanh().unwrap();
+        let s = h.softmax(-1).unwrap().mul_scalar(3.0).unwrap();
+        h.mul_scalar(2.0)
+            .unwrap()
+            .add_scalar(-1.0)
+            .unwrap()
+            .mul(&s)
+            .unwrap()
+            .sum_dim(1, false)
+            .unwrap()
+            .exp()
+            .unwrap()
+            .mean()
+            .unwrap()
+    }};
+}
+
 fn model_local(x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
-    let h = x.matmul(w).unwrap().add(b).unwrap().tanh().unwrap();
-    let s = h.softmax(-1).unwrap().mul_scalar(3.0).unwrap();
-    h.mul_scalar(2.0)
-        .unwrap()
-        .add_scalar(-1.0)
-        .unwrap()
-        .mul(&s)
-        .unwrap()
-        .sum_dim(1, false)
-        .unwrap()
-        .exp()
-        .unwrap()
-        .mean()
-        .unwrap()
+    model!(x, w, b)
 }
 
 fn model_remote(x: &RemoteTensor, w: &RemoteTensor, b: &RemoteTensor) -> RemoteTensor {
-    let h = x.matmul(w).unwrap().add(b).unwrap().tanh().unwrap();
-    let s = h.softmax(-1).unwrap().mul_scalar(3.0).unwrap();
-    h.mul_scalar(2.0)
-        .unwrap()
-        .add_scalar(-1.0)
-        .unwrap()
-        .mul(&s)
-        .unwrap()
-        .sum_dim(1, false)
-        .unwrap()
-        .exp()
-        .unwrap()
-        .mean()
-        .unwrap()
+    model!(x, w, b)
 }
 
 worker_test!(remote_results_and_gradients_equal_local, 2, |env: WorkerEnv| {

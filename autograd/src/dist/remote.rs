@@ -43,7 +43,7 @@ use sluice_channel::Device;
 
 use super::{
     caller_context, container, current_for, receive_reply, remote_error, send_side, serve_inputs, serve_reply,
-    to_handler_error, with_current, CallHeader, Container, ReplyHeader,
+    to_handler_error, with_current, CallHeader, Container, ContextState, ReplyHeader,
 };
 use crate::cpu::broadcast_shape;
 use crate::dtype::DType;
@@ -1058,33 +1058,35 @@ impl RemoteTensor {
     /// A small value still only recorded is read in the reply of the flush that computes it
     /// (one round trip; see [`FETCH_WITH_FLUSH_MAX`]).
     pub fn to_here(&self) -> Result<Tensor> {
-        let mut values = match self.flush_fetching()? {
+        let small = self.numel().saturating_mul(self.dtype().size()) <= FETCH_WITH_FLUSH_MAX;
+        let flushed = if small { self.flush_if_pending(true)? } else { None };
+        let mut values = match flushed {
             Some(rref) => {
-                let agent = &self.node.agent;
-                let owner = self.node.owner.id;
+                let (agent, owner) = (&self.node.agent, self.node.owner.id);
                 let payload = rref.created().wait().map_err(remote_error)?;
-                let ctx = current_for(agent, owner)?;
-                let values: Vec<Tensor> = receive_reply(payload, ctx.as_ref(), owner)?;
-                count_fetch(&values);
-                values
+                receive_values(payload, current_for(agent, owner)?.as_ref(), owner)?
             }
             None => fetch(&self.node.agent, &self.stored()?)?,
         };
         values.pop().ok_or_else(|| remote_err("the owner sent no value"))
     }
 
-    /// Flushes the owner's recording asking for this tensor's value in the reply, when it is
-    /// recorded there and small; `None` otherwise (read it with a fetch).
-    fn flush_fetching(&self) -> Result<Option<RRef<Bundle>>> {
-        let small = self.numel().saturating_mul(self.dtype().size()) <= FETCH_WITH_FLUSH_MAX;
-        if !small || !matches!(*self.node.state.lock().unwrap(), State::Pending { .. }) {
+    fn is_recorded(&self) -> bool {
+        matches!(*self.node.state.lock().unwrap(), State::Pending { .. })
+    }
+
+    /// Sends the owner's recording if this tensor is still only recorded in it; with `fetch`,
+    /// asking for its value in the reply (then the call's reference is returned to read it).
+    fn flush_if_pending(&self, fetch: bool) -> Result<Option<RRef<Bundle>>> {
+        if !self.is_recorded() {
             return Ok(None);
         }
         let mut map = recorder().lock().unwrap();
-        if !matches!(*self.node.state.lock().unwrap(), State::Pending { .. }) {
+        if !self.is_recorded() {
             return Ok(None);
         }
-        flush_locked(&mut map, &self.node.agent, self.node.owner.id, Some(&self.node))
+        let node = fetch.then_some(&self.node);
+        flush_locked(&mut map, &self.node.agent, self.node.owner.id, node)
     }
 
     /// The single value of a one-element tensor.
@@ -1094,13 +1096,7 @@ impl RemoteTensor {
 
     /// Where the value is kept, flushing the owner's recording first if it is only recorded.
     fn stored(&self) -> Result<Stored> {
-        let pending = matches!(*self.node.state.lock().unwrap(), State::Pending { .. });
-        if pending {
-            let mut map = recorder().lock().unwrap();
-            if matches!(*self.node.state.lock().unwrap(), State::Pending { .. }) {
-                flush_locked(&mut map, &self.node.agent, self.node.owner.id, None)?;
-            }
-        }
+        self.flush_if_pending(false)?;
         match &*self.node.state.lock().unwrap() {
             State::Stored(s) => Ok(s.clone()),
             State::Failed(e) => Err(remote_err(e.clone())),
@@ -1337,16 +1333,15 @@ fn fetch(agent: &Agent, stored: &Stored) -> Result<Vec<Tensor>> {
         Stored::Output(r, _) => r.rpc_async_raw(H_FETCH, payload, r.default_timeout()?),
         Stored::Param(r) => r.rpc_async_raw(H_FETCH, payload, r.default_timeout()?),
     };
-    let payload = fut.wait().map_err(remote_error)?;
-    let values: Vec<Tensor> = receive_reply(payload, ctx.as_ref(), owner)?;
-    count_fetch(&values);
-    Ok(values)
+    receive_values(fut.wait().map_err(remote_error)?, ctx.as_ref(), owner)
 }
 
-/// Counts values read back from an owner (by a fetch, or in a flush's reply).
-fn count_fetch(values: &[Tensor]) {
+/// Values read back from `owner` (a fetch's reply, or a flush's), recorded in `ctx` and counted.
+fn receive_values(payload: Payload, ctx: Option<&Arc<ContextState>>, owner: u32) -> Result<Vec<Tensor>> {
+    let values: Vec<Tensor> = receive_reply(payload, ctx, owner)?;
     let bytes: usize = values.iter().map(|t| t.numel() * t.dtype().size()).sum();
     counters().bytes_fetched.fetch_add(bytes as u64, Ordering::Relaxed);
+    Ok(values)
 }
 
 /// A stored value as the owner running a graph reads it: its own (no copy), or fetched from
