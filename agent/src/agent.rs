@@ -45,6 +45,7 @@ use crate::options::AgentOptions;
 use crate::payload::{Payload, Value};
 use crate::peers::Members;
 use crate::pool::Pool;
+use crate::priority::Priority;
 use crate::rref::{RRef, RRefHost, RRefTable};
 use crate::server::CallContext;
 use crate::server::Held;
@@ -118,6 +119,9 @@ pub(crate) struct AgentInner {
 #[derive(Clone)]
 pub struct Agent {
     pub(crate) inner: Arc<AgentInner>,
+    /// The priority of this handle's calls; `None`: the calling thread's (see
+    /// [`crate::priority`]).
+    pub(crate) priority: Option<Priority>,
 }
 
 impl std::fmt::Debug for Agent {
@@ -143,6 +147,29 @@ impl Agent {
 
     pub fn info(&self) -> &WorkerInfo {
         &self.inner.me
+    }
+
+    /// A handle to the same agent whose calls (`rpc_sync`, `rpc_async`, `call`, `remote` and
+    /// their forms) go at `priority`: see [`crate::priority`]. For the RRef proxies and
+    /// everything else, wrap the calls in [`with_priority`](crate::with_priority).
+    pub fn with_priority(&self, priority: Priority) -> Agent {
+        Agent {
+            inner: self.inner.clone(),
+            priority: Some(priority),
+        }
+    }
+
+    /// The priority this handle's calls go at now.
+    pub fn priority(&self) -> Priority {
+        self.priority.unwrap_or_else(crate::priority::current)
+    }
+
+    /// Runs `f` at this handle's priority.
+    fn prioritized<R>(&self, f: impl FnOnce() -> R) -> R {
+        match self.priority {
+            Some(p) => crate::priority::with_priority(p, f),
+            None => f(),
+        }
     }
 
     /// The workers of the group now, by id.
@@ -193,7 +220,7 @@ impl Agent {
             handler: handler.to_owned(),
         };
         match self.inner.resolve(&dest.into()) {
-            Ok(rank) => self.inner.start_call(rank, body, payload, timeout),
+            Ok(rank) => self.prioritized(|| self.inner.start_call(rank, body, payload, timeout)),
             Err(e) => Completion::ready(Err(e)),
         }
     }
@@ -249,10 +276,12 @@ impl Agent {
         let owner = inner.resolve(&dest.into())?;
         inner.check_running()?;
         let handler = handler.to_owned();
-        let state = crate::rref::create_remote(&inner.host(), owner, payload, timeout, |rref, fork| Body::Remote {
-            handler,
-            rref,
-            fork,
+        let state = self.prioritized(|| {
+            crate::rref::create_remote(&inner.host(), owner, payload, timeout, |rref, fork| Body::Remote {
+                handler,
+                rref,
+                fork,
+            })
         });
         Ok(RRef::from_state(state))
     }
@@ -302,6 +331,11 @@ impl Agent {
             .map_err(|e| RpcError::Store(e.to_string()))
     }
 
+    /// Requests waiting here for a handler slot now.
+    pub fn queued_requests(&self) -> usize {
+        self.inner.pool.waiting()
+    }
+
     /// RRef values this worker owns and still keeps.
     pub fn owned_rrefs(&self) -> usize {
         self.inner.rrefs.owned_count()
@@ -346,7 +380,7 @@ impl Agent {
     pub fn pipe_info(&self, dest: impl Into<Dest>) -> Option<sluice_channel::PipeInfo> {
         let id = self.inner.resolve(&dest.into()).ok()?;
         let peer = self.inner.peer(id).ok()?;
-        let pipe = peer.pipe.lock().unwrap();
+        let pipe = peer.lanes[crate::peers::NORMAL_LANE].pipe.lock().unwrap();
         pipe.as_ref().map(|(_, p)| p.info().clone())
     }
 }

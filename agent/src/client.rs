@@ -18,6 +18,7 @@ use crate::device_map::{self, DeviceMap};
 use crate::error::RpcError;
 use crate::payload::Payload;
 use crate::peers::Peer;
+use crate::priority::Priority;
 use crate::reader::Replies;
 use crate::server::read_message;
 use crate::wire::{self, Body, Envelope, GlobalId, Request, Response, WireError, WireRRef, WireValue};
@@ -45,6 +46,13 @@ impl AgentInner {
             }));
         }
         let control = body.is_control();
+        // Control messages of the RRef protocol keep their own (normal) lane and order.
+        let priority = if control {
+            Priority::NORMAL
+        } else {
+            crate::priority::current()
+        };
+        let lane = peer.lane_for(priority);
         let id = self.next_id();
         let Outgoing {
             value,
@@ -55,7 +63,16 @@ impl AgentInner {
             Ok(v) => v,
             Err(e) => return Completion::ready(Err(e)),
         };
-        let message = build_message(Envelope::Request(Request { id, body, value }), frames, tensors);
+        let message = build_message(
+            Envelope::Request(Request {
+                id,
+                priority: priority.level(),
+                body,
+                value,
+            }),
+            frames,
+            tensors,
+        );
         let slot = Slot::new();
         let sooner = self
             .calls
@@ -78,12 +95,12 @@ impl AgentInner {
         let inner = self.clone();
         let send = async move {
             let result = async {
-                let pipe = inner.pipe_for(&peer).await?;
+                let pipe = inner.pipe_for(&peer, lane).await?;
                 pipe.write(&message)
                     .await
                     .map_err(|e| RpcError::from_pipe(&peer.info.name, e))?;
                 // The heartbeat pings only pipes quiet both ways.
-                peer.last_sent.store(inner.now_ms(), Ordering::Relaxed);
+                peer.lanes[lane].last_sent.store(inner.now_ms(), Ordering::Relaxed);
                 if duplicate {
                     // Same id: the second reply finds no pending call and is dropped.
                     pipe.write(&message)
@@ -101,11 +118,20 @@ impl AgentInner {
         if tokio::runtime::Handle::try_current().is_ok() {
             self.handle.spawn(send);
         } else {
-            self.handle.block_on(send);
+            // A plain thread starts the write itself (no hand-off when it completes at once,
+            // the common case), but never waits for it: a write that cannot finish now (a
+            // pipe still opening, a bulk tensor the peer has not read yet) goes on as a task,
+            // and the call's future is returned at once.
+            let mut send = Box::pin(send);
+            let _runtime = self.handle.enter();
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            if std::future::Future::poll(send.as_mut(), &mut cx).is_pending() {
+                self.handle.spawn(send);
+            }
         }
         // Whoever waits for the reply may read it itself (the pipe is open by now when the
         // request was written on this thread).
-        let driver = peer_for_driver.reader.lock().unwrap().clone();
+        let driver = peer_for_driver.lanes[lane].reader.lock().unwrap().clone();
         Completion::driven(slot, driver)
     }
 
@@ -213,6 +239,7 @@ impl AgentInner {
                 kind: "Failed".into(),
                 message: detail,
             },
+            WireError::Rejected(detail) => RpcError::Rejected { worker, detail },
         }
     }
 
@@ -274,6 +301,8 @@ pub(crate) fn build_message(envelope: Envelope, payloads: Vec<Bytes>, tensors: V
 pub(crate) struct PeerReplies {
     pub(crate) inner: std::sync::Weak<AgentInner>,
     pub(crate) peer: Arc<Peer>,
+    /// Which of the peer's pipes this is.
+    pub(crate) lane: usize,
     pub(crate) generation: u64,
     pub(crate) handle: tokio::runtime::Handle,
 }
@@ -283,7 +312,9 @@ impl Replies for PeerReplies {
         let inner = self.inner.upgrade().ok_or("the agent is down")?;
         let id = self.peer.info.id;
         let (d, allocation) = read_message(pipe, &inner).await.map_err(|e| e.to_string())?;
-        self.peer.last_heard.store(inner.now_ms(), Ordering::Release);
+        self.peer.lanes[self.lane]
+            .last_heard
+            .store(inner.now_ms(), Ordering::Release);
         match inner.receive(id, &d, allocation) {
             Ok((Envelope::Response(Response { id: call, result }), payload)) => {
                 let result = match result {
@@ -306,7 +337,7 @@ impl Replies for PeerReplies {
 
     fn failed(&self, detail: String) {
         let Some(inner) = self.inner.upgrade() else { return };
-        if let Some((g, pipe)) = self.peer.pipe.lock().unwrap().as_ref() {
+        if let Some((g, pipe)) = self.peer.lanes[self.lane].pipe.lock().unwrap().as_ref() {
             if *g == self.generation {
                 pipe.close();
             }

@@ -87,6 +87,10 @@ pub enum RpcError {
     /// The rendezvous store failed (barriers).
     #[error("rendezvous store: {0}")]
     Store(String),
+    /// The callee refused the request as invalid (for example a priority out of range); it
+    /// did not run.
+    #[error("{worker} rejected the request: {detail}")]
+    Rejected { worker: String, detail: String },
     /// The RRef holds a value of another type.
     #[error("{rref} holds a value of another type than {expected}")]
     WrongType { rref: String, expected: &'static str },

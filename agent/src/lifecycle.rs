@@ -299,7 +299,7 @@ pub(crate) fn init(options: AgentOptions, mut registry: Registry) -> Result<Agen
     handle.spawn(watch_members(Arc::downgrade(&inner), listing.revision));
     *inner.runtime.lock().unwrap() = Some(runtime);
 
-    let agent = Agent { inner };
+    let agent = Agent { inner, priority: None };
     let inner = &agent.inner;
     let fixed_start = resolved.rank.is_some() && !restart;
     let result = handle.block_on(async {
@@ -403,11 +403,7 @@ impl AgentInner {
         };
         let pipes: Vec<Pipe> = {
             let m = self.members.read().unwrap();
-            let mut p: Vec<Pipe> = m
-                .by_id
-                .values()
-                .filter_map(|peer| peer.pipe.lock().unwrap().as_ref().map(|(_, p)| p.clone()))
-                .collect();
+            let mut p: Vec<Pipe> = m.by_id.values().flat_map(|peer| peer.open_pipes()).collect();
             p.extend(self.incoming.lock().unwrap().iter().cloned());
             p
         };
@@ -560,10 +556,7 @@ impl AgentInner {
         self.fail_calls(None, |_| RpcError::Shutdown);
         let peers: Vec<Arc<Peer>> = self.members.read().unwrap().by_id.values().cloned().collect();
         for p in peers {
-            if let Some((_, pipe)) = p.pipe.lock().unwrap().take() {
-                pipe.close();
-            }
-            p.reader.lock().unwrap().take();
+            p.close_lanes();
         }
         for p in self.incoming.lock().unwrap().drain(..) {
             p.close();

@@ -22,26 +22,78 @@ use crate::wire::{self, Body, Envelope, Request, WireValue};
 pub(crate) struct Peer {
     pub(crate) info: WorkerInfo,
     pub(crate) announce: Announce,
-    /// The open pipe: `None` before the first call and after a failure.
-    pub(crate) pipe: Mutex<Option<(u64, Pipe)>>,
-    /// The read role of the open pipe: who reads its replies (see [`crate::reader`]).
-    pub(crate) reader: Mutex<Option<Arc<dyn Driver>>>,
-    /// Serializes opening a pipe.
-    pub(crate) connecting: tokio::sync::Mutex<()>,
-    /// Bumped for every new pipe, so a stale pipe's failure is not blamed on the new one.
+    /// The normal pipe (calls up to normal priority) and the express pipe (calls above it),
+    /// each opened on first use: see [`crate::priority`].
+    pub(crate) lanes: [Lane; 2],
+    /// Counts the pipes opened to this peer: each gets the next number, so a stale pipe's
+    /// failure is not blamed on a newer one.
     pub(crate) generation: AtomicU64,
     /// Set while the peer is lost and not reconnected; new calls fail at once with it.
     pub(crate) down: Mutex<Option<String>>,
     /// The peer said goodbye: its pipes closing is a leave, not a loss.
     pub(crate) leaving: AtomicBool,
-    /// When a message last arrived on our pipe to it, and when we last wrote one (ms on the
+    /// My device map to this peer, and its map to me (for responses).
+    pub(crate) map_to: Option<DeviceMap>,
+    pub(crate) map_from: Option<DeviceMap>,
+}
+
+/// The lane of calls up to normal priority.
+pub(crate) const NORMAL_LANE: usize = 0;
+/// The lane of calls above normal priority.
+pub(crate) const EXPRESS_LANE: usize = 1;
+
+/// One of this worker's pipes to a peer.
+#[derive(Default)]
+pub(crate) struct Lane {
+    /// The open pipe and its generation: `None` before the first call and after a failure.
+    pub(crate) pipe: Mutex<Option<(u64, Pipe)>>,
+    /// The generation of the pipe opened last (kept after it is gone).
+    pub(crate) generation: AtomicU64,
+    /// The read role of the open pipe: who reads its replies (see [`crate::reader`]).
+    pub(crate) reader: Mutex<Option<Arc<dyn Driver>>>,
+    /// Serializes opening a pipe.
+    pub(crate) connecting: tokio::sync::Mutex<()>,
+    /// When a message last arrived on this pipe, and when we last wrote one (ms on the
     /// agent's clock). Either silent for an interval sends a ping: the callee judges us by
     /// what we send, we judge it by what it answers.
     pub(crate) last_heard: AtomicU64,
     pub(crate) last_sent: AtomicU64,
-    /// My device map to this peer, and its map to me (for responses).
-    pub(crate) map_to: Option<DeviceMap>,
-    pub(crate) map_from: Option<DeviceMap>,
+}
+
+impl Peer {
+    /// The lane for calls at `priority`.
+    pub(crate) fn lane_for(&self, priority: crate::priority::Priority) -> usize {
+        if priority.express() {
+            EXPRESS_LANE
+        } else {
+            NORMAL_LANE
+        }
+    }
+
+    /// Whether `generation` is the latest pipe of one of the lanes.
+    pub(crate) fn is_current(&self, generation: u64) -> bool {
+        self.lanes
+            .iter()
+            .any(|l| l.generation.load(Ordering::Acquire) == generation)
+    }
+
+    /// The pipes open now.
+    pub(crate) fn open_pipes(&self) -> Vec<Pipe> {
+        self.lanes
+            .iter()
+            .filter_map(|l| l.pipe.lock().unwrap().as_ref().map(|(_, p)| p.clone()))
+            .collect()
+    }
+
+    /// Closes every pipe and forgets its read role.
+    pub(crate) fn close_lanes(&self) {
+        for lane in &self.lanes {
+            if let Some((_, pipe)) = lane.pipe.lock().unwrap().take() {
+                pipe.close();
+            }
+            lane.reader.lock().unwrap().take();
+        }
+    }
 }
 
 /// The group as this worker knows it.
@@ -123,14 +175,10 @@ impl AgentInner {
         };
         let peer = Arc::new(Peer {
             info: info.clone(),
-            pipe: Mutex::new(None),
-            reader: Mutex::new(None),
-            connecting: tokio::sync::Mutex::new(()),
+            lanes: Default::default(),
             generation: AtomicU64::new(0),
             down: Mutex::new(None),
             leaving: AtomicBool::new(false),
-            last_heard: AtomicU64::new(0),
-            last_sent: AtomicU64::new(0),
             map_to: self.options.device_maps.get(&a.name).cloned(),
             map_from: a.devices.maps.get(&self.me.name).cloned(),
             announce: a,
@@ -224,10 +272,7 @@ impl AgentInner {
 
     /// Closes the peer's pipe, fails its calls and releases what it held here.
     pub(crate) fn drop_peer_state(self: &Arc<Self>, peer: &Peer, detail: &str) {
-        if let Some((_, pipe)) = peer.pipe.lock().unwrap().take() {
-            pipe.close();
-        }
-        peer.reader.lock().unwrap().take();
+        peer.close_lanes();
         let name = peer.info.name.clone();
         self.fail_calls(Some(peer.info.id), |_| RpcError::PeerLost {
             worker: name.clone(),
@@ -243,7 +288,7 @@ impl AgentInner {
             return;
         }
         let Ok(peer) = self.peer(id) else { return };
-        if generation.is_some_and(|g| g != peer.generation.load(Ordering::Acquire)) {
+        if generation.is_some_and(|g| !peer.is_current(g)) {
             return;
         }
         {
@@ -381,32 +426,33 @@ impl AgentInner {
         true
     }
 
-    /// The pipe to `id`, opened on first use; its reader task delivers replies and its
+    /// The normal pipe to `id`, opened on first use; its reader task delivers replies and its
     /// heartbeat task watches it.
     pub(crate) async fn pipe_to(self: &Arc<Self>, id: u32) -> Result<Pipe, RpcError> {
-        self.pipe_for(&self.peer(id)?).await
+        self.pipe_for(&self.peer(id)?, NORMAL_LANE).await
     }
 
-    /// [`pipe_to`](Self::pipe_to) for a peer already looked up.
-    pub(crate) async fn pipe_for(self: &Arc<Self>, peer: &Arc<Peer>) -> Result<Pipe, RpcError> {
-        if let Some((_, p)) = peer.pipe.lock().unwrap().as_ref() {
+    /// The pipe of `lane` to a peer already looked up, opened on first use.
+    pub(crate) async fn pipe_for(self: &Arc<Self>, peer: &Arc<Peer>, lane: usize) -> Result<Pipe, RpcError> {
+        let l = &peer.lanes[lane];
+        if let Some((_, p)) = l.pipe.lock().unwrap().as_ref() {
             return Ok(p.clone());
         }
-        let _connecting = peer.connecting.lock().await;
+        let _connecting = l.connecting.lock().await;
         if let Some(detail) = peer.down.lock().unwrap().clone() {
             return Err(RpcError::PeerLost {
                 worker: peer.info.name.clone(),
                 detail,
             });
         }
-        if let Some((_, p)) = peer.pipe.lock().unwrap().as_ref() {
+        if let Some((_, p)) = l.pipe.lock().unwrap().as_ref() {
             return Ok(p.clone());
         }
-        self.open_pipe(peer).await
+        self.open_pipe(peer, lane).await
     }
 
-    /// Opens a new pipe to `peer` and starts its reader and heartbeat.
-    pub(crate) async fn open_pipe(self: &Arc<Self>, peer: &Arc<Peer>) -> Result<Pipe, RpcError> {
+    /// Opens a new pipe of `lane` to `peer` and starts its reader and heartbeat.
+    pub(crate) async fn open_pipe(self: &Arc<Self>, peer: &Arc<Peer>, lane: usize) -> Result<Pipe, RpcError> {
         let name = peer.info.name.clone();
         let address = &peer.announce.address;
         let pipe = self.context.connect(address).await.map_err(|e| match e {
@@ -429,20 +475,29 @@ impl AgentInner {
         };
         pipe.write(&hello).await.map_err(|e| RpcError::from_pipe(&name, e))?;
         let generation = peer.generation.fetch_add(1, Ordering::AcqRel) + 1;
-        peer.last_heard.store(self.now_ms(), Ordering::Release);
-        peer.last_sent.store(self.now_ms(), Ordering::Release);
-        *peer.pipe.lock().unwrap() = Some((generation, pipe.clone()));
+        let l = &peer.lanes[lane];
+        l.generation.store(generation, Ordering::Release);
+        l.last_heard.store(self.now_ms(), Ordering::Release);
+        l.last_sent.store(self.now_ms(), Ordering::Release);
+        *l.pipe.lock().unwrap() = Some((generation, pipe.clone()));
         let replies = PeerReplies {
             inner: Arc::downgrade(self),
             peer: peer.clone(),
+            lane,
             generation,
             handle: self.handle.clone(),
         };
         let reader = ReplyReader::new(replies, pipe.clone());
-        *peer.reader.lock().unwrap() = Some(reader.clone());
+        *l.reader.lock().unwrap() = Some(reader.clone());
         tokio::spawn(reader.background());
         if !self.options.heartbeat_interval.is_zero() {
-            tokio::spawn(heartbeat(Arc::downgrade(self), peer.clone(), generation, pipe.clone()));
+            tokio::spawn(heartbeat(
+                Arc::downgrade(self),
+                peer.clone(),
+                lane,
+                generation,
+                pipe.clone(),
+            ));
         }
         Ok(pipe)
     }
@@ -478,7 +533,13 @@ pub(crate) async fn watch_silence(
 
 /// Pings `peer` on `pipe` whenever the pipe has heard nothing for an interval, and declares the
 /// peer lost after `heartbeat_misses` silent intervals. Ends with the pipe.
-pub(crate) async fn heartbeat(weak: std::sync::Weak<AgentInner>, peer: Arc<Peer>, generation: u64, pipe: Pipe) {
+pub(crate) async fn heartbeat(
+    weak: std::sync::Weak<AgentInner>,
+    peer: Arc<Peer>,
+    lane: usize,
+    generation: u64,
+    pipe: Pipe,
+) {
     let (interval, misses) = match weak.upgrade() {
         Some(inner) => (inner.options.heartbeat_interval, inner.options.heartbeat_misses.max(1)),
         None => return,
@@ -488,14 +549,15 @@ pub(crate) async fn heartbeat(weak: std::sync::Weak<AgentInner>, peer: Arc<Peer>
         tokio::time::sleep(interval / 2).await;
         let Some(inner) = weak.upgrade() else { return };
         if inner.is_down()
-            || peer.generation.load(Ordering::Acquire) != generation
+            || peer.lanes[lane].generation.load(Ordering::Acquire) != generation
             || peer.down.lock().unwrap().is_some()
         {
             return;
         }
         let now = inner.now_ms();
-        let silent = Duration::from_millis(now.saturating_sub(peer.last_heard.load(Ordering::Acquire)));
-        let quiet = Duration::from_millis(now.saturating_sub(peer.last_sent.load(Ordering::Acquire)));
+        let l = &peer.lanes[lane];
+        let silent = Duration::from_millis(now.saturating_sub(l.last_heard.load(Ordering::Acquire)));
+        let quiet = Duration::from_millis(now.saturating_sub(l.last_sent.load(Ordering::Acquire)));
         if silent >= limit {
             pipe.close();
             inner.declare_lost(
@@ -506,10 +568,11 @@ pub(crate) async fn heartbeat(weak: std::sync::Weak<AgentInner>, peer: Arc<Peer>
             return;
         }
         if silent >= interval || quiet >= interval {
-            peer.last_sent.store(now, Ordering::Release);
+            l.last_sent.store(now, Ordering::Release);
             let ping = Message {
                 metadata: wire::encode(&Envelope::Request(Request {
                     id: inner.next_id(),
+                    priority: 0,
                     body: Body::Ping,
                     value: WireValue::default(),
                 })),
@@ -542,8 +605,8 @@ pub(crate) async fn reconnect(weak: std::sync::Weak<AgentInner>, peer: Arc<Peer>
         {
             return;
         }
-        let _connecting = peer.connecting.lock().await;
-        let attempt = tokio::time::timeout(Duration::from_secs(5), inner.open_pipe(&peer)).await;
+        let _connecting = peer.lanes[NORMAL_LANE].connecting.lock().await;
+        let attempt = tokio::time::timeout(Duration::from_secs(5), inner.open_pipe(&peer, NORMAL_LANE)).await;
         if let Ok(Ok(_)) = attempt {
             *peer.down.lock().unwrap() = None;
             tracing::info!(worker = %inner.me, peer = %peer.info, "reconnected");

@@ -1,4 +1,5 @@
-//! The handler pool: threads that run synchronous handlers.
+//! The handler pool: threads that run synchronous handlers, taking waiting requests by
+//! priority (first in, first out within one) with aging (see [`crate::priority`]).
 //!
 //! A handler may block (a nested `rpc_sync`, `to_here`, waiting on a future). A pool thread
 //! that is about to block hands its slot over: if fewer than `size` threads would be left
@@ -7,10 +8,12 @@
 //! threads leave once the pool is back above its size and they are idle.
 
 use std::cell::RefCell;
-use std::sync::{Arc, Mutex, Weak};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use crate::priority::{Priority, AGING_PASSES};
 
 type Job = Box<dyn FnOnce() + Send>;
 
@@ -64,25 +67,119 @@ struct Counts {
     stopped: bool,
 }
 
+/// A job waiting for a thread, and when it arrived.
+struct Waiting {
+    job: Job,
+    seq: u64,
+}
+
+/// The jobs waiting for a thread, one first-in first-out queue per priority.
+struct Queue {
+    levels: [VecDeque<Waiting>; Priority::LEVELS],
+    /// Per priority: how many jobs that arrived after its first waiting job were taken before
+    /// it (reset when that job is taken).
+    passed: [u64; Priority::LEVELS],
+    /// Jobs queued so far (arrival numbers).
+    arrived: u64,
+    /// Threads asleep on `ready`.
+    sleepers: usize,
+    /// Every pool handle is gone: threads leave once the queue is empty.
+    closed: bool,
+}
+
+impl Queue {
+    fn new() -> Queue {
+        Queue {
+            levels: Default::default(),
+            passed: [0; Priority::LEVELS],
+            arrived: 0,
+            sleepers: 0,
+            closed: false,
+        }
+    }
+
+    fn push(&mut self, priority: Priority, job: Job) {
+        let seq = self.arrived;
+        self.arrived += 1;
+        self.levels[priority.index()].push_back(Waiting { job, seq });
+    }
+
+    /// The next job: the first of the highest priority, unless the first job of some priority
+    /// has been passed over by [`AGING_PASSES`] newer jobs; then the oldest such job.
+    fn pop(&mut self) -> Option<Job> {
+        let heads = || {
+            self.levels
+                .iter()
+                .enumerate()
+                .filter_map(|(i, q)| q.front().map(|w| (i, w.seq)))
+        };
+        let overdue = heads()
+            .filter(|&(i, _)| self.passed[i] >= AGING_PASSES)
+            .min_by_key(|&(_, seq)| seq)
+            .map(|(i, _)| i);
+        let level = overdue.or_else(|| self.levels.iter().rposition(|q| !q.is_empty()))?;
+        let taken = self.levels[level].pop_front()?;
+        self.passed[level] = 0;
+        for (i, q) in self.levels.iter().enumerate() {
+            if q.front().is_some_and(|w| w.seq < taken.seq) {
+                self.passed[i] += 1;
+            }
+        }
+        Some(taken.job)
+    }
+}
+
+/// What the threads share: the queue and its counters.
+struct Jobs {
+    queue: Mutex<Queue>,
+    ready: Condvar,
+    /// Jobs waiting (read without the lock by spinning threads and by [`Pool::waiting`]).
+    len: AtomicUsize,
+}
+
+impl Jobs {
+    fn try_pop(&self) -> Option<Job> {
+        if self.len.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let job = self.queue.lock().unwrap().pop();
+        if job.is_some() {
+            self.len.fetch_sub(1, Ordering::AcqRel);
+        }
+        job
+    }
+}
+
 struct Inner {
     name: String,
     size: usize,
-    jobs: Receiver<Job>,
+    jobs: Arc<Jobs>,
     counts: Mutex<Counts>,
 }
 
-/// A pool of handler threads. Dropping the last handle stops the threads once the queue is
-/// empty.
+impl Drop for Inner {
+    /// The last handle is gone: threads finish the queue and leave.
+    fn drop(&mut self) {
+        self.jobs.queue.lock().unwrap().closed = true;
+        self.jobs.ready.notify_all();
+    }
+}
+
+/// A pool of handler threads taking jobs by priority (see [`crate::priority`]). Dropping the
+/// last handle stops the threads once the queue is empty.
 #[derive(Clone)]
 pub struct Pool {
     inner: Arc<Inner>,
-    sender: Sender<Job>,
 }
 
 impl Pool {
     pub fn new(name: &str, size: usize) -> Pool {
         let size = size.max(1);
-        let (sender, jobs) = crossbeam_channel::unbounded();
+        let jobs = Arc::new(Jobs {
+            queue: Mutex::new(Queue::new()),
+            ready: Condvar::new(),
+            len: AtomicUsize::new(0),
+        });
         let inner = Arc::new(Inner {
             name: name.to_owned(),
             size,
@@ -92,13 +189,33 @@ impl Pool {
         for _ in 0..size {
             spawn_thread(&inner);
         }
-        Pool { inner, sender }
+        Pool { inner }
     }
 
-    /// Queues `job`.
+    /// Queues `job` at normal priority.
     pub fn submit(&self, job: impl FnOnce() + Send + 'static) {
-        // The receiver lives in `inner`, which we hold, so sending cannot fail.
-        let _ = self.sender.send(Box::new(job));
+        self.submit_at(Priority::NORMAL, job)
+    }
+
+    /// Queues `job` at `priority`: it runs before jobs of lower priority queued earlier or
+    /// later, after those of its own priority queued earlier (but see aging, in
+    /// [`crate::priority`]).
+    pub fn submit_at(&self, priority: Priority, job: impl FnOnce() + Send + 'static) {
+        let jobs = &self.inner.jobs;
+        let wake = {
+            let mut q = jobs.queue.lock().unwrap();
+            q.push(priority, Box::new(job));
+            jobs.len.fetch_add(1, Ordering::AcqRel);
+            q.sleepers > 0
+        };
+        if wake {
+            jobs.ready.notify_one();
+        }
+    }
+
+    /// Jobs waiting for a thread now.
+    pub fn waiting(&self) -> usize {
+        self.inner.jobs.len.load(Ordering::Acquire)
     }
 
     /// Threads now running (including those blocked in a handler).
@@ -124,13 +241,9 @@ fn spawn_thread(inner: &Arc<Inner>) {
     }
 }
 
-fn run(weak: Weak<Inner>, jobs: Receiver<Job>) {
+fn run(weak: Weak<Inner>, jobs: Arc<Jobs>) {
     CURRENT.with(|c| *c.borrow_mut() = Some(weak.clone()));
-    loop {
-        let job = match next_job(&weak, &jobs) {
-            Some(j) => j,
-            None => break,
-        };
+    while let Some(job) = next_job(&weak, &jobs) {
         job();
     }
     if let Some(inner) = weak.upgrade() {
@@ -139,26 +252,32 @@ fn run(weak: Weak<Inner>, jobs: Receiver<Job>) {
 }
 
 /// The next job, or `None` when this thread should leave.
-fn next_job(weak: &Weak<Inner>, jobs: &Receiver<Job>) -> Option<Job> {
+fn next_job(weak: &Weak<Inner>, jobs: &Jobs) -> Option<Job> {
     let start = Instant::now();
-    loop {
-        match jobs.try_recv() {
-            Ok(j) => return Some(j),
-            Err(TryRecvError::Disconnected) => return None,
-            Err(TryRecvError::Empty) if start.elapsed() < SPIN => std::hint::spin_loop(),
-            Err(TryRecvError::Empty) => break,
+    while start.elapsed() < SPIN {
+        if let Some(j) = jobs.try_pop() {
+            return Some(j);
         }
+        std::hint::spin_loop();
     }
+    let mut q = jobs.queue.lock().unwrap();
     loop {
-        match jobs.recv_timeout(SURPLUS_IDLE) {
-            Ok(j) => return Some(j),
-            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return None,
-            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
-                let inner = weak.upgrade()?;
-                let c = inner.counts.lock().unwrap();
-                if c.stopped || c.threads - c.blocked > inner.size {
-                    return None;
-                }
+        if let Some(j) = q.pop() {
+            jobs.len.fetch_sub(1, Ordering::AcqRel);
+            return Some(j);
+        }
+        if q.closed {
+            return None;
+        }
+        q.sleepers += 1;
+        let (guard, wait) = jobs.ready.wait_timeout(q, SURPLUS_IDLE).unwrap();
+        q = guard;
+        q.sleepers -= 1;
+        if wait.timed_out() && q.levels.iter().all(VecDeque::is_empty) {
+            let inner = weak.upgrade()?;
+            let c = inner.counts.lock().unwrap();
+            if c.stopped || c.threads - c.blocked > inner.size {
+                return None;
             }
         }
     }
@@ -223,5 +342,88 @@ mod tests {
         got.sort();
         assert_eq!(got, vec![1, 2]);
         assert!(pool.threads() >= 1);
+    }
+
+    /// One thread, held busy while jobs of mixed priorities queue: they run highest first,
+    /// in arrival order within a priority.
+    #[test]
+    fn jobs_run_by_priority_then_arrival() {
+        let pool = Pool::new("test-pool", 1);
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        let (started_tx, started_rx) = mpsc::channel::<()>();
+        pool.submit(move || {
+            started_tx.send(()).unwrap();
+            go_rx.recv().unwrap();
+        });
+        started_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let (done_tx, done_rx) = mpsc::channel();
+        let levels = [0i8, 4, -4, 4, 0, 7, -8, 0];
+        for (i, &level) in levels.iter().enumerate() {
+            let (order, done) = (order.clone(), done_tx.clone());
+            pool.submit_at(Priority::new(level).unwrap(), move || {
+                order.lock().unwrap().push((level, i));
+                done.send(()).unwrap();
+            });
+        }
+        assert_eq!(pool.waiting(), levels.len());
+        go_tx.send(()).unwrap();
+        for _ in &levels {
+            done_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        }
+        let got = order.lock().unwrap().clone();
+        assert_eq!(
+            got,
+            vec![(7, 5), (4, 1), (4, 3), (0, 0), (0, 4), (0, 7), (-4, 2), (-8, 6)]
+        );
+    }
+
+    /// Aging: under a steady flood of high-priority jobs, a low one queued first runs once
+    /// AGING_PASSES jobs that came after it have run, not after the flood.
+    #[test]
+    fn a_low_job_is_not_starved_by_a_flood() {
+        let mut q = Queue::new();
+        let ran = Arc::new(Mutex::new(Vec::new()));
+        let job = |name: u64| -> Job {
+            let ran = ran.clone();
+            Box::new(move || ran.lock().unwrap().push(name))
+        };
+        q.push(Priority::LOWEST, job(u64::MAX));
+        // Keep two high-priority jobs queued at every step, as a flood would.
+        let mut next = 0;
+        for _ in 0..2 {
+            q.push(Priority::HIGHEST, job(next));
+            next += 1;
+        }
+        for _ in 0..(AGING_PASSES as usize + 10) {
+            q.pop().unwrap()();
+            q.push(Priority::HIGHEST, job(next));
+            next += 1;
+        }
+        let ran = ran.lock().unwrap();
+        let low_at = ran
+            .iter()
+            .position(|&n| n == u64::MAX)
+            .expect("the low job ran under the flood");
+        assert_eq!(low_at as u64, AGING_PASSES, "{ran:?}");
+    }
+
+    /// Aging counts only being overtaken: a long first-in first-out backlog of one priority
+    /// does not make its jobs overdue, so a new urgent job still goes first.
+    #[test]
+    fn a_backlog_does_not_age_past_an_urgent_job() {
+        let mut q = Queue::new();
+        let ran = Arc::new(Mutex::new(Vec::new()));
+        for i in 0..1000u64 {
+            let ran = ran.clone();
+            q.push(Priority::NORMAL, Box::new(move || ran.lock().unwrap().push(i)));
+        }
+        for _ in 0..100 {
+            q.pop().unwrap()();
+        }
+        let r = ran.clone();
+        q.push(Priority::HIGH, Box::new(move || r.lock().unwrap().push(u64::MAX)));
+        q.pop().unwrap()();
+        assert_eq!(ran.lock().unwrap().last(), Some(&u64::MAX));
     }
 }

@@ -19,6 +19,7 @@ use crate::name::WorkerInfo;
 use crate::payload::Carried;
 use crate::payload::{Payload, Value};
 use crate::peers::watch_silence;
+use crate::priority::{with_priority, Priority};
 use crate::wire::{self, Body, Envelope, GlobalId, Request, Response, WireError};
 
 /// What a handler sees besides its argument.
@@ -181,20 +182,35 @@ impl AgentInner {
         payload: Payload,
     ) -> Option<BoxFuture<()>> {
         let ctx = CallContext {
-            agent: Agent { inner: self.clone() },
+            agent: Agent {
+                inner: self.clone(),
+                priority: None,
+            },
             caller: self.worker_info(caller),
             streams: payload.streams(),
         };
         let id = request.id;
+        let Some(priority) = Priority::new(request.priority) else {
+            let detail = format!(
+                "priority {} is out of range ({}..={})",
+                request.priority,
+                Priority::LOWEST,
+                Priority::HIGHEST
+            );
+            tracing::warn!(worker = %self.me, caller, %detail, "rejecting a request");
+            return Some(self.reply_later(pipe, caller, id, Err(WireError::Rejected(detail))));
+        };
+        let call = Call { pipe, id, priority };
         match request.body {
-            Body::Call { handler } => self.run_handler(ctx, pipe, id, &handler, payload, None),
+            Body::Call { handler } => self.run_handler(ctx, call, &handler, payload, None),
             Body::Remote { handler, rref, fork } => {
                 if let Some(fork) = fork {
                     self.rrefs.add_fork_held(rref, fork, caller);
                 }
-                self.run_handler(ctx, pipe, id, &handler, payload, Some(rref))
+                self.run_handler(ctx, call, &handler, payload, Some(rref))
             }
             Body::Fetch { rref } => {
+                let pipe = call.pipe;
                 let value = self.rrefs.value(rref);
                 let inner = self.clone();
                 self.handlers_running.fetch_add(1, Ordering::AcqRel);
@@ -217,7 +233,7 @@ impl AgentInner {
                     inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
                 }))
             }
-            Body::Method { rref, handler } => self.run_method(ctx, pipe, id, rref, handler, payload, None),
+            Body::Method { rref, handler } => self.run_method(ctx, call, rref, handler, payload, None),
             Body::RemoteMethod {
                 target,
                 handler,
@@ -227,20 +243,20 @@ impl AgentInner {
                 if let Some(fork) = fork {
                     self.rrefs.add_fork_held(rref, fork, caller);
                 }
-                self.run_method(ctx, pipe, id, target, handler, payload, Some(rref))
+                self.run_method(ctx, call, target, handler, payload, Some(rref))
             }
-            Body::Ping => Some(self.reply_later(pipe, caller, id, Ok(Payload::empty()))),
+            Body::Ping => Some(self.reply_later(call.pipe, caller, id, Ok(Payload::empty()))),
             Body::ForkRequest { rref, fork } => {
                 self.rrefs.add_fork_held(rref, fork, caller);
-                Some(self.reply_later(pipe, caller, id, Ok(Payload::empty())))
+                Some(self.reply_later(call.pipe, caller, id, Ok(Payload::empty())))
             }
             Body::ChildAccept { fork } => {
                 self.rrefs.child_accepted(&self.host(), fork);
-                Some(self.reply_later(pipe, caller, id, Ok(Payload::empty())))
+                Some(self.reply_later(call.pipe, caller, id, Ok(Payload::empty())))
             }
             Body::Delete { rref, fork } => {
                 self.rrefs.delete_fork(&self.host(), rref, fork);
-                Some(self.reply_later(pipe, caller, id, Ok(Payload::empty())))
+                Some(self.reply_later(call.pipe, caller, id, Ok(Payload::empty())))
             }
         }
     }
@@ -265,18 +281,17 @@ impl AgentInner {
 
     /// Runs method handler `handler` on RRef `target`'s value, on the pool once the value
     /// exists; with `rref`, keeps the result as that RRef's value (see [`settle`](Self::settle)).
-    #[allow(clippy::too_many_arguments)]
     fn run_method(
         self: &Arc<Self>,
         ctx: CallContext,
-        pipe: Pipe,
-        id: u64,
+        call: Call,
         target: GlobalId,
         handler: String,
         payload: Payload,
         rref: Option<GlobalId>,
     ) -> Option<BoxFuture<()>> {
         let caller = ctx.caller.id;
+        let Call { pipe, id, priority } = call;
         let Some(method) = self.registry.methods.get(&handler).cloned() else {
             return Some(self.unknown_handler(pipe, caller, id, &handler, rref));
         };
@@ -287,8 +302,8 @@ impl AgentInner {
             match value.await {
                 Ok(v) => {
                     let pool_inner = inner.clone();
-                    inner.pool.submit(move || {
-                        let result = method(&ctx, &v, payload);
+                    inner.pool.submit_at(priority, move || {
+                        let result = with_priority(priority, || method(&ctx, &v, payload));
                         let reply = pool_inner.settle(rref, result);
                         pool_inner.reply_from_pool(pipe, caller, id, reply);
                     });
@@ -373,13 +388,13 @@ impl AgentInner {
     pub(crate) fn run_handler(
         self: &Arc<Self>,
         ctx: CallContext,
-        pipe: Pipe,
-        id: u64,
+        call: Call,
         name: &str,
         payload: Payload,
         rref: Option<GlobalId>,
     ) -> Option<BoxFuture<()>> {
         let caller = ctx.caller.id;
+        let Call { pipe, id, priority } = call;
         let Some(handler) = self.registry.handlers.get(name).cloned() else {
             return Some(self.unknown_handler(pipe, caller, id, name, rref));
         };
@@ -387,17 +402,20 @@ impl AgentInner {
         let inner = self.clone();
         let finish = move |inner: &Arc<AgentInner>, result: Result<Value, HandlerError>| inner.settle(rref, result);
         match handler {
-            // Quick last time and never blocked: run right here, on the thread that read the
-            // request (the serve loop hands its read role on if the handler blocks after all).
-            Handler::Sync(f, pace) if pace.inline() && crate::pool::may_inline() => Some(Box::pin(async move {
-                let result = pace.run(|| f(&ctx, payload));
-                let reply = finish(&inner, result);
-                inner.reply(&pipe, caller, id, reply).await;
-                inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
-            })),
+            // Quick last time and never blocked, and no request waits for a slot (it would be
+            // overtaken): run right here, on the thread that read the request (the serve loop
+            // hands its read role on if the handler blocks after all).
+            Handler::Sync(f, pace) if pace.inline() && crate::pool::may_inline() && self.pool.waiting() == 0 => {
+                Some(Box::pin(async move {
+                    let result = with_priority(priority, || pace.run(|| f(&ctx, payload)));
+                    let reply = finish(&inner, result);
+                    inner.reply(&pipe, caller, id, reply).await;
+                    inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
+                }))
+            }
             Handler::Sync(f, pace) => {
-                self.pool.submit(move || {
-                    let result = pace.run(|| f(&ctx, payload));
+                self.pool.submit_at(priority, move || {
+                    let result = with_priority(priority, || pace.run(|| f(&ctx, payload)));
                     let reply = finish(&inner, result);
                     inner.reply_from_pool(pipe, caller, id, reply);
                 });
@@ -405,6 +423,7 @@ impl AgentInner {
             }
             Handler::Async(f) => Some(Box::pin(async move {
                 let result = f(ctx, payload).await;
+
                 let reply = finish(&inner, result);
                 inner.reply(&pipe, caller, id, reply).await;
                 inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
@@ -464,6 +483,14 @@ impl AgentInner {
             tracing::debug!(worker = %self.me, caller, error = %e, "could not send a reply");
         }
     }
+}
+
+/// Where a request came from and how urgent it is: its reply goes back on `pipe` (so a
+/// request on the express pipe is answered there) under `id`.
+pub(crate) struct Call {
+    pub(crate) pipe: Pipe,
+    pub(crate) id: u64,
+    pub(crate) priority: Priority,
 }
 
 /// A request being served: its caller's budget and its size.

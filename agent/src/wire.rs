@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::HandlerError;
 
 /// Bumped on any incompatible change; compared at rendezvous.
-pub const AGENT_VERSION: u16 = 2;
+pub const AGENT_VERSION: u16 = 3;
 
 /// Values up to this size travel inside the envelope; larger ones as a separate payload.
 pub const INLINE_LIMIT: usize = 4096;
@@ -66,6 +66,9 @@ pub enum Envelope {
 pub struct Request {
     /// `worker_id << 48 | counter`.
     pub id: u64,
+    /// The call's priority level as sent; checked against the range of
+    /// [`Priority`](crate::priority::Priority) when it arrives.
+    pub priority: i8,
     pub body: Body,
     pub value: WireValue,
 }
@@ -126,6 +129,8 @@ pub enum WireError {
     UnknownHandler(String),
     /// Anything else (decoding, wrong RRef type, …), as text.
     Failed(String),
+    /// The request itself was invalid (a priority out of range); it was not run.
+    Rejected(String),
 }
 
 pub fn encode(envelope: &Envelope) -> Bytes {
@@ -144,6 +149,7 @@ mod tests {
     fn round_trip_and_garbage() {
         let e = Envelope::Request(Request {
             id: 7 << 48 | 3,
+            priority: 0,
             body: Body::Call { handler: "f".into() },
             value: WireValue {
                 inline: Bytes::from_static(b"abc"),

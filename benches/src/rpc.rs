@@ -24,7 +24,7 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use bytes::Bytes;
-use sluice_agent::{Agent, AgentOptions, Payload, Registry, Tensor};
+use sluice_agent::{Agent, AgentOptions, Payload, Priority, Registry, Tensor};
 use sluice_channel::cuda::{self, CudaBuffer, RawCopy, Stream};
 use sluice_channel::{Context, ContextOptions, Device, Message, SendBuffer, TransportKind};
 
@@ -32,6 +32,13 @@ use crate::report::Record;
 use crate::run::{message_rtt, pipe_rtt, BenchOptions, MAX_RTT_SAMPLES};
 
 const IN_FLIGHT: usize = 64;
+
+/// How long the `work` handler holds its slot.
+const WORK: std::time::Duration = std::time::Duration::from_micros(500);
+/// Requests queued ahead of the urgent one in the callee-queue rows.
+const QUEUED: usize = 1000;
+/// The bulk tensor streamed in the head-of-line rows.
+const BULK: usize = 64 << 20;
 
 /// Turns of the echo comparison: bare pipe, then agent, this many times.
 const ECHO_TURNS: u32 = 5;
@@ -43,7 +50,18 @@ pub fn registry() -> Registry {
         .async_handler("noop_async", |_, (): ()| async { Ok(()) })
         .raw_handler("echo", |_, payload| Ok(payload))
         // Takes the tensors and answers empty: a one-way transfer plus a small reply.
-        .raw_handler("sink", |_, _payload| Ok(Payload::empty()));
+        .raw_handler("sink", |_, _payload| Ok(Payload::empty()))
+        // A request that keeps its handler slot busy for WORK (the callee-queue rows).
+        .handler("work", |_, (): ()| {
+            let start = Instant::now();
+            while start.elapsed() < WORK {
+                std::hint::spin_loop();
+            }
+            Ok(())
+        })
+        .async_handler("queued", |ctx: sluice_agent::CallContext, (): ()| async move {
+            Ok(ctx.agent.queued_requests())
+        });
     crate::autograd::serve(&mut r);
     r
 }
@@ -144,6 +162,7 @@ pub fn run(
 
     let calls = call_records(&agent, &transport, &noop_base, budget)?;
     out.extend(calls);
+    out.extend(priority_records(&agent, &transport, options, budget)?);
 
     for size in echo_sizes(options) {
         let data = Bytes::from(vec![7u8; size]);
@@ -200,7 +219,145 @@ pub fn run(
     tcp_options.pipe = tcp_only();
     let agent = Agent::init(tcp_options, registry())?;
     out.extend(call_records(&agent, &tcp_transport, &tcp_base, budget)?);
+    out.extend(priority_records(&agent, &tcp_transport, options, budget)?);
     agent.shutdown()?;
+    Ok(out)
+}
+
+/// Round trips of a 64 B echo at `priority`, from this thread, for `budget` (at least 3, at
+/// most `max`). With `spaced`, a pseudo-random pause of up to 2 ms before each, so that the
+/// samples fall at every phase of a stream running beside them, not in one gap of it.
+fn echo_64(
+    agent: &Agent,
+    priority: Priority,
+    budget: std::time::Duration,
+    max: usize,
+    spaced: bool,
+) -> anyhow::Result<Vec<f64>> {
+    let at = agent.with_priority(priority);
+    let payload = Payload::empty().with_tensors(vec![Tensor::cpu(Bytes::from(vec![1u8; 64]))]);
+    let mut samples = Vec::new();
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let start = Instant::now();
+    while samples.len() < max && (start.elapsed() < budget || samples.len() < 3) {
+        if spaced {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            std::thread::sleep(std::time::Duration::from_micros(x % 2000));
+        }
+        let t0 = Instant::now();
+        at.rpc_sync(1u32, "echo", payload.clone())?;
+        samples.push(t0.elapsed().as_nanos() as f64);
+    }
+    Ok(samples)
+}
+
+/// Priorities (`priority-…` rows), each against its idle baseline of the same run:
+/// - head of line: a 64 B echo while the same peer pair streams 64 MiB tensors back to back
+///   (four in flight), at normal priority (`priority-hol-normal`: what every call got before
+///   priorities) and high (`priority-hol`), against the idle echo (`priority-idle`);
+/// - callee queue: a high-priority `work` call (500 µs of handler time) made while 1,000
+///   normal ones wait for the callee's handler slots (`priority-queue`), and a normal one made
+///   the same way (`priority-queue-normal`), against one `work` call on an idle callee
+///   (`priority-queue-idle`: one service time plus the round trip).
+fn priority_records(
+    agent: &Agent,
+    transport: &str,
+    options: &BenchOptions,
+    budget: std::time::Duration,
+) -> anyhow::Result<Vec<Record>> {
+    let mut out = Vec::new();
+    let idle = Record::rtt(
+        "rpc",
+        format!("priority-idle/{transport}"),
+        64,
+        echo_64(agent, Priority::HIGH, budget, MAX_RTT_SAMPLES, true)?,
+    );
+    out.push(idle.clone());
+
+    // Bulk tensors back to back on the normal pipe, from another thread.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let streamer = {
+        let (agent, stop) = (agent.clone(), stop.clone());
+        std::thread::spawn(move || -> anyhow::Result<u64> {
+            let bulk = Payload::empty().with_tensors(vec![Tensor::cpu(Bytes::from(vec![3u8; BULK]))]);
+            let mut window = VecDeque::new();
+            let mut sent = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                while window.len() < 4 {
+                    window.push_back(agent.rpc_async(1u32, "sink", bulk.clone()));
+                    sent += 1;
+                }
+                window.pop_front().expect("a bulk call in flight").wait()?;
+            }
+            for f in window {
+                f.wait()?;
+            }
+            Ok(sent)
+        })
+    };
+    // Let the stream fill the pipe before measuring.
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    let loaded = (|| -> anyhow::Result<_> {
+        let normal = echo_64(agent, Priority::NORMAL, budget, MAX_RTT_SAMPLES, true)?;
+        let high = echo_64(agent, Priority::HIGH, budget, MAX_RTT_SAMPLES, true)?;
+        Ok((normal, high))
+    })();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let sent = streamer
+        .join()
+        .map_err(|_| anyhow::anyhow!("the bulk streamer panicked"))??;
+    let (normal, high) = loaded?;
+
+    for (name, samples) in [("priority-hol-normal", normal), ("priority-hol", high)] {
+        let mut r = Record::rtt("rpc", format!("{name}/{transport}"), 64, samples);
+        r.against(&idle);
+        out.push(r);
+    }
+    anyhow::ensure!(sent > 0, "no bulk tensor was streamed during the head-of-line rows");
+
+    // The callee queue.
+    let empty = Payload::encode(&())?;
+    let mut alone = Vec::new();
+    let start = Instant::now();
+    while alone.len() < 200 && (start.elapsed() < budget || alone.len() < 3) {
+        let t0 = Instant::now();
+        agent.rpc_sync(1u32, "work", empty.clone())?;
+        alone.push(t0.elapsed().as_nanos() as f64);
+    }
+    let alone = Record::rtt("rpc", format!("priority-queue-idle/{transport}"), 0, alone);
+    out.push(alone.clone());
+    let rounds = if options.quick { 3 } else { 12 };
+    let (mut high, mut normal) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        let queued: Vec<_> = (0..QUEUED)
+            .map(|_| agent.rpc_async(1u32, "work", empty.clone()))
+            .collect();
+        let deadline = Instant::now() + std::time::Duration::from_secs(30);
+        // Measure once most of them wait on the callee (some have already run).
+        while agent.call::<_, usize>(1u32, "queued", &())? < QUEUED / 2 {
+            anyhow::ensure!(Instant::now() < deadline, "the callee never queued the requests");
+        }
+        // Every third round a normal call, for the comparison (a few are enough: each waits
+        // for the whole queue).
+        let (priority, into) = if round % 3 != 2 {
+            (Priority::HIGH, &mut high)
+        } else {
+            (Priority::NORMAL, &mut normal)
+        };
+        let t0 = Instant::now();
+        agent.with_priority(priority).rpc_sync(1u32, "work", empty.clone())?;
+        into.push(t0.elapsed().as_nanos() as f64);
+        for f in queued {
+            f.wait()?;
+        }
+    }
+    for (name, samples) in [("priority-queue", high), ("priority-queue-normal", normal)] {
+        let mut r = Record::rtt("rpc", format!("{name}/{transport}"), 0, samples);
+        r.against(&alone);
+        out.push(r);
+    }
     Ok(out)
 }
 

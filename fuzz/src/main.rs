@@ -198,21 +198,31 @@ fn main() {
         Envelope::Goodbye,
         Envelope::Request(Request {
             id: 1 << 48 | 3,
+            priority: 0,
             body: Body::Call { handler: "add".into() },
             value: value.clone(),
         }),
         Envelope::Request(Request {
             id: 4,
+            priority: 0,
             body: Body::Ping,
             value: WireValue::default(),
         }),
         Envelope::Request(Request {
             id: 5,
+            priority: 7,
             body: Body::Remote {
                 handler: "make".into(),
                 rref: GlobalId { worker: 0, local: 1 },
                 fork: None,
             },
+            value: value.clone(),
+        }),
+        // Out of range: the callee rejects it with a typed error.
+        Envelope::Request(Request {
+            id: 6,
+            priority: 100,
+            body: Body::Call { handler: "add".into() },
             value: value.clone(),
         }),
         Envelope::Response(Response {

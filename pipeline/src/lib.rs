@@ -34,7 +34,7 @@ pub mod stage;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use sluice_agent::{Agent, Device, Registry};
+use sluice_agent::{with_priority, Agent, Device, Priority, Registry};
 use sluice_autograd::dist::{self, Context, DistFuture};
 use sluice_autograd::{cross_entropy, DType, OptimizerKind, Tensor};
 
@@ -114,6 +114,10 @@ pub struct PipelineOptions {
     /// Stages that rematerialize (by index; empty: none): they keep only their input per
     /// micro-batch and recompute activations in the backward.
     pub remat: Remat,
+    /// The priority of the backward passes' calls (and of the handlers they run on the
+    /// stages): above forwards by default (1F1B's rule: a stage with a backward and a
+    /// forward waiting runs the backward first, which frees its activations sooner).
+    pub backward_priority: Priority,
 }
 
 /// Which stages rematerialize.
@@ -327,7 +331,8 @@ impl Pipeline {
                     // last retain (nothing more is kept: a context's graph lives until it is
                     // released either way).
                     backwards_left -= 1;
-                    context.backward(&[loss], backwards_left > 0)?;
+                    let retain = backwards_left > 0;
+                    with_priority(self.options.backward_priority, || context.backward(&[loss], retain))?;
                 }
             }
         }
@@ -392,7 +397,7 @@ impl Pipeline {
                     let out = pending[k].take().expect("forward before backward").wait()?;
                     let loss = context.run(|| cross_entropy(&out, &ys[k]))?;
                     total += loss.item()? * sizes[k] as f64 / n as f64;
-                    context.backward(&[loss], false)?;
+                    with_priority(self.options.backward_priority, || context.backward(&[loss], false))?;
                     issued_on[k] = None;
                     // The oldest version a forward still in flight was issued on.
                     let keep_from = issued_on.iter().flatten().min().copied().unwrap_or(version + 1);

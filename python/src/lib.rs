@@ -57,5 +57,7 @@ fn _sluice(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<remote::PyRemoteTensor>()?;
     m.add_function(wrap_pyfunction!(remote::_remote_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(tensor::_send_view, m)?)?;
+    m.add_function(wrap_pyfunction!(rpc::_set_priority, m)?)?;
+    m.add_function(wrap_pyfunction!(rpc::_current_priority, m)?)?;
     Ok(())
 }

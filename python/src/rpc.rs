@@ -597,3 +597,26 @@ impl PyRRef {
         format!("{:?}", self.rref)
     }
 }
+
+/// Sets the priority of calls made on this thread from now on (`sluice.rpc.priority`) and
+/// returns the previous level; a level outside -8..=7 is a `ValueError`.
+#[pyfunction]
+pub fn _set_priority(level: i64) -> PyResult<i8> {
+    let p = i8::try_from(level)
+        .ok()
+        .and_then(sluice_agent::Priority::new)
+        .ok_or_else(|| {
+            pyo3::exceptions::PyValueError::new_err(format!(
+                "priority {level} is out of range ({}..={})",
+                sluice_agent::Priority::LOWEST,
+                sluice_agent::Priority::HIGHEST
+            ))
+        })?;
+    Ok(sluice_agent::priority::set_current(p).level())
+}
+
+/// The priority level calls made on this thread get now (`sluice.rpc.current_priority`).
+#[pyfunction]
+pub fn _current_priority() -> i8 {
+    sluice_agent::priority::current().level()
+}

@@ -169,3 +169,11 @@ def fails_later():
 
 def numpy_stats(a):
     return float(np.mean(a)), a.dtype.str
+
+
+def my_priority():
+    return rpc.current_priority()
+
+
+def nested_priority(to):
+    return rpc.rpc_sync(to, my_priority)

@@ -338,3 +338,38 @@ def remote_tensors(rank, world):
         else:
             raise AssertionError("a complex scalar was accepted")
     rpc.shutdown()
+
+
+def priorities(rank, world):
+    """Call priorities from Python: every call form carries the level given by the keyword or
+    the ``priority()`` block; functions run by a callee (and the calls they make) inherit it;
+    an out-of-range level is a ValueError."""
+    _init(rank)
+    if rank == 0:
+        assert rpc.current_priority() == rpc.PRIORITY_NORMAL
+        assert rpc.rpc_sync("worker1", rpcfns.my_priority) == 0
+        assert rpc.rpc_sync("worker1", rpcfns.my_priority, priority=rpc.PRIORITY_HIGH) == 4
+        assert rpc.rpc_async("worker1", rpcfns.my_priority, priority=-8).wait() == -8
+        assert rpc.remote("worker1", rpcfns.my_priority, priority=7).to_here() == 7
+        with rpc.priority(rpc.PRIORITY_LOW):
+            assert rpc.current_priority() == -4
+            assert rpc.rpc_sync("worker1", rpcfns.my_priority) == -4
+            # The keyword wins inside a block, and the block comes back after it.
+            assert rpc.rpc_sync("worker1", rpcfns.my_priority, priority=5) == 5
+            assert rpc.rpc_sync("worker1", rpcfns.nested_priority, ("worker0",)) == -4
+            assert rpc.remote("worker1", rpcfns.my_priority).to_here() == -4
+        assert rpc.current_priority() == 0
+        for bad in (8, -9, 1000):
+            try:
+                with rpc.priority(bad):
+                    pass
+                raise AssertionError(f"priority {bad} was accepted")
+            except ValueError as e:
+                assert "out of range" in str(e)
+            try:
+                rpc.rpc_sync("worker1", rpcfns.my_priority, priority=bad)
+                raise AssertionError(f"priority {bad} was accepted")
+            except ValueError:
+                pass
+        assert rpc.current_priority() == 0
+    rpc.shutdown()

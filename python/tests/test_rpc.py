@@ -33,3 +33,7 @@ def test_options_device_maps_timeouts_and_transports(group):
 
 def test_remote_tensors_run_on_their_owners(group):
     group("remote_tensors", world=3)
+
+
+def test_call_priorities_from_python(group):
+    group("priorities")

@@ -156,6 +156,10 @@ pub enum DemoCommand {
         /// backward.
         #[arg(long)]
         remat: bool,
+        /// Backwards at normal priority, like forwards (by default they go above: 1F1B's
+        /// rule), to measure what the priority changes.
+        #[arg(long)]
+        flat_priority: bool,
         /// Fault injection for the CLI tests: the last stage pauses this many milliseconds
         /// before each checkpoint shard it writes.
         #[arg(long, hide = true, default_value_t = 0)]
@@ -217,6 +221,7 @@ impl From<DemoCommand> for Demo {
                 width,
                 batch,
                 remat,
+                flat_priority,
                 slow_saves_ms,
             } => Demo::Pipeline(pipeline::Settings {
                 stages,
@@ -229,6 +234,7 @@ impl From<DemoCommand> for Demo {
                 width,
                 batch,
                 remat,
+                flat_priority,
                 slow_saves_ms,
             }),
             DemoCommand::Rl { observers, rounds } => Demo::Rl { observers, rounds },

@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use anyhow::Context as _;
 
-use sluice_agent::Agent;
+use sluice_agent::{Agent, Priority};
 use sluice_autograd::{accuracy, DType, OptimizerKind, Rng, Tensor};
 use sluice_pipeline::partition::{self, Partition};
 use sluice_pipeline::schedule::{self, Schedule};
@@ -82,6 +82,9 @@ pub struct Settings {
     pub batch: usize,
     /// Every stage rematerializes.
     pub remat: bool,
+    /// Backwards at normal priority (the default puts them above forwards).
+    #[serde(default)]
+    pub flat_priority: bool,
     /// Fault injection: the last stage pauses this long before each shard it writes.
     #[serde(default)]
     pub slow_saves_ms: u64,
@@ -220,6 +223,11 @@ fn drive(agent: &Agent, s: &Settings) -> anyhow::Result<()> {
         schedule: s.schedule,
         micro_batches: s.micro_batches as usize,
         remat: if s.remat { Remat::All } else { Remat::None },
+        backward_priority: if s.flat_priority {
+            Priority::NORMAL
+        } else {
+            Priority::HIGH
+        },
     };
     let partition = choose_partition(agent, s, stages)?;
     let (pipeline, first_epoch) = match (&s.checkpoint, s.resume) {

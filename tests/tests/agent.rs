@@ -831,6 +831,7 @@ fn hostile_pipes_are_closed_and_the_agent_keeps_serving() {
         Bytes::from(
             postcard::to_allocvec(&sluice_agent::wire::Envelope::Request(sluice_agent::wire::Request {
                 id: 1,
+                priority: 0,
                 body: sluice_agent::wire::Body::Call { handler: "add".into() },
                 value: Default::default(),
             }))

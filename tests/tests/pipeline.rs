@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use sluice_agent::{Agent, CallContext, Registry};
+use sluice_agent::{Agent, CallContext, Priority, Registry};
 use sluice_autograd::{cross_entropy, DType, Optimizer, OptimizerKind, Parameter, Tensor, UpdateMode};
 use sluice_pipeline::partition::{self, by_counts};
 use sluice_pipeline::{checkpoint, nn, Pipeline, PipelineOptions, Remat, Schedule};
@@ -39,6 +39,7 @@ fn options(schedule: Schedule, micro_batches: usize) -> PipelineOptions {
         schedule,
         micro_batches,
         remat: Remat::None,
+        backward_priority: Priority::HIGH,
     }
 }
 
