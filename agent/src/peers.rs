@@ -560,10 +560,15 @@ pub(crate) async fn heartbeat(
         let quiet = Duration::from_millis(now.saturating_sub(l.last_sent.load(Ordering::Acquire)));
         if silent >= limit {
             pipe.close();
+            let which = if lane == EXPRESS_LANE {
+                " on the express pipe"
+            } else {
+                ""
+            };
             inner.declare_lost(
                 peer.info.id,
                 Some(generation),
-                format!("no reply to heartbeats for {silent:?}"),
+                format!("no reply to heartbeats for {silent:?}{which}"),
             );
             return;
         }

@@ -135,6 +135,19 @@ struct Jobs {
     ready: Condvar,
     /// Jobs waiting (read without the lock by spinning threads and by [`Pool::waiting`]).
     len: AtomicUsize,
+    /// Bit `i` set: jobs of priority index `i` are waiting (for [`Pool::waiting_above`]).
+    levels: std::sync::atomic::AtomicU32,
+}
+
+impl Queue {
+    /// Bit `i` set where priority index `i` has jobs waiting.
+    fn occupied(&self) -> u32 {
+        self.levels
+            .iter()
+            .enumerate()
+            .filter(|(_, q)| !q.is_empty())
+            .fold(0, |bits, (i, _)| bits | 1 << i)
+    }
 }
 
 impl Jobs {
@@ -142,9 +155,11 @@ impl Jobs {
         if self.len.load(Ordering::Acquire) == 0 {
             return None;
         }
-        let job = self.queue.lock().unwrap().pop();
+        let mut q = self.queue.lock().unwrap();
+        let job = q.pop();
         if job.is_some() {
             self.len.fetch_sub(1, Ordering::AcqRel);
+            self.levels.store(q.occupied(), Ordering::Release);
         }
         job
     }
@@ -179,6 +194,7 @@ impl Pool {
             queue: Mutex::new(Queue::new()),
             ready: Condvar::new(),
             len: AtomicUsize::new(0),
+            levels: std::sync::atomic::AtomicU32::new(0),
         });
         let inner = Arc::new(Inner {
             name: name.to_owned(),
@@ -206,6 +222,7 @@ impl Pool {
             let mut q = jobs.queue.lock().unwrap();
             q.push(priority, Box::new(job));
             jobs.len.fetch_add(1, Ordering::AcqRel);
+            jobs.levels.fetch_or(1 << priority.index(), Ordering::AcqRel);
             q.sleepers > 0
         };
         if wake {
@@ -216,6 +233,12 @@ impl Pool {
     /// Jobs waiting for a thread now.
     pub fn waiting(&self) -> usize {
         self.inner.jobs.len.load(Ordering::Acquire)
+    }
+
+    /// Whether jobs of a priority above `priority` are waiting now.
+    pub fn waiting_above(&self, priority: Priority) -> bool {
+        let above = !((2u32 << priority.index()) - 1);
+        self.inner.jobs.levels.load(Ordering::Acquire) & above != 0
     }
 
     /// Threads now running (including those blocked in a handler).
@@ -264,6 +287,7 @@ fn next_job(weak: &Weak<Inner>, jobs: &Jobs) -> Option<Job> {
     loop {
         if let Some(j) = q.pop() {
             jobs.len.fetch_sub(1, Ordering::AcqRel);
+            jobs.levels.store(q.occupied(), Ordering::Release);
             return Some(j);
         }
         if q.closed {
@@ -367,6 +391,8 @@ mod tests {
             });
         }
         assert_eq!(pool.waiting(), levels.len());
+        assert!(pool.waiting_above(Priority::HIGH) && !pool.waiting_above(Priority::HIGHEST));
+        assert!(pool.waiting_above(Priority::LOWEST));
         go_tx.send(()).unwrap();
         for _ in &levels {
             done_rx.recv_timeout(Duration::from_secs(10)).unwrap();

@@ -13,9 +13,10 @@
 //! - **On the callee**, requests waiting for a handler slot are taken highest first, first in
 //!   first out within a priority, with aging: once a request is the first waiting at its
 //!   priority, at most [`AGING_PASSES`] requests that arrived after it are served before it
-//!   (see [`crate::pool`]); so nothing starves under a flood of higher priorities. Control messages
-//!   of the RRef protocol and heartbeats never wait for a slot. A quick handler that would
-//!   run inline on the reading thread does so only while no request waits for a slot.
+//!   (see [`crate::pool`]); so nothing starves under a flood of higher priorities. Control
+//!   messages of the RRef protocol and heartbeats never wait for a slot. A quick handler that
+//!   would run inline on the reading thread (taking no slot) does so only while no request of
+//!   a higher priority waits for one; it may overtake waiting requests of its own priority.
 //! - **On the wire**, a call above normal travels on the peer pair's *express pipe*, a second
 //!   pipe opened on first use, and its reply comes back on it: a small urgent call never waits
 //!   behind a bulk tensor on the normal pipe. Calls at or below normal share the normal pipe.

@@ -402,10 +402,12 @@ impl AgentInner {
         let inner = self.clone();
         let finish = move |inner: &Arc<AgentInner>, result: Result<Value, HandlerError>| inner.settle(rref, result);
         match handler {
-            // Quick last time and never blocked, and no request waits for a slot (it would be
-            // overtaken): run right here, on the thread that read the request (the serve loop
-            // hands its read role on if the handler blocks after all).
-            Handler::Sync(f, pace) if pace.inline() && crate::pool::may_inline() && self.pool.waiting() == 0 => {
+            // Quick last time and never blocked, and no request of a higher priority waits
+            // for a slot (it would be overtaken): run right here, on the thread that read the
+            // request (the serve loop hands its read role on if the handler blocks after all).
+            Handler::Sync(f, pace)
+                if pace.inline() && crate::pool::may_inline() && !self.pool.waiting_above(priority) =>
+            {
                 Some(Box::pin(async move {
                     let result = with_priority(priority, || pace.run(|| f(&ctx, payload)));
                     let reply = finish(&inner, result);

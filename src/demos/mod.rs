@@ -28,6 +28,8 @@ pub enum Demo {
         reducer: Option<ps::Reducer>,
         /// The server's parameters live on `cuda:0`.
         gpu: bool,
+        /// Trainers' pulls (the forward calls) go at high priority.
+        urgent_pulls: bool,
     },
     /// Data parallelism: workers, epochs.
     Ddp { workers: u32, epochs: u32 },
@@ -114,6 +116,10 @@ pub enum DemoCommand {
         /// the GPU `cuda:0`; trainers stay on the CPU.
         #[arg(long)]
         gpu: bool,
+        /// Trainers mark their pulls (the forward call that reads the parameters) urgent: the
+        /// server serves them before queued backward and optimizer work.
+        #[arg(long)]
+        urgent_pulls: bool,
     },
     /// Data parallelism: the parameter server's model and data, a replica per worker, the
     /// gradients averaged by allreduce every step (compare `ps --sync mean`).
@@ -203,11 +209,13 @@ impl From<DemoCommand> for Demo {
                 epochs,
                 sync,
                 gpu,
+                urgent_pulls,
             } => Demo::Ps {
                 trainers,
                 epochs,
                 reducer: sync,
                 gpu,
+                urgent_pulls,
             },
             DemoCommand::Ddp { workers, epochs } => Demo::Ddp { workers, epochs },
             DemoCommand::Pipeline {

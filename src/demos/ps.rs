@@ -19,7 +19,7 @@ use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
-use sluice_agent::{Agent, CallContext, RRef, Registry};
+use sluice_agent::{with_priority, Agent, CallContext, Priority, RRef, Registry};
 use sluice_autograd::dist::{self, Context};
 use sluice_autograd::{
     accuracy, cross_entropy, linear, DistributedOptimizer, LeafId, Optimizer, OptimizerKind, Parameter, Tensor,
@@ -179,7 +179,14 @@ fn evaluate(test: &Split) -> sluice_autograd::Result<f64> {
     accuracy(&mlp(&x.to_device(device())?, &params)?, &y)
 }
 
-fn train(agent: &Agent, rank: u32, trainers: u32, epochs: u32, reducer: Option<Reducer>) -> anyhow::Result<f64> {
+fn train(
+    agent: &Agent,
+    rank: u32,
+    trainers: u32,
+    epochs: u32,
+    reducer: Option<Reducer>,
+    pull: Priority,
+) -> anyhow::Result<f64> {
     let (train, _) = spirals(300, 1);
     let shard = train.shard(rank as usize - 1, trainers as usize);
     let rrefs: Vec<RRef<Parameter>> = agent.call(0u32, "param_rrefs", &())?;
@@ -191,7 +198,7 @@ fn train(agent: &Agent, rank: u32, trainers: u32, epochs: u32, reducer: Option<R
         for b in 0..batches {
             let (x, y) = shard.batch(b * BATCH..(b + 1) * BATCH);
             let ctx = Context::new(agent)?;
-            let logits: Tensor = dist::rpc_sync(agent, 0u32, "forward", &x)?;
+            let logits: Tensor = with_priority(pull, || dist::rpc_sync(agent, 0u32, "forward", &x))?;
             let loss = cross_entropy(&logits, &y)?;
             total += loss.item()?;
             ctx.backward(&[loss], false)?;
@@ -211,6 +218,7 @@ pub fn run(demo: &Demo, rank: u32) -> anyhow::Result<()> {
         epochs,
         reducer,
         gpu,
+        urgent_pulls,
     } = *demo
     else {
         unreachable!()
@@ -231,6 +239,9 @@ pub fn run(demo: &Demo, rank: u32) -> anyhow::Result<()> {
             Some(r) => format!("synchronous, {r:?} reducer"),
         };
         let mut mode = format!("{mode}, parameters on {}", device());
+        if urgent_pulls {
+            mode += ", urgent pulls";
+        }
         if let (Device::Cuda(_), Some(model)) = (device(), sluice_channel::cuda::driver::model()) {
             // Timings there are the model's, not a GPU's.
             mode += &format!(" [the CUDA driver model {model}, not a GPU: times are not a GPU's]");
@@ -249,7 +260,8 @@ pub fn run(demo: &Demo, rank: u32) -> anyhow::Result<()> {
             after * 100.0
         );
     } else {
-        let loss = train(&agent, rank, trainers, epochs, reducer)?;
+        let pull = if urgent_pulls { Priority::HIGH } else { Priority::NORMAL };
+        let loss = train(&agent, rank, trainers, epochs, reducer, pull)?;
         println!("trainer{rank}: final epoch mean loss {loss:.4}");
         agent.barrier("trained")?;
     }

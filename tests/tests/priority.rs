@@ -40,6 +40,8 @@ fn registry() -> Registry {
         Ok(payload)
     })
     .raw_handler("echo", |_, payload| Ok(payload))
+    .handler("noop", |_, (): ()| Ok(()))
+    .async_handler("noop_async", |_, (): ()| async { Ok(()) })
     .handler("record", |_, (level, seq): (i8, u32)| {
         ORDER.lock().unwrap().push((level, seq));
         // Longer than a handler may take to be run inline: every record waits in the queue.
@@ -371,4 +373,50 @@ worker_test!(bulk_calls_in_flight_from_plain_threads_complete, 2, |env| {
         assert!(sent >= 4 && small > 0);
     }
     agent.shutdown().unwrap();
+});
+
+/// Many small calls in flight from a plain thread (the bench's rpc_async-64 loop) for a
+/// while, over `transport`: every one completes.
+fn small_calls_in_flight(env: WorkerEnv, transport: TransportKind) {
+    let mut options = env.options();
+    options.pipe.transports = vec![transport];
+    let agent = Agent::init(options, registry()).unwrap();
+    if env.rank == 0 {
+        let empty = Payload::encode(&()).unwrap();
+        // As the bench does: one call at a time first (sync, then async handler).
+        for handler in ["noop", "noop_async"] {
+            let start = Instant::now();
+            while start.elapsed() < Duration::from_millis(900) {
+                agent.rpc_sync(1u32, handler, empty.clone()).unwrap();
+            }
+        }
+        let mut window = std::collections::VecDeque::new();
+        let start = Instant::now();
+        let mut done = 0u64;
+        while start.elapsed() < Duration::from_secs(3) {
+            while window.len() < 64 {
+                window.push_back(agent.rpc_async(1u32, "noop", empty.clone()));
+            }
+            window
+                .pop_front()
+                .unwrap()
+                .wait_timeout(WATCHDOG)
+                .expect("watchdog: a call in flight never completed")
+                .unwrap();
+            done += 1;
+        }
+        for f in window {
+            f.wait_timeout(WATCHDOG).expect("watchdog").unwrap();
+        }
+        assert!(done > 0);
+    }
+    agent.shutdown().unwrap();
+}
+
+worker_test!(small_calls_in_flight_from_a_plain_thread_complete_on_shm, 2, |env| {
+    small_calls_in_flight(env, TransportKind::Shm)
+});
+
+worker_test!(small_calls_in_flight_from_a_plain_thread_complete_on_tcp, 2, |env| {
+    small_calls_in_flight(env, TransportKind::Tcp)
 });
