@@ -115,13 +115,19 @@ impl AgentInner {
                 inner.finish_call(id, Err(e));
             }
         };
+        let open = peer_for_driver.lanes[lane].pipe.lock().unwrap().is_some();
         if tokio::runtime::Handle::try_current().is_ok() {
             self.handle.spawn(send);
+        } else if !open {
+            // The lane's pipe opens first: done here, so that calls made one after another on
+            // this thread are written in that order (the first poll below queues a write on
+            // the pipe's fair lock; a task still opening the pipe would not).
+            self.handle.block_on(send);
         } else {
             // A plain thread starts the write itself (no hand-off when it completes at once,
             // the common case), but never waits for it: a write that cannot finish now (a
-            // pipe still opening, a bulk tensor the peer has not read yet) goes on as a task,
-            // and the call's future is returned at once.
+            // bulk tensor the peer has not read yet, writes queued ahead) goes on as a task,
+            // queued on the pipe's fair lock in call order, and the future returns at once.
             let mut send = Box::pin(send);
             let _runtime = self.handle.enter();
             let mut cx = std::task::Context::from_waker(std::task::Waker::noop());

@@ -85,12 +85,16 @@ impl Peer {
             .collect()
     }
 
-    /// Closes every pipe and forgets its read role.
+    /// Closes every pipe and forgets its read role and generation (so the closed pipes' tasks
+    /// and late failures are stale, even for a lane that a reconnect does not reopen).
     pub(crate) fn close_lanes(&self) {
         for lane in &self.lanes {
-            if let Some((_, pipe)) = lane.pipe.lock().unwrap().take() {
+            let mut pipe = lane.pipe.lock().unwrap();
+            lane.generation.store(0, Ordering::Release);
+            if let Some((_, pipe)) = pipe.take() {
                 pipe.close();
             }
+            drop(pipe);
             lane.reader.lock().unwrap().take();
         }
     }

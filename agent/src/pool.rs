@@ -298,11 +298,18 @@ fn next_job(weak: &Weak<Inner>, jobs: &Jobs) -> Option<Job> {
         q = guard;
         q.sleepers -= 1;
         if wait.timed_out() && q.levels.iter().all(VecDeque::is_empty) {
+            // Not holding the queue: dropping the last handle to `Inner` (teardown) locks it.
+            drop(q);
             let inner = weak.upgrade()?;
-            let c = inner.counts.lock().unwrap();
-            if c.stopped || c.threads - c.blocked > inner.size {
+            let leave = {
+                let c = inner.counts.lock().unwrap();
+                c.stopped || c.threads - c.blocked > inner.size
+            };
+            drop(inner);
+            if leave {
                 return None;
             }
+            q = jobs.queue.lock().unwrap();
         }
     }
 }

@@ -465,7 +465,9 @@ def priority(level: int):
     busy callee serves higher levels first, and calls above normal travel on an express pipe
     that bulk transfers do not hold up. Every call form is covered (``rpc_sync``,
     ``rpc_async``, ``remote``, ``RRef.to_here`` and the proxies); functions run by a callee
-    inherit their request's level for the calls they make."""
+    inherit their request's level for the calls they make. The level belongs to the thread:
+    in asyncio code, where coroutines share one thread, give ``priority=`` to each call
+    instead of holding a block across an ``await``."""
     previous = _sluice._set_priority(int(level))
     try:
         yield
