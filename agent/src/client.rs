@@ -52,7 +52,7 @@ impl AgentInner {
         } else {
             crate::priority::current()
         };
-        let lane = peer.lane_for(priority);
+        let lane = crate::peers::lane_for(priority);
         let id = self.next_id();
         let Outgoing {
             value,
@@ -115,10 +115,9 @@ impl AgentInner {
                 inner.finish_call(id, Err(e));
             }
         };
-        let open = peer_for_driver.lanes[lane].pipe.lock().unwrap().is_some();
         if tokio::runtime::Handle::try_current().is_ok() {
             self.handle.spawn(send);
-        } else if !open {
+        } else if peer_for_driver.lanes[lane].generation().is_none() {
             // The lane's pipe opens first: done here, so that calls made one after another on
             // this thread are written in that order (the first poll below queues a write on
             // the pipe's fair lock; a task still opening the pipe would not).

@@ -47,8 +47,6 @@ pub(crate) const EXPRESS_LANE: usize = 1;
 pub(crate) struct Lane {
     /// The open pipe and its generation: `None` before the first call and after a failure.
     pub(crate) pipe: Mutex<Option<(u64, Pipe)>>,
-    /// The generation of the pipe opened last (kept after it is gone).
-    pub(crate) generation: AtomicU64,
     /// The read role of the open pipe: who reads its replies (see [`crate::reader`]).
     pub(crate) reader: Mutex<Option<Arc<dyn Driver>>>,
     /// Serializes opening a pipe.
@@ -60,21 +58,26 @@ pub(crate) struct Lane {
     pub(crate) last_sent: AtomicU64,
 }
 
-impl Peer {
-    /// The lane for calls at `priority`.
-    pub(crate) fn lane_for(&self, priority: crate::priority::Priority) -> usize {
-        if priority.express() {
-            EXPRESS_LANE
-        } else {
-            NORMAL_LANE
-        }
+/// The lane for calls at `priority`.
+pub(crate) fn lane_for(priority: crate::priority::Priority) -> usize {
+    if priority.express() {
+        EXPRESS_LANE
+    } else {
+        NORMAL_LANE
     }
+}
 
-    /// Whether `generation` is the latest pipe of one of the lanes.
+impl Lane {
+    /// The generation of the open pipe, if one is open.
+    pub(crate) fn generation(&self) -> Option<u64> {
+        self.pipe.lock().unwrap().as_ref().map(|(g, _)| *g)
+    }
+}
+
+impl Peer {
+    /// Whether `generation` is the open pipe of one of the lanes.
     pub(crate) fn is_current(&self, generation: u64) -> bool {
-        self.lanes
-            .iter()
-            .any(|l| l.generation.load(Ordering::Acquire) == generation)
+        self.lanes.iter().any(|l| l.generation() == Some(generation))
     }
 
     /// The pipes open now.
@@ -85,16 +88,14 @@ impl Peer {
             .collect()
     }
 
-    /// Closes every pipe and forgets its read role and generation (so the closed pipes' tasks
-    /// and late failures are stale, even for a lane that a reconnect does not reopen).
+    /// Closes every pipe and forgets its read role (the closed pipes' tasks and late failures
+    /// are stale from then on, even for a lane that a reconnect does not reopen).
     pub(crate) fn close_lanes(&self) {
         for lane in &self.lanes {
-            let mut pipe = lane.pipe.lock().unwrap();
-            lane.generation.store(0, Ordering::Release);
-            if let Some((_, pipe)) = pipe.take() {
+            let pipe = lane.pipe.lock().unwrap().take();
+            if let Some((_, pipe)) = pipe {
                 pipe.close();
             }
-            drop(pipe);
             lane.reader.lock().unwrap().take();
         }
     }
@@ -480,7 +481,6 @@ impl AgentInner {
         pipe.write(&hello).await.map_err(|e| RpcError::from_pipe(&name, e))?;
         let generation = peer.generation.fetch_add(1, Ordering::AcqRel) + 1;
         let l = &peer.lanes[lane];
-        l.generation.store(generation, Ordering::Release);
         l.last_heard.store(self.now_ms(), Ordering::Release);
         l.last_sent.store(self.now_ms(), Ordering::Release);
         *l.pipe.lock().unwrap() = Some((generation, pipe.clone()));
@@ -552,10 +552,7 @@ pub(crate) async fn heartbeat(
     loop {
         tokio::time::sleep(interval / 2).await;
         let Some(inner) = weak.upgrade() else { return };
-        if inner.is_down()
-            || peer.lanes[lane].generation.load(Ordering::Acquire) != generation
-            || peer.down.lock().unwrap().is_some()
-        {
+        if inner.is_down() || peer.lanes[lane].generation() != Some(generation) || peer.down.lock().unwrap().is_some() {
             return;
         }
         let now = inner.now_ms();

@@ -81,6 +81,8 @@ struct Queue {
     passed: [u64; Priority::LEVELS],
     /// Jobs queued so far (arrival numbers).
     arrived: u64,
+    /// Bit `i` set: `levels[i]` is not empty.
+    occupied: u32,
     /// Threads asleep on `ready`.
     sleepers: usize,
     /// Every pool handle is gone: threads leave once the queue is empty.
@@ -93,6 +95,7 @@ impl Queue {
             levels: Default::default(),
             passed: [0; Priority::LEVELS],
             arrived: 0,
+            occupied: 0,
             sleepers: 0,
             closed: false,
         }
@@ -102,6 +105,7 @@ impl Queue {
         let seq = self.arrived;
         self.arrived += 1;
         self.levels[priority.index()].push_back(Waiting { job, seq });
+        self.occupied |= 1 << priority.index();
     }
 
     /// The next job: the first of the highest priority, unless the first job of some priority
@@ -119,6 +123,9 @@ impl Queue {
             .map(|(i, _)| i);
         let level = overdue.or_else(|| self.levels.iter().rposition(|q| !q.is_empty()))?;
         let taken = self.levels[level].pop_front()?;
+        if self.levels[level].is_empty() {
+            self.occupied &= !(1 << level);
+        }
         self.passed[level] = 0;
         for (i, q) in self.levels.iter().enumerate() {
             if q.front().is_some_and(|w| w.seq < taken.seq) {
@@ -139,29 +146,28 @@ struct Jobs {
     levels: std::sync::atomic::AtomicU32,
 }
 
-impl Queue {
-    /// Bit `i` set where priority index `i` has jobs waiting.
-    fn occupied(&self) -> u32 {
-        self.levels
-            .iter()
-            .enumerate()
-            .filter(|(_, q)| !q.is_empty())
-            .fold(0, |bits, (i, _)| bits | 1 << i)
-    }
-}
-
 impl Jobs {
+    /// Queues `job` in `q` (locked) and publishes the counters.
+    fn push(&self, q: &mut Queue, priority: Priority, job: Job) {
+        q.push(priority, job);
+        self.len.fetch_add(1, Ordering::AcqRel);
+        self.levels.store(q.occupied, Ordering::Release);
+    }
+
+    /// Takes the next job from `q` (locked) and publishes the counters.
+    fn pop(&self, q: &mut Queue) -> Option<Job> {
+        let job = q.pop()?;
+        self.len.fetch_sub(1, Ordering::AcqRel);
+        self.levels.store(q.occupied, Ordering::Release);
+        Some(job)
+    }
+
+    /// The next job, looking under the lock only when the counter says there is one.
     fn try_pop(&self) -> Option<Job> {
         if self.len.load(Ordering::Acquire) == 0 {
             return None;
         }
-        let mut q = self.queue.lock().unwrap();
-        let job = q.pop();
-        if job.is_some() {
-            self.len.fetch_sub(1, Ordering::AcqRel);
-            self.levels.store(q.occupied(), Ordering::Release);
-        }
-        job
+        self.pop(&mut self.queue.lock().unwrap())
     }
 }
 
@@ -220,9 +226,7 @@ impl Pool {
         let jobs = &self.inner.jobs;
         let wake = {
             let mut q = jobs.queue.lock().unwrap();
-            q.push(priority, Box::new(job));
-            jobs.len.fetch_add(1, Ordering::AcqRel);
-            jobs.levels.fetch_or(1 << priority.index(), Ordering::AcqRel);
+            jobs.push(&mut q, priority, Box::new(job));
             q.sleepers > 0
         };
         if wake {
@@ -285,9 +289,7 @@ fn next_job(weak: &Weak<Inner>, jobs: &Jobs) -> Option<Job> {
     }
     let mut q = jobs.queue.lock().unwrap();
     loop {
-        if let Some(j) = q.pop() {
-            jobs.len.fetch_sub(1, Ordering::AcqRel);
-            jobs.levels.store(q.occupied(), Ordering::Release);
+        if let Some(j) = jobs.pop(&mut q) {
             return Some(j);
         }
         if q.closed {
@@ -297,7 +299,7 @@ fn next_job(weak: &Weak<Inner>, jobs: &Jobs) -> Option<Job> {
         let (guard, wait) = jobs.ready.wait_timeout(q, SURPLUS_IDLE).unwrap();
         q = guard;
         q.sleepers -= 1;
-        if wait.timed_out() && q.levels.iter().all(VecDeque::is_empty) {
+        if wait.timed_out() && q.occupied == 0 {
             // Not holding the queue: dropping the last handle to `Inner` (teardown) locks it.
             drop(q);
             let inner = weak.upgrade()?;

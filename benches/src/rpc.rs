@@ -224,28 +224,20 @@ pub fn run(
     Ok(out)
 }
 
-/// Round trips of a 64 B echo at `priority`, from this thread, for `budget` (at least 3, at
-/// most `max`). With `spaced`, a pseudo-random pause of up to 2 ms before each, so that the
-/// samples fall at every phase of a stream running beside them, not in one gap of it.
-fn echo_64(
-    agent: &Agent,
-    priority: Priority,
-    budget: std::time::Duration,
-    max: usize,
-    spaced: bool,
-) -> anyhow::Result<Vec<f64>> {
+/// Round trips of a 64 B echo at `priority`, from this thread, for `budget` (at least 3), each
+/// after a pseudo-random pause of up to 2 ms, so that the samples fall at every phase of a
+/// stream running beside them, not in one gap of it.
+fn echo_64(agent: &Agent, priority: Priority, budget: std::time::Duration) -> anyhow::Result<Vec<f64>> {
     let at = agent.with_priority(priority);
     let payload = Payload::empty().with_tensors(vec![Tensor::cpu(Bytes::from(vec![1u8; 64]))]);
     let mut samples = Vec::new();
     let mut x = 0x9E37_79B9_7F4A_7C15u64;
     let start = Instant::now();
-    while samples.len() < max && (start.elapsed() < budget || samples.len() < 3) {
-        if spaced {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            std::thread::sleep(std::time::Duration::from_micros(x % 2000));
-        }
+    while samples.len() < MAX_RTT_SAMPLES && (start.elapsed() < budget || samples.len() < 3) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        std::thread::sleep(std::time::Duration::from_micros(x % 2000));
         let t0 = Instant::now();
         at.rpc_sync(1u32, "echo", payload.clone())?;
         samples.push(t0.elapsed().as_nanos() as f64);
@@ -272,7 +264,7 @@ fn priority_records(
         "rpc",
         format!("priority-idle/{transport}"),
         64,
-        echo_64(agent, Priority::HIGH, budget, MAX_RTT_SAMPLES, true)?,
+        echo_64(agent, Priority::HIGH, budget)?,
     );
     out.push(idle.clone());
 
@@ -300,8 +292,8 @@ fn priority_records(
     // Let the stream fill the pipe before measuring.
     std::thread::sleep(std::time::Duration::from_millis(50));
     let loaded = (|| -> anyhow::Result<_> {
-        let normal = echo_64(agent, Priority::NORMAL, budget, MAX_RTT_SAMPLES, true)?;
-        let high = echo_64(agent, Priority::HIGH, budget, MAX_RTT_SAMPLES, true)?;
+        let normal = echo_64(agent, Priority::NORMAL, budget)?;
+        let high = echo_64(agent, Priority::HIGH, budget)?;
         Ok((normal, high))
     })();
     stop.store(true, std::sync::atomic::Ordering::Relaxed);

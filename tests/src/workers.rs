@@ -56,6 +56,14 @@ pub enum Ending {
     Killed,
 }
 
+/// Options for a group of one, `name` at rank 0, serving its store on a free loopback port:
+/// an agent inside the test process itself.
+pub fn solo_options(name: &str) -> AgentOptions {
+    AgentOptions::new(name)
+        .rank(0, 1)
+        .store(format!("127.0.0.1:{}", free_port()))
+}
+
 /// A free TCP port on loopback (bound, then released for the store to take).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

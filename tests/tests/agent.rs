@@ -789,12 +789,7 @@ fn init_checks_names_and_second_init_errors() {
     assert_eq!(agent.call::<_, i64>("solo", "add", &(1i64, 2i64)).unwrap(), 3);
     agent.shutdown().unwrap();
     // After shutdown a new agent may start.
-    let port = sluice_tests::workers::free_port();
-    let again = Agent::init(
-        AgentOptions::new("solo2").rank(0, 1).store(format!("127.0.0.1:{port}")),
-        registry(),
-    )
-    .unwrap();
+    let again = Agent::init(sluice_tests::workers::solo_options("solo2"), registry()).unwrap();
     again.shutdown().unwrap();
 }
 
@@ -802,14 +797,7 @@ fn init_checks_names_and_second_init_errors() {
 fn hostile_pipes_are_closed_and_the_agent_keeps_serving() {
     let _turn = IN_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
     use sluice_channel::{Context, ContextOptions, Message};
-    let port = sluice_tests::workers::free_port();
-    let agent = Agent::init(
-        AgentOptions::new("target")
-            .rank(0, 1)
-            .store(format!("127.0.0.1:{port}")),
-        registry(),
-    )
-    .unwrap();
+    let agent = Agent::init(sluice_tests::workers::solo_options("target"), registry()).unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use sluice_agent::priority::AGING_PASSES;
 use sluice_agent::{Agent, CallContext, Payload, Priority, Registry, Tensor};
 use sluice_channel::{ChannelKind, TransportKind};
-use sluice_tests::workers::WorkerEnv;
+use sluice_tests::workers::{Ending, WorkerEnv};
 use sluice_tests::{pattern, worker_test, WATCHDOG};
 
 /// Handlers wait for this (opened by `open`).
@@ -252,14 +252,7 @@ worker_test!(handlers_run_and_call_at_their_requests_priority, 2, |env| {
 fn an_out_of_range_priority_is_rejected_with_a_typed_error() {
     use sluice_agent::wire::{self, Body, Envelope, Request, Response, WireError};
     use sluice_channel::{Context, ContextOptions, Message};
-    let port = sluice_tests::workers::free_port();
-    let agent = Agent::init(
-        sluice_agent::AgentOptions::new("target")
-            .rank(0, 1)
-            .store(format!("127.0.0.1:{port}")),
-        registry(),
-    )
-    .unwrap();
+    let agent = Agent::init(sluice_tests::workers::solo_options("target"), registry()).unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -427,3 +420,38 @@ worker_test!(
     2,
     |env| { small_calls_in_flight(env, TransportKind::Tcp) }
 );
+
+/// A peer that dies fails the calls pending on both of its pipes, normal and express, and
+/// later calls at any priority, each naming it.
+#[test]
+fn peer_death_fails_calls_on_both_pipes() {
+    sluice_tests::workers::run_workers_with(
+        "peer_death_fails_calls_on_both_pipes",
+        2,
+        |rank| if rank == 1 { Ending::Killed } else { Ending::Success },
+        |env| {
+            let agent = env.agent(registry());
+            if env.rank == 1 {
+                agent.barrier("ready").unwrap();
+                std::thread::sleep(Duration::from_millis(300));
+                nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL).unwrap();
+                unreachable!();
+            }
+            let normal = agent.call_async(1u32, "hold", &());
+            let urgent = agent.with_priority(Priority::HIGH).call_async(1u32, "hold", &());
+            agent.barrier("ready").unwrap();
+            for (lane, pending) in [("normal", normal), ("express", urgent)] {
+                let e = pending
+                    .wait_timeout(WATCHDOG)
+                    .expect("watchdog: a call pending on a dead peer never failed")
+                    .unwrap_err();
+                assert!(e.is_peer_lost() && e.to_string().contains("worker1"), "{lane}: {e}");
+            }
+            for p in [Priority::LOW, Priority::HIGH] {
+                let e = agent.with_priority(p).call::<_, ()>(1u32, "hold", &()).unwrap_err();
+                assert!(e.is_peer_lost() && e.to_string().contains("worker1"), "{p}: {e}");
+            }
+            agent.shutdown_now();
+        },
+    );
+}
