@@ -510,19 +510,16 @@ pub(crate) fn message_bytes(d: &Descriptor) -> u64 {
 /// Reads one whole message from `pipe`, refusing one larger than `max_message_bytes` before
 /// allocating anything for it.
 pub(crate) async fn read_message(pipe: &Pipe, inner: &AgentInner) -> Result<(Descriptor, Allocation), PipeError> {
-    let d = pipe.read_descriptor().await?;
-    finish_read(pipe, inner, d, None).await
+    pipe.read_message(|d| {
+        within_limit(pipe, inner, message_bytes(d))?;
+        allocate(pipe, inner, d)
+    })
+    .await
 }
 
-pub(crate) async fn finish_read(
-    pipe: &Pipe,
-    inner: &AgentInner,
-    d: Descriptor,
-    budget: Option<(&Budget, u64)>,
-) -> Result<(Descriptor, Allocation), PipeError> {
-    let size = message_bytes(&d);
+/// Refuses a message of `size` bytes above `max_message_bytes` (a protocol error).
+fn within_limit(pipe: &Pipe, inner: &AgentInner, size: u64) -> Result<(), PipeError> {
     if size > inner.options.max_message_bytes {
-        pipe.close();
         return Err(PipeError::Protocol {
             peer: pipe.info().peer.clone(),
             detail: format!(
@@ -531,20 +528,42 @@ pub(crate) async fn finish_read(
             ),
         });
     }
+    Ok(())
+}
+
+/// The allocation for a message, or the protocol error that refuses it (a tensor this worker
+/// cannot place).
+fn allocate(pipe: &Pipe, inner: &AgentInner, d: &Descriptor) -> Result<Allocation, PipeError> {
+    inner.allocate(d).map_err(|detail| PipeError::Protocol {
+        peer: pipe.info().peer.clone(),
+        detail,
+    })
+}
+
+/// Reads the message whose descriptor `d` was just read, within the server's memory `budget`
+/// (its bytes are acquired before anything is allocated for it).
+pub(crate) async fn finish_read(
+    pipe: &Pipe,
+    inner: &AgentInner,
+    d: Descriptor,
+    budget: Option<(&Budget, u64)>,
+) -> Result<(Descriptor, Allocation), PipeError> {
+    let size = message_bytes(&d);
+    if let Err(e) = within_limit(pipe, inner, size) {
+        pipe.close();
+        return Err(e);
+    }
     if let Some((b, size)) = budget {
         b.acquire(size).await;
     }
-    let allocation = match inner.allocate(&d) {
+    let allocation = match allocate(pipe, inner, &d) {
         Ok(a) => a,
-        Err(detail) => {
+        Err(e) => {
             if let Some((b, size)) = budget {
                 b.release(size);
             }
             pipe.close();
-            return Err(PipeError::Protocol {
-                peer: pipe.info().peer.clone(),
-                detail,
-            });
+            return Err(e);
         }
     };
     let allocation = match pipe.read(allocation).await {

@@ -97,21 +97,27 @@ async fn serve_transport<C: Connection>(conn: C) -> anyhow::Result<()> {
 async fn serve_pipe(pipe: Pipe, directory: String) -> anyhow::Result<()> {
     let mut spare: Option<Allocation> = None;
     loop {
-        let d = pipe.read_descriptor().await?;
-        // Reuse the previous message's memory when the shape matches: no page faults.
-        let fits = |a: &Allocation| {
-            a.payloads.len() == d.payload_lengths.len()
-                && a.tensors.len() == d.tensors.len()
-                && a.tensors
-                    .iter()
-                    .zip(&d.tensors)
-                    .all(|(b, t)| b.len() as u64 == t.length)
-        };
-        let alloc = match spare.take() {
-            Some(a) if fits(&a) => a,
-            _ => Allocation::for_descriptor(&d),
-        };
-        let got = pipe.read(alloc).await?;
+        let (d, got) = pipe
+            .read_message(|d| {
+                // Reuse the previous message's memory when the shape matches: no page faults.
+                let fits = |a: &Allocation| {
+                    a.payloads.len() == d.payload_lengths.len()
+                        && a.payloads
+                            .iter()
+                            .zip(&d.payload_lengths)
+                            .all(|(p, &n)| p.len() as u64 == n)
+                        && a.tensors.len() == d.tensors.len()
+                        && a.tensors
+                            .iter()
+                            .zip(&d.tensors)
+                            .all(|(b, t)| b.len() as u64 == t.length)
+                };
+                Ok(match spare.take() {
+                    Some(a) if fits(&a) => a,
+                    _ => Allocation::for_descriptor(d),
+                })
+            })
+            .await?;
         match &d.metadata[..] {
             b"dir" => {
                 pipe.write(&Message {

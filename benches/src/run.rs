@@ -281,22 +281,22 @@ fn tensor_message(tag: &'static [u8], data: &Bytes) -> Message {
     }
 }
 
-pub(crate) async fn pipe_rtt(pipe: &Pipe, size: usize, budget: Duration) -> anyhow::Result<Vec<f64>> {
+pub async fn pipe_rtt(pipe: &Pipe, size: usize, budget: Duration) -> anyhow::Result<Vec<f64>> {
     let data = Bytes::from(vec![7u8; size]);
     message_rtt(pipe, &tensor_message(b"echo", &data), budget).await
 }
 
 /// Round trips of `message` through the peer's echo, receiving into reused memory.
-pub(crate) async fn message_rtt(pipe: &Pipe, message: &Message, budget: Duration) -> anyhow::Result<Vec<f64>> {
+pub async fn message_rtt(pipe: &Pipe, message: &Message, budget: Duration) -> anyhow::Result<Vec<f64>> {
     let mut alloc: Option<Allocation> = None;
     let mut samples = Vec::new();
     let start = Instant::now();
     while samples.len() < MAX_RTT_SAMPLES && (start.elapsed() < budget || samples.len() < 3) {
         let t0 = Instant::now();
         pipe.write(message).await?;
-        let d = pipe.read_descriptor().await?;
-        let a = alloc.take().unwrap_or_else(|| Allocation::for_descriptor(&d));
-        let got = pipe.read(a).await?;
+        let (_, got) = pipe
+            .read_message(|d| Ok(alloc.take().unwrap_or_else(|| Allocation::for_descriptor(d))))
+            .await?;
         // Private memory is reused; memory the pipe lent (a shared segment) goes back to the
         // sender now, as a caller done with its reply gives it back (the agent's echo drops
         // each reply too): held until the next reply, it would keep the sender off its

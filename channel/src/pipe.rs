@@ -34,13 +34,13 @@
 //! How each tensor's bytes move is its channel's business (`channel::path` dispatches to the
 //! channel's module); the pipe keeps ordering, acknowledgements and sticky errors.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use sluice_transport::any::{AnyReader, AnyWriter};
 use sluice_transport::ibv::RdmaHandle;
 use sluice_transport::{Closer, FrameReader, FrameWriter};
+use smallvec::SmallVec;
 use tokio::sync::Mutex;
 
 use crate::channel::path::{self, Link, Received, Rx, Staging, Tx};
@@ -51,7 +51,9 @@ use crate::cuda::ipc;
 use crate::device::{Device, SendBuffer};
 use crate::error::{PipeError, Result};
 use crate::message::{Allocation, Descriptor, Message, TensorDescriptor};
-use crate::wire::{self, Ack, WireDescriptor, WireTensor};
+use crate::wire::{
+    self, Ack, ByteSlice, DescriptorOut, Lengths, Source, TensorOut, WireDescriptor, WireTensor, PACK_MAX,
+};
 
 /// A cma pipe's shared segments: the one this side receives into, and the peer's, which this
 /// side sends into (see [`crate::channel::segment`]).
@@ -154,6 +156,8 @@ struct WriteSide {
     seq: u64,
     /// Sources the peer may still be reading (CMA, rdma, CUDA), cleared once acknowledged.
     exposed: Vec<SendBuffer>,
+    /// The last descriptor's encoding (its capacity reused by the next).
+    encoded: Vec<u8>,
 }
 
 struct ReadSide {
@@ -161,11 +165,17 @@ struct ReadSide {
     acks: AnyWriter,
     seq: u64,
     pending: Option<WireDescriptor>,
+    /// The last descriptor frame (its capacity reused by the next); a packed message's
+    /// payloads and inline tensors are copied out of it, from `packed_at` on.
+    frame: Vec<u8>,
+    packed_at: usize,
 }
+
+/// A descriptor frame buffer grown past this (by a large metadata) is let go rather than kept.
+const FRAME_KEEP: usize = 1 << 20;
 
 struct Inner {
     info: PipeInfo,
-    table: HashMap<(Device, Device), ChannelKind>,
     /// The peer's process token, and whether it is this process.
     peer_process: u64,
     same_process: bool,
@@ -264,7 +274,6 @@ impl Pipe {
         peer_process: u64,
         segments: Segments,
     ) -> Pipe {
-        let table = info.channels.iter().map(|&(l, r, k)| ((l, r), k)).collect();
         let ipc_counted = info.channels.iter().any(|c| c.2.is_direct_cuda());
         if ipc_counted {
             ipc::pipe_opened(peer_process);
@@ -296,7 +305,6 @@ impl Pipe {
         Pipe {
             inner: Arc::new(Inner {
                 info,
-                table,
                 peer_process,
                 same_process: peer_process == crate::channel::cuda::process_token(),
                 ipc_counted,
@@ -319,6 +327,7 @@ impl Pipe {
                     acks: links.reply.0,
                     seq: 0,
                     exposed: Vec::new(),
+                    encoded: Vec::new(),
                 }),
                 reader: Mutex::new(ReadSide {
                     rx: Rx {
@@ -332,6 +341,8 @@ impl Pipe {
                     acks: links.reply.1,
                     seq: 0,
                     pending: None,
+                    frame: Vec::new(),
+                    packed_at: 0,
                 }),
             }),
         }
@@ -358,9 +369,8 @@ impl Pipe {
     /// The negotiated channel between a local and a remote device.
     fn channel_for(&self, local: Device, remote: Device) -> Result<ChannelKind> {
         self.inner
-            .table
-            .get(&(local, remote))
-            .copied()
+            .info
+            .channel(local, remote)
             .ok_or_else(|| PipeError::Negotiation {
                 peer: self.inner.info.peer.clone(),
                 reason: format!("no channel connects {local} here to {remote} there"),
@@ -462,9 +472,10 @@ impl Pipe {
         let poison = |e: PipeError| inner.fail(e);
         let link = inner.link(&poison);
         let seq = side.seq;
-        let mut channels = Vec::with_capacity(message.tensors.len());
-        let mut targets = Vec::with_capacity(message.tensors.len());
-        let mut prepared = Vec::with_capacity(message.tensors.len());
+        let n = message.tensors.len();
+        let mut channels: SmallVec<[ChannelKind; 4]> = SmallVec::with_capacity(n);
+        let mut targets: SmallVec<[Option<Device>; 4]> = SmallVec::with_capacity(n);
+        let mut prepared: SmallVec<[path::Prepared; 4]> = SmallVec::with_capacity(n);
         let mut staging = Staging::default();
         for t in &message.tensors {
             let source = t.buffer.device();
@@ -480,24 +491,40 @@ impl Pipe {
         }
         // Counted only once the message is known to be sendable (a refused one leaves no gap).
         side.seq += 1;
-        let descriptor = WireDescriptor {
-            seq,
-            metadata: message.metadata.clone(),
-            payloads: message.payloads.iter().map(|p| p.len() as u64).collect(),
-            tensors: message
+        let inline = |p: &path::Prepared| matches!(p.source, Source::Inline);
+        let packed_len = message.payloads.iter().map(|p| p.len()).sum::<usize>()
+            + message
+                .tensors
+                .iter()
+                .zip(&prepared)
+                .filter(|(_, p)| inline(p))
+                .map(|(t, _)| t.buffer.len())
+                .sum::<usize>();
+        let packed = packed_len <= PACK_MAX;
+        let mut encoded = std::mem::take(&mut side.encoded);
+        {
+            let tensors: SmallVec<[TensorOut<'_>; 4]> = message
                 .tensors
                 .iter()
                 .zip(&prepared)
                 .zip(&targets)
-                .map(|((t, p), &target)| WireTensor {
+                .map(|((t, p), &target)| TensorOut {
                     length: t.buffer.len() as u64,
                     source: t.buffer.device(),
                     target,
-                    metadata: t.metadata.clone(),
-                    data: p.source.clone(),
+                    metadata: ByteSlice(&t.metadata),
+                    data: &p.source,
                 })
-                .collect(),
-        };
+                .collect();
+            let descriptor = DescriptorOut {
+                seq,
+                metadata: ByteSlice(&message.metadata),
+                payloads: Lengths(&message.payloads),
+                tensors: &tensors,
+                packed,
+            };
+            wire::encode_into(&descriptor, &mut encoded);
+        }
         let needs_ack = prepared.iter().any(|p| p.source.needs_ack());
         for (t, p) in message.tensors.iter().zip(&prepared) {
             if p.source.needs_ack() {
@@ -508,13 +535,34 @@ impl Pipe {
         staging.before_announce(&link).await?;
         // The message's frames on the control connection leave as one transport write (one
         // system call, one publication), at the end or before anything that waits on the peer.
-        side.tx.control.write_deferred(&[&wire::encode(&descriptor)]).await?;
+        // A packed message is one frame: the descriptor, its payloads, its inline tensors.
+        if packed {
+            let mut parts: SmallVec<[&[u8]; 8]> = SmallVec::new();
+            parts.push(&encoded);
+            parts.extend(message.payloads.iter().map(|p| &p[..]));
+            for ((t, &channel), p) in message.tensors.iter().zip(&channels).zip(&prepared) {
+                if inline(p) {
+                    match &t.buffer {
+                        SendBuffer::Cpu(b) => parts.push(b),
+                        b => return Err(link.wrong_buffer(channel, b.device())),
+                    }
+                }
+            }
+            side.tx.control.write_deferred(&parts).await?;
+        } else {
+            side.tx.control.write_deferred(&[&encoded]).await?;
+        }
+        side.encoded = encoded;
         staging.announced();
-        for p in &message.payloads {
-            side.tx.control.write_deferred(&[p]).await?;
+        if !packed {
+            for p in &message.payloads {
+                side.tx.control.write_deferred(&[p]).await?;
+            }
         }
         for ((t, &channel), p) in message.tensors.iter().zip(&channels).zip(&prepared) {
-            path::send(channel, &mut side.tx, &link, &t.buffer, &p.source).await?;
+            if !(packed && inline(p)) {
+                path::send(channel, &mut side.tx, &link, &t.buffer, &p.source).await?;
+            }
         }
         if !defer || needs_ack {
             side.tx.control.flush().await?;
@@ -554,19 +602,44 @@ impl Pipe {
     pub async fn read_descriptor(&self) -> Result<Descriptor> {
         let mut side = self.inner.reader.lock().await;
         self.inner.check()?;
+        self.next_descriptor(&mut side).await
+    }
+
+    /// Receives the next message whole: its descriptor, and its contents in the allocation
+    /// `allocate` makes for that descriptor. The same as [`read_descriptor`](Self::read_descriptor)
+    /// then [`read`](Self::read), under one hold of the read side. An allocation that fails
+    /// fails the pipe with its error (a message this receiver refuses, say, as too large).
+    pub async fn read_message(
+        &self,
+        allocate: impl FnOnce(&Descriptor) -> Result<Allocation>,
+    ) -> Result<(Descriptor, Allocation)> {
+        let mut side = self.inner.reader.lock().await;
+        self.inner.check()?;
+        let d = self.next_descriptor(&mut side).await?;
+        let allocation = allocate(&d).map_err(|e| self.inner.fail(e))?;
+        let allocation = self.read_pending(&mut side, allocation).await?;
+        Ok((d, allocation))
+    }
+
+    async fn next_descriptor(&self, side: &mut ReadSide) -> Result<Descriptor> {
         if side.pending.is_some() {
             return Err(PipeError::Misuse(
                 "a descriptor is already waiting for its read()".into(),
             ));
         }
-        let frame = match side.rx.control.read_vec(self.inner.max_descriptor).await {
-            Ok(f) => f,
-            Err(e) => return Err(self.inner.fail(e.into())),
-        };
-        let descriptor: WireDescriptor = match wire::decode(&frame, &self.inner.info.peer) {
+        if side.frame.capacity() > FRAME_KEEP {
+            side.frame = Vec::new();
+        }
+        let limit = self.inner.max_descriptor.saturating_add(PACK_MAX);
+        let ReadSide { rx, frame, .. } = &mut *side;
+        if let Err(e) = rx.control.read_into_vec(frame, limit).await {
+            return Err(self.inner.fail(e.into()));
+        }
+        let (mut descriptor, packed_at) = match wire::decode_descriptor(&side.frame, &self.inner.info.peer) {
             Ok(d) => d,
             Err(e) => return Err(self.inner.fail(e)),
         };
+        side.packed_at = packed_at;
         crate::cuda::trace::mark("recv: descriptor");
         if descriptor.seq != side.seq {
             return Err(self.inner.fail(
@@ -588,17 +661,18 @@ impl Pipe {
         // The sender has finished waiting on the events of our previous acknowledgement.
         side.rx.held.clear();
         let pooled = side.rx.landing.is_some();
+        // The metadata moves to the reader: `read` needs only the lengths and sources.
         let public = Descriptor {
-            metadata: descriptor.metadata.clone(),
+            metadata: std::mem::take(&mut descriptor.metadata),
             payload_lengths: descriptor.payloads.clone(),
             tensors: descriptor
                 .tensors
-                .iter()
+                .iter_mut()
                 .map(|t| TensorDescriptor {
                     length: t.length,
                     source_device: t.source,
                     target_device: t.target,
-                    metadata: t.metadata.clone(),
+                    metadata: std::mem::take(&mut t.metadata),
                     arrives_shared: lent(t, pooled),
                 })
                 .collect(),
@@ -631,6 +705,11 @@ impl Pipe {
         if let Err(error) = self.inner.check() {
             return Err(ReadError { error, allocation });
         }
+        self.read_pending(&mut side, allocation).await
+    }
+
+    /// [`read`](Self::read) with the read side held.
+    async fn read_pending(&self, side: &mut ReadSide, allocation: Allocation) -> Result<Allocation, ReadError> {
         let Some(descriptor) = side.pending.take() else {
             return Err(ReadError {
                 error: PipeError::Misuse("read() without a descriptor: call read_descriptor() first".into()),
@@ -648,7 +727,7 @@ impl Pipe {
         // The descriptor is taken: a read abandoned from here on would leave the peer waiting
         // for an acknowledgement that cannot come, so abandoning it closes the pipe.
         let abandoned = CloseOnDrop(Some(&self.inner));
-        let read = self.read_locked(&mut side, &descriptor, &mut allocation).await;
+        let read = self.read_locked(side, &descriptor, &mut allocation).await;
         abandoned.disarm();
         match read {
             Ok(()) => {
@@ -671,26 +750,52 @@ impl Pipe {
         let inner = &self.inner;
         let poison = |e: PipeError| inner.fail(e);
         let link = inner.link(&poison);
+        let ReadSide {
+            rx,
+            acks,
+            frame,
+            packed_at,
+            ..
+        } = side;
+        // A packed message's payloads and inline tensors are in its descriptor's frame.
+        let mut packed: Option<&[u8]> = descriptor.packed.then(|| &frame[*packed_at..]);
+        let mut unpack = |n: u64| -> Result<&[u8]> {
+            let tail = packed.as_mut().expect("unpacking a packed message");
+            let Some((head, rest)) = tail.split_at_checked(n as usize) else {
+                return Err(inner.protocol("packed bytes shorter than announced"));
+            };
+            *tail = rest;
+            Ok(head)
+        };
         for p in allocation.payloads.iter_mut() {
-            path::recv_inline(&mut side.rx.control, &link, p).await?;
+            if descriptor.packed {
+                let n = p.len() as u64;
+                p.copy_from_slice(unpack(n)?);
+            } else {
+                path::recv_inline(&mut rx.control, &link, p).await?;
+            }
         }
         let mut ack = false;
         let mut cuda = Vec::new();
         for (t, buf) in descriptor.tensors.iter().zip(allocation.tensors.iter_mut()) {
             let channel = self.channel_for(buf.device(), t.source)?;
-            match path::recv(channel, &mut side.rx, &link, &t.data, t.length, t.source, buf).await? {
+            if descriptor.packed && matches!(t.data, Source::Inline) {
+                path::recv_packed(channel, &link, unpack(t.length)?, buf)?;
+                continue;
+            }
+            match path::recv(channel, rx, &link, &t.data, t.length, t.source, buf).await? {
                 Received::Done => {}
                 Received::Ack => ack = true,
                 Received::Cuda(done) => cuda.push(done),
             }
         }
-        side.rx.finished();
+        rx.finished();
         if ack || !cuda.is_empty() {
             let ack = Ack {
                 seq: descriptor.seq,
                 cuda,
             };
-            side.acks.write(&[&wire::encode(&ack)]).await?;
+            acks.write(&[&wire::encode(&ack)]).await?;
             crate::cuda::trace::mark("recv: ack sent");
         }
         Ok(())

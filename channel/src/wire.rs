@@ -19,7 +19,7 @@ use crate::error::PipeError;
 
 pub const MAGIC: [u8; 4] = *b"SLCE";
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 6;
+pub const VERSION: u16 = 7;
 const ENVELOPE: usize = 6;
 
 /// Largest setup frame accepted (hello or answer).
@@ -104,12 +104,74 @@ pub struct ChannelChoice {
 }
 
 /// The descriptor frame of one message on the control connection.
+///
+/// A *packed* message (a small one: see [`PACK_MAX`]) carries its payloads and its inline
+/// tensors in the descriptor's own frame, right after the descriptor, in that order: one frame
+/// per message. Otherwise each payload and each inline tensor is a frame of its own after it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WireDescriptor {
     pub seq: u64,
     pub metadata: Bytes,
     pub payloads: Vec<u64>,
     pub tensors: Vec<WireTensor>,
+    pub packed: bool,
+}
+
+/// A message whose payloads and inline tensors total at most this many bytes is packed into
+/// its descriptor's frame (the receiver copies them out of that frame: one copy more, for
+/// bytes this few, against a frame and a wait fewer).
+pub const PACK_MAX: usize = 16 << 10;
+
+impl WireDescriptor {
+    /// The bytes a packed frame carries after the descriptor (payloads and inline tensors), or
+    /// `None` if a peer's lengths overflow.
+    pub fn packed_len(&self) -> Option<u64> {
+        let inline = self.tensors.iter().filter(|t| matches!(t.data, Source::Inline));
+        self.payloads
+            .iter()
+            .copied()
+            .chain(inline.map(|t| t.length))
+            .try_fold(0u64, u64::checked_add)
+    }
+}
+
+/// The sender's view of a descriptor, borrowing the message: encodes to exactly the bytes of
+/// the [`WireDescriptor`] the receiver decodes, without building one.
+#[derive(Serialize)]
+pub(crate) struct DescriptorOut<'a> {
+    pub seq: u64,
+    pub metadata: ByteSlice<'a>,
+    pub payloads: Lengths<'a>,
+    pub tensors: &'a [TensorOut<'a>],
+    pub packed: bool,
+}
+
+/// The sender's view of a [`WireTensor`].
+#[derive(Serialize)]
+pub(crate) struct TensorOut<'a> {
+    pub length: u64,
+    pub source: Device,
+    pub target: Option<Device>,
+    pub metadata: ByteSlice<'a>,
+    pub data: &'a Source,
+}
+
+/// Bytes serialized as [`Bytes`] is.
+pub(crate) struct ByteSlice<'a>(pub &'a [u8]);
+
+impl Serialize for ByteSlice<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(self.0)
+    }
+}
+
+/// The lengths of a message's payloads, serialized as a `Vec<u64>` is.
+pub(crate) struct Lengths<'a>(pub &'a [Bytes]);
+
+impl Serialize for Lengths<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.0.iter().map(|p| p.len() as u64))
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -241,6 +303,13 @@ pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
     postcard::to_stdvec(value).expect("serializing to a Vec cannot fail")
 }
 
+/// Serializes a frame of an established pipe into `out` (cleared first, its capacity reused).
+pub(crate) fn encode_into<T: Serialize>(value: &T, out: &mut Vec<u8>) {
+    out.clear();
+    let buf = std::mem::take(out);
+    *out = postcard::to_extend(value, buf).expect("serializing to a Vec cannot fail");
+}
+
 /// Parses a frame of an established pipe; trailing bytes are an error.
 pub fn decode<T: DeserializeOwned>(bytes: &[u8], peer: &str) -> Result<T, PipeError> {
     match postcard::take_from_bytes(bytes) {
@@ -254,6 +323,36 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8], peer: &str) -> Result<T, PipeEr
             detail: format!("malformed frame: {e}"),
         }),
     }
+}
+
+/// Parses a descriptor frame: the descriptor, and where its packed bytes start in `bytes`.
+/// The bytes after the descriptor must be exactly what it says it packed (nothing, unless it
+/// is packed), and no more than [`PACK_MAX`].
+pub fn decode_descriptor(bytes: &[u8], peer: &str) -> Result<(WireDescriptor, usize), PipeError> {
+    let protocol = |detail: String| PipeError::Protocol {
+        peer: peer.to_owned(),
+        detail,
+    };
+    let (d, rest) =
+        postcard::take_from_bytes::<WireDescriptor>(bytes).map_err(|e| protocol(format!("malformed frame: {e}")))?;
+    let want = if d.packed {
+        let want = d
+            .packed_len()
+            .ok_or_else(|| protocol("packed lengths overflow".into()))?;
+        if want > PACK_MAX as u64 {
+            return Err(protocol(format!("{want} bytes packed, more than {PACK_MAX}")));
+        }
+        want
+    } else {
+        0
+    };
+    if rest.len() as u64 != want {
+        return Err(protocol(format!(
+            "{} bytes after the descriptor, which packs {want}",
+            rest.len()
+        )));
+    }
+    Ok((d, bytes.len() - rest.len()))
 }
 
 #[cfg(test)]
@@ -304,9 +403,11 @@ mod tests {
                     event: Bytes::from_static(&[2; 64]),
                 },
             }],
+            packed: false,
         });
         for cut in 0..sample.len() {
             let _ = decode::<WireDescriptor>(&sample[..cut], "p");
+            let _ = decode_descriptor(&sample[..cut], "p");
         }
         let mut x = 0x1234_5678u32;
         for len in 0..512 {
@@ -319,7 +420,124 @@ mod tests {
                 })
                 .collect();
             let _ = decode::<WireDescriptor>(&junk, "p");
+            let _ = decode_descriptor(&junk, "p");
             let _ = decode_setup::<Hello>(&junk, "p");
         }
+    }
+
+    /// The sender's borrowed form encodes to the bytes of the owned descriptor.
+    #[test]
+    fn borrowed_descriptor_encodes_like_the_owned_one() {
+        let cuda = Source::CudaIpc {
+            memory: Bytes::from_static(&[1; 64]),
+            offset: 5,
+            size: 4096,
+            event: Bytes::from_static(&[2; 64]),
+        };
+        let payloads = [Bytes::from_static(b"abc"), Bytes::new(), Bytes::from(vec![9u8; 300])];
+        let owned = WireDescriptor {
+            seq: 1 << 40,
+            metadata: Bytes::from_static(b"meta"),
+            payloads: vec![3, 0, 300],
+            tensors: vec![
+                WireTensor {
+                    length: 64,
+                    source: Device::Cpu,
+                    target: None,
+                    metadata: Bytes::from_static(b"shape"),
+                    data: Source::Inline,
+                },
+                WireTensor {
+                    length: 4096,
+                    source: Device::Cuda(1),
+                    target: Some(Device::Cuda(0)),
+                    metadata: Bytes::new(),
+                    data: cuda.clone(),
+                },
+            ],
+            packed: true,
+        };
+        let tensors = [
+            TensorOut {
+                length: 64,
+                source: Device::Cpu,
+                target: None,
+                metadata: ByteSlice(b"shape"),
+                data: &Source::Inline,
+            },
+            TensorOut {
+                length: 4096,
+                source: Device::Cuda(1),
+                target: Some(Device::Cuda(0)),
+                metadata: ByteSlice(b""),
+                data: &cuda,
+            },
+        ];
+        let borrowed = DescriptorOut {
+            seq: 1 << 40,
+            metadata: ByteSlice(b"meta"),
+            payloads: Lengths(&payloads),
+            tensors: &tensors,
+            packed: true,
+        };
+        let mut out = vec![7; 3];
+        encode_into(&borrowed, &mut out);
+        assert_eq!(out, encode(&owned));
+        assert_eq!(owned.packed_len(), Some(3 + 300 + 64));
+    }
+
+    /// A descriptor frame carries exactly the bytes it packs, no more, no fewer.
+    #[test]
+    fn packed_tail_must_match() {
+        let d = WireDescriptor {
+            seq: 0,
+            metadata: Bytes::new(),
+            payloads: vec![2],
+            tensors: vec![WireTensor {
+                length: 3,
+                source: Device::Cpu,
+                target: None,
+                metadata: Bytes::new(),
+                data: Source::Inline,
+            }],
+            packed: true,
+        };
+        let head = encode(&d);
+        let mut frame = head.clone();
+        frame.extend_from_slice(b"ppttt");
+        let (back, at) = decode_descriptor(&frame, "p").unwrap();
+        assert_eq!((back, at), (d.clone(), head.len()));
+        for wrong in [&b"ppt"[..], b"pptttt", b""] {
+            let mut f = head.clone();
+            f.extend_from_slice(wrong);
+            assert!(matches!(decode_descriptor(&f, "p"), Err(PipeError::Protocol { .. })));
+        }
+        // Unpacked: nothing may follow.
+        let unpacked = WireDescriptor {
+            packed: false,
+            ..d.clone()
+        };
+        let mut f = encode(&unpacked);
+        assert!(decode_descriptor(&f, "p").is_ok());
+        f.push(0);
+        assert!(matches!(decode_descriptor(&f, "p"), Err(PipeError::Protocol { .. })));
+        // Lengths that overflow when summed are refused, not wrapped.
+        let huge = WireDescriptor {
+            payloads: vec![u64::MAX, 2],
+            ..d.clone()
+        };
+        assert!(matches!(
+            decode_descriptor(&encode(&huge), "p"),
+            Err(PipeError::Protocol { .. })
+        ));
+        // More than PACK_MAX is refused even when the bytes are there.
+        let big = WireDescriptor {
+            payloads: vec![PACK_MAX as u64 + 1],
+            tensors: vec![],
+            ..d
+        };
+        let mut f = encode(&big);
+        f.resize(f.len() + PACK_MAX + 1, 0);
+        assert!(matches!(decode_descriptor(&f, "p"), Err(PipeError::Protocol { .. })));
     }
 }

@@ -144,6 +144,7 @@ fn main() {
                 metadata: vec![0; 16].into(),
                 payloads: vec![100, 0],
                 tensors: vec![t.clone(), gpu, local, rdma],
+                packed: false,
             }),
             encode(&WireDescriptor {
                 seq: 4,
@@ -160,12 +161,30 @@ fn main() {
                         ..t.clone()
                     },
                 ],
+                packed: false,
             }),
+            // A packed message: two payloads and an inline tensor after the descriptor.
+            {
+                let mut frame = encode(&WireDescriptor {
+                    seq: 6,
+                    metadata: vec![1; 4].into(),
+                    payloads: vec![3, 2],
+                    tensors: vec![WireTensor {
+                        length: 4,
+                        data: Source::Inline,
+                        ..t.clone()
+                    }],
+                    packed: true,
+                });
+                frame.extend_from_slice(b"pppqqtttt");
+                frame
+            },
             encode(&WireDescriptor {
                 seq: 5,
                 metadata: Vec::new().into(),
                 payloads: vec![1],
                 tensors: others.collect(),
+                packed: false,
             }),
             encode(&Ack { seq: 3, cuda: vec![] }),
             encode(&Ack {

@@ -56,17 +56,20 @@ fn check(seq: u64, sizes: &[usize], got: &Allocation) {
 
 /// Both directions at once, many messages, mixed sizes: intact and in order.
 async fn exercise(a: Pipe, b: Pipe) {
-    const N: u64 = 40;
-    let sizes = [0usize, 1, 4099, (1 << 20) + 3, 3 << 20];
-    let send = |p: Pipe| async move {
-        for i in 0..N {
-            p.write(&message(i, &sizes)).await.expect("write");
+    exercise_with(a, b, 40, |_| vec![0usize, 1, 4099, (1 << 20) + 3, 3 << 20]).await
+}
+
+/// [`exercise`] with the tensor sizes of message `i` given by `sizes(i)`.
+async fn exercise_with(a: Pipe, b: Pipe, n: u64, sizes: fn(u64) -> Vec<usize>) {
+    let send = move |p: Pipe| async move {
+        for i in 0..n {
+            p.write(&message(i, &sizes(i))).await.expect("write");
         }
     };
-    let recv = |p: Pipe| async move {
-        for i in 0..N {
+    let recv = move |p: Pipe| async move {
+        for i in 0..n {
             let got = receive(&p).await;
-            check(i, &sizes, &got);
+            check(i, &sizes(i), &got);
         }
     };
     let t = [
@@ -107,6 +110,39 @@ macro_rules! channel_over_transport {
             .await
         }
     };
+}
+
+/// Small messages travel as one frame (descriptor, payloads and inline tensors packed
+/// together), larger ones as a frame each: messages on both sides of that boundary, and small
+/// ones mixed with tensors that go another way (a cma segment, multilane's lanes), arrive intact
+/// and in order on every channel and transport.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn packed_and_unpacked_messages_interleave_intact() {
+    use sluice_channel::wire::PACK_MAX;
+    // Every message has a 10-byte and an empty payload (see `message`).
+    fn sizes(i: u64) -> Vec<usize> {
+        match i % 7 {
+            0 => vec![PACK_MAX - 10],
+            1 => vec![PACK_MAX - 9],
+            2 => vec![],
+            3 => vec![1, 0, 64, 4000],
+            4 => vec![64, 5000, 3, 300 << 10],
+            5 => vec![(PACK_MAX - 10) / 2, (PACK_MAX - 10) / 2 + 1],
+            _ => vec![8; 40],
+        }
+    }
+    watchdog("packing boundary", async {
+        for (transport, channel) in [
+            (TransportKind::Shm, ChannelKind::Basic),
+            (TransportKind::Tcp, ChannelKind::Basic),
+            (TransportKind::Shm, ChannelKind::Cma),
+            (TransportKind::Tcp, ChannelKind::MultiLane),
+        ] {
+            let (a, b) = pair_with(options(&[transport], &[channel])).await;
+            exercise_with(a, b, 70, sizes).await;
+        }
+    })
+    .await
 }
 
 channel_over_transport!(basic_over_tcp, TransportKind::Tcp, ChannelKind::Basic);

@@ -112,6 +112,10 @@ impl FrameReader for AnyReader {
         delegate!(self, r => r.read_vec(limit).await)
     }
 
+    async fn read_into_vec(&mut self, buf: &mut Vec<u8>, limit: usize) -> Result<usize> {
+        delegate!(self, r => r.read_into_vec(buf, limit).await)
+    }
+
     async fn readable(&mut self) -> Result<()> {
         delegate!(self, r => r.readable().await)
     }

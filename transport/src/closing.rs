@@ -23,6 +23,7 @@ impl Stopped {
         first
     }
 
+    #[inline]
     pub(crate) fn is_stopped(&self) -> bool {
         self.stopped.load(Ordering::Acquire)
     }
@@ -36,7 +37,11 @@ impl Stopped {
         }
     }
 
+    #[inline]
     pub(crate) fn check(&self) -> Result<(), TransportError> {
+        if !self.is_stopped() {
+            return Ok(());
+        }
         match self.error() {
             None => Ok(()),
             Some(e) => Err(e),

@@ -106,6 +106,16 @@ pub trait FrameReader: Send + 'static {
     /// than `limit`.
     fn read_vec(&mut self, limit: usize) -> impl Future<Output = Result<Vec<u8>>> + Send;
 
+    /// Reads the next frame into `buf`, replacing its contents and reusing its capacity (no
+    /// allocation once it has grown to the frames it carries), refusing before growing it any
+    /// frame longer than `limit`. Returns the frame's length.
+    fn read_into_vec(&mut self, buf: &mut Vec<u8>, limit: usize) -> impl Future<Output = Result<usize>> + Send {
+        async move {
+            *buf = self.read_vec(limit).await?;
+            Ok(buf.len())
+        }
+    }
+
     /// Waits until the next frame has begun to arrive, consuming nothing; fails when no frame
     /// can arrive any more (the connection's error). **Cancel-safe:** dropping it leaves the
     /// connection exactly as it was, so a reader can give up between frames and another can

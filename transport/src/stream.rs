@@ -151,7 +151,7 @@ impl<R: AsyncRead + Unpin + Send + 'static> StreamReader<R> {
         Ok(len)
     }
 
-    async fn frame_vec(&mut self, limit: usize) -> Result<Vec<u8>> {
+    async fn frame_vec(&mut self, out: &mut Vec<u8>, limit: usize) -> Result<usize> {
         let len = self.header().await?;
         if len > limit as u64 {
             return Err(TransportError::FrameTooLarge {
@@ -160,9 +160,10 @@ impl<R: AsyncRead + Unpin + Send + 'static> StreamReader<R> {
                 limit,
             });
         }
-        let mut out = vec![0u8; len as usize];
-        self.fill(&mut out).await?;
-        Ok(out)
+        out.clear();
+        out.resize(len as usize, 0);
+        self.fill(out).await?;
+        Ok(len as usize)
     }
 
     pub(crate) async fn read(&mut self, dst: &mut [u8]) -> Result<usize> {
@@ -192,11 +193,11 @@ impl<R: AsyncRead + Unpin + Send + 'static> StreamReader<R> {
         self.start < self.end
     }
 
-    pub(crate) async fn read_vec(&mut self, limit: usize) -> Result<Vec<u8>> {
+    pub(crate) async fn read_into_vec(&mut self, out: &mut Vec<u8>, limit: usize) -> Result<usize> {
         self.shared.stopped.check()?;
         let shared = self.shared.clone();
         let guard = OpGuard::new(move || shared.abort("read"));
-        let result = self.frame_vec(limit).await;
+        let result = self.frame_vec(out, limit).await;
         guard.finish();
         result.map_err(|e| self.shared.fail(e))
     }

@@ -206,7 +206,13 @@ impl FrameReader for TcpReader {
     }
 
     async fn read_vec(&mut self, limit: usize) -> Result<Vec<u8>> {
-        self.0.read_vec(limit).await
+        let mut out = Vec::new();
+        self.0.read_into_vec(&mut out, limit).await?;
+        Ok(out)
+    }
+
+    async fn read_into_vec(&mut self, buf: &mut Vec<u8>, limit: usize) -> Result<usize> {
+        self.0.read_into_vec(buf, limit).await
     }
 
     async fn readable(&mut self) -> Result<()> {

@@ -327,6 +327,24 @@ pub(crate) async fn send_inline(tx: &mut Tx, bytes: &Bytes) -> Result<()> {
     Ok(tx.control.write_deferred(&[bytes]).await?)
 }
 
+/// Receiver: an inline tensor of a packed message, whose bytes came in the descriptor's frame.
+pub(crate) fn recv_packed(channel: ChannelKind, link: &Link<'_>, bytes: &[u8], buffer: &mut RecvBuffer) -> Result<()> {
+    if let RecvBuffer::Shared(b) = buffer {
+        // A buffer handed back from an earlier read: this tensor needs writable memory.
+        *buffer = RecvBuffer::cpu(b.len());
+    }
+    match buffer {
+        RecvBuffer::Cpu(dst) if dst.len() == bytes.len() => {
+            dst.copy_from_slice(bytes);
+            Ok(())
+        }
+        RecvBuffer::Cpu(dst) => {
+            Err(link.protocol(format!("{} packed bytes for a {}-byte buffer", bytes.len(), dst.len())))
+        }
+        b => Err(link.protocol(format!("channel {channel} cannot fill a {} buffer", b.device()))),
+    }
+}
+
 /// Reads one frame of exactly `dst.len()` bytes from the control connection.
 pub(crate) async fn recv_inline(control: &mut AnyReader, link: &Link<'_>, dst: &mut [u8]) -> Result<()> {
     let n = control.read(dst).await?;

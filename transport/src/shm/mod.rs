@@ -591,7 +591,14 @@ pub struct ShmReader {
     consumer: Consumer,
 }
 
-impl ShmReader {
+/// One read in progress: the connection's shared state (borrowed, so an operation costs no
+/// reference count) and the inbox's consumer.
+struct ReadOp<'a> {
+    shared: &'a Shared,
+    consumer: &'a mut Consumer,
+}
+
+impl ReadOp<'_> {
     /// Fills `dst` from the inbox, waiting for the peer as needed. Space is handed back to the
     /// peer before every wait (so a frame larger than the ring streams) and at the end.
     async fn fill(&mut self, dst: &mut [u8]) -> Result<()> {
@@ -603,7 +610,7 @@ impl ShmReader {
                     self.consumer.release();
                     self.shared.notify_writer();
                 }
-                let consumer = &mut self.consumer;
+                let consumer = &mut *self.consumer;
                 self.shared
                     .wait(Side::Reader, || consumer.available(1).map(|n| n > 0))
                     .await?;
@@ -619,28 +626,11 @@ impl ShmReader {
         self.shared.notify_writer();
     }
 
-    async fn header(&mut self) -> Result<u64> {
+    /// The next frame's length, refused (before anything is allocated for it) above `limit`.
+    async fn header(&mut self, limit: usize) -> Result<usize> {
         let mut header = [0u8; HEADER_LEN];
         self.fill(&mut header).await?;
-        Ok(decode_header(header))
-    }
-
-    async fn frame_into(&mut self, dst: &mut [u8]) -> Result<usize> {
-        let len = self.header().await?;
-        if len > dst.len() as u64 {
-            return Err(TransportError::FrameTooLarge {
-                peer: self.shared.peer.clone(),
-                len,
-                limit: dst.len(),
-            });
-        }
-        self.fill(&mut dst[..len as usize]).await?;
-        self.finish_frame();
-        Ok(len as usize)
-    }
-
-    async fn frame_vec(&mut self, limit: usize) -> Result<Vec<u8>> {
-        let len = self.header().await?;
+        let len = decode_header(header);
         if len > limit as u64 {
             return Err(TransportError::FrameTooLarge {
                 peer: self.shared.peer.clone(),
@@ -648,30 +638,52 @@ impl ShmReader {
                 limit,
             });
         }
-        let mut out = vec![0u8; len as usize];
-        self.fill(&mut out).await?;
+        Ok(len as usize)
+    }
+
+    async fn frame_into(&mut self, dst: &mut [u8]) -> Result<usize> {
+        let len = self.header(dst.len()).await?;
+        self.fill(&mut dst[..len]).await?;
         self.finish_frame();
-        Ok(out)
+        Ok(len)
+    }
+
+    async fn frame_vec(&mut self, out: &mut Vec<u8>, limit: usize) -> Result<usize> {
+        let len = self.header(limit).await?;
+        out.clear();
+        out.resize(len, 0);
+        self.fill(out).await?;
+        self.finish_frame();
+        Ok(len)
+    }
+}
+
+impl ShmReader {
+    /// Runs one read as a whole: cancelled part-way, it poisons the connection.
+    async fn guarded<T>(&mut self, op: impl AsyncFnOnce(&mut ReadOp<'_>) -> Result<T>) -> Result<T> {
+        self.shared.stopped.check()?;
+        let ShmReader { shared, consumer } = self;
+        let shared: &Shared = shared;
+        let guard = OpGuard::new(|| shared.abort("read"));
+        let result = op(&mut ReadOp { shared, consumer }).await;
+        guard.finish();
+        result.map_err(|e| shared.fail(e))
     }
 }
 
 impl FrameReader for ShmReader {
     async fn read(&mut self, buf: &mut [u8]) -> Result<usize> {
-        self.shared.stopped.check()?;
-        let shared = self.shared.clone();
-        let guard = OpGuard::new(move || shared.abort("read"));
-        let result = self.frame_into(buf).await;
-        guard.finish();
-        result.map_err(|e| self.shared.fail(e))
+        self.guarded(async |op| op.frame_into(buf).await).await
     }
 
     async fn read_vec(&mut self, limit: usize) -> Result<Vec<u8>> {
-        self.shared.stopped.check()?;
-        let shared = self.shared.clone();
-        let guard = OpGuard::new(move || shared.abort("read"));
-        let result = self.frame_vec(limit).await;
-        guard.finish();
-        result.map_err(|e| self.shared.fail(e))
+        let mut out = Vec::new();
+        self.read_into_vec(&mut out, limit).await?;
+        Ok(out)
+    }
+
+    async fn read_into_vec(&mut self, buf: &mut Vec<u8>, limit: usize) -> Result<usize> {
+        self.guarded(async |op| op.frame_vec(buf, limit).await).await
     }
 
     fn has_input(&mut self) -> bool {
@@ -710,51 +722,50 @@ pub struct ShmWriter {
     producer: Producer,
 }
 
-impl ShmWriter {
-    /// Copies one frame into the ring; `publish` makes it (and every frame copied before it)
-    /// visible to the reader and wakes a parked reader. Unpublished frames wait for the next
-    /// publication; a full ring publishes what it holds before waiting for room.
-    async fn frame(&mut self, parts: &[&[u8]], publish: bool) -> Result<()> {
-        if self.shared.peer_stopped(Side::Writer) {
-            return Err(self.shared.peer_lost(Side::Writer));
-        }
-        let header = encode_header(total_len(parts));
-        for part in std::iter::once(&header[..]).chain(parts.iter().copied()) {
-            let mut off = 0;
-            while off < part.len() {
-                self.producer
-                    .free(part.len() - off)
-                    .map_err(|_| self.shared.corrupt())?;
-                off += self.producer.push(&part[off..]);
-                if off < part.len() {
-                    // The ring is full: let the reader see what is there, then wait for room.
-                    self.producer.publish();
-                    self.shared.notify_reader();
-                    let producer = &mut self.producer;
-                    self.shared
-                        .wait(Side::Writer, || producer.free(1).map(|n| n > 0))
-                        .await?;
-                }
+/// Copies one frame into the ring; `publish` makes it (and every frame copied before it)
+/// visible to the reader and wakes a parked reader. Unpublished frames wait for the next
+/// publication; a full ring publishes what it holds before waiting for room.
+async fn write_frame(shared: &Shared, producer: &mut Producer, parts: &[&[u8]], publish: bool) -> Result<()> {
+    if shared.peer_stopped(Side::Writer) {
+        return Err(shared.peer_lost(Side::Writer));
+    }
+    let header = encode_header(total_len(parts));
+    for part in std::iter::once(&header[..]).chain(parts.iter().copied()) {
+        let mut off = 0;
+        while off < part.len() {
+            producer.free(part.len() - off).map_err(|_| shared.corrupt())?;
+            off += producer.push(&part[off..]);
+            if off < part.len() {
+                // The ring is full: let the reader see what is there, then wait for room.
+                producer.publish();
+                shared.notify_reader();
+                let producer = &mut *producer;
+                shared.wait(Side::Writer, || producer.free(1).map(|n| n > 0)).await?;
             }
         }
-        if publish {
-            self.publish();
-        }
-        Ok(())
+    }
+    if publish {
+        producer.publish();
+        shared.notify_reader();
+    }
+    Ok(())
+}
+
+impl ShmWriter {
+    /// Runs one frame's write as a whole: cancelled part-way, it poisons the connection.
+    async fn guarded(&mut self, parts: &[&[u8]], publish: bool) -> Result<()> {
+        self.shared.stopped.check()?;
+        let ShmWriter { shared, producer } = self;
+        let shared: &Shared = shared;
+        let guard = OpGuard::new(|| shared.abort("write"));
+        let result = write_frame(shared, producer, parts, publish).await;
+        guard.finish();
+        result.map_err(|e| shared.fail(e))
     }
 
     fn publish(&mut self) {
         self.producer.publish();
         self.shared.notify_reader();
-    }
-
-    async fn guarded(&mut self, parts: &[&[u8]], publish: bool) -> Result<()> {
-        self.shared.stopped.check()?;
-        let shared = self.shared.clone();
-        let guard = OpGuard::new(move || shared.abort("write"));
-        let result = self.frame(parts, publish).await;
-        guard.finish();
-        result.map_err(|e| self.shared.fail(e))
     }
 }
 

@@ -1,0 +1,129 @@
+//! Where a small message's time goes in the pipe: 64 B tensor and empty-message round trips
+//! through the bench peer's echo (a second process: this binary with `peer`), for a fixed time,
+//! so a profiler (`perf record -g --call-graph dwarf`) sees the steady state only.
+//!
+//! `cargo run --release -p sluice-benches --example pipe_small -- [SECONDS] [basic|cma] [tensor|empty]`
+//!
+//! `... --example pipe_small -- cost` measures instead the CPU cost of one write and one read
+//! with nothing to wait for: a pipe to itself in this process, 64 messages written, then read.
+use std::io::BufRead;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use bytes::Bytes;
+use sluice_channel::{ChannelKind, Context, ContextOptions, Message};
+
+fn p50(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("peer") {
+        return sluice_benches::peer::serve("127.0.0.1:0", |a| println!("{a}")).await;
+    }
+    if args.get(1).map(String::as_str) == Some("cost") {
+        return cost().await;
+    }
+    let seconds: f64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(3.0);
+    let channel = match args.get(2).map(String::as_str) {
+        Some("cma") => ChannelKind::Cma,
+        _ => ChannelKind::Basic,
+    };
+    // `tensor` or `empty` runs only that half (for counting calls per round trip).
+    let only = args.get(3).map(String::as_str);
+    let mut child = Command::new(std::env::current_exe()?)
+        .arg("peer")
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line)?;
+    let ctx = Context::new(ContextOptions {
+        channels: vec![channel],
+        ..ContextOptions::default()
+    })?;
+    let pipe = ctx.connect(line.trim()).await?;
+    let budget = Duration::from_secs_f64(seconds / 2.0);
+    // Each call stops at the bench's sample cap: repeat until the budget is spent.
+    let mut tensor = Vec::new();
+    let start = std::time::Instant::now();
+    while start.elapsed() < budget && only != Some("empty") {
+        tensor.extend(sluice_benches::run::pipe_rtt(&pipe, 64, budget).await?);
+    }
+    let empty = Message {
+        metadata: Bytes::from_static(b"echo"),
+        ..Message::default()
+    };
+    let mut bare = Vec::new();
+    let start = std::time::Instant::now();
+    while start.elapsed() < budget && only != Some("tensor") {
+        bare.extend(sluice_benches::run::message_rtt(&pipe, &empty, budget).await?);
+    }
+    println!(
+        "{channel}/{}: 64 B tensor p50 {:.2} µs ({} samples), empty message p50 {:.2} µs ({} samples)",
+        pipe.info().transport,
+        p50(tensor.clone()).max(0.0) / 1e3,
+        tensor.len(),
+        p50(bare.clone()) / 1e3,
+        bare.len()
+    );
+    child.kill()?;
+    Ok(())
+}
+
+/// Nanoseconds per write and per read of a 64 B tensor message and of an empty one, with the
+/// ring holding a batch (nothing waits), on a basic/shm pipe within this process.
+async fn cost() -> anyhow::Result<()> {
+    use sluice_channel::{Allocation, Tensor, TransportKind};
+    let options = ContextOptions {
+        transports: vec![TransportKind::Shm],
+        channels: vec![ChannelKind::Basic],
+        ..ContextOptions::default()
+    };
+    let server = Context::new(options.clone())?;
+    let client = Context::new(options)?;
+    let mut listener = server.listen("").await?;
+    let addr = listener.address().to_owned();
+    let (a, b) = tokio::join!(client.connect(&addr), listener.accept());
+    let (a, b) = (a?, b?);
+    let tensor = Message {
+        metadata: Bytes::from_static(b"echo"),
+        payloads: Vec::new(),
+        tensors: vec![Tensor::cpu(Bytes::from(vec![7u8; 64]))],
+    };
+    let empty = Message {
+        metadata: Bytes::from_static(b"echo"),
+        ..Message::default()
+    };
+    for (name, message) in [("64 B tensor", &tensor), ("empty", &empty)] {
+        const BATCH: usize = 64;
+        let (mut write_ns, mut read_ns, mut n) = (0u128, 0u128, 0usize);
+        let mut alloc: Option<Allocation> = None;
+        let start = std::time::Instant::now();
+        while start.elapsed() < Duration::from_secs(1) {
+            let t = std::time::Instant::now();
+            for _ in 0..BATCH {
+                a.write(message).await?;
+            }
+            write_ns += t.elapsed().as_nanos();
+            let t = std::time::Instant::now();
+            for _ in 0..BATCH {
+                let d = b.read_descriptor().await?;
+                let got = b
+                    .read(alloc.take().unwrap_or_else(|| Allocation::for_descriptor(&d)))
+                    .await?;
+                alloc = Some(got);
+            }
+            read_ns += t.elapsed().as_nanos();
+            n += BATCH;
+        }
+        println!(
+            "{name}: write {:.0} ns, read {:.0} ns ({n} messages)",
+            write_ns as f64 / n as f64,
+            read_ns as f64 / n as f64
+        );
+    }
+    Ok(())
+}
