@@ -13,7 +13,7 @@ use std::net::SocketAddr;
 
 use bytes::Bytes;
 use sluice_channel::{Allocation, Context, ContextOptions, Message, Pipe, Tensor};
-use sluice_transport::shm::ShmTransport;
+use sluice_transport::shm::{ShmOptions, ShmTransport};
 use sluice_transport::tcp::TcpTransport;
 use sluice_transport::{Connection, FrameReader, FrameWriter, Listener, Transport};
 
@@ -26,32 +26,55 @@ pub async fn serve(listen: &str, ready: impl FnOnce(&str)) -> anyhow::Result<()>
     let mut pipes = ctx.listen(listen).await?;
     let ip = pipes.address().parse::<SocketAddr>()?.ip();
     let any = SocketAddr::new(ip, 0).to_string();
+    // Busy polling (shared memory only): a second pipe listener and shm listener that never park.
+    let busy = ShmOptions {
+        busy_poll: true,
+        ..ShmOptions::default()
+    };
+    let busy_ctx = Context::new(ContextOptions {
+        shm: busy.clone(),
+        ..ContextOptions::default()
+    })?;
+    let mut busy_pipes = busy_ctx.listen(&any).await?;
     let tcp = TcpTransport::default();
     let mut tcp_listener = tcp.listen(&any).await?;
-    let shm = ShmTransport::default();
-    let mut shm_listener = match shm.listen("").await {
-        Ok(l) => Some(l),
-        Err(e) => {
-            eprintln!("shm transport unavailable: {e}");
-            None
+    let listen_shm = |shm: ShmTransport| async move {
+        match shm.listen("").await {
+            Ok(l) => Some(l),
+            Err(e) => {
+                eprintln!("shm transport unavailable: {e}");
+                None
+            }
         }
     };
+    let mut shm_listener = listen_shm(ShmTransport::default()).await;
+    let mut shm_busy_listener = listen_shm(ShmTransport::new(busy)).await;
     let raw = tokio::net::TcpListener::bind(&any).await?;
     let directory = format!(
-        "tcp={};shm={};raw={}",
+        "tcp={};shm={};raw={};busy={};shmbusy={}",
         tcp_listener.address(),
         shm_listener.as_ref().map(|l| l.address()).unwrap_or_default(),
-        raw.local_addr()?
+        raw.local_addr()?,
+        busy_pipes.address(),
+        shm_busy_listener.as_ref().map(|l| l.address()).unwrap_or_default(),
     );
     tokio::spawn(async move {
         while let Ok(c) = tcp_listener.accept().await {
             tokio::spawn(serve_transport(c));
         }
     });
-    if let Some(mut l) = shm_listener.take() {
+    for mut l in [shm_listener.take(), shm_busy_listener.take()].into_iter().flatten() {
         tokio::spawn(async move {
             while let Ok(c) = l.accept().await {
                 tokio::spawn(serve_transport(c));
+            }
+        });
+    }
+    {
+        let directory = directory.clone();
+        tokio::spawn(async move {
+            while let Ok(pipe) = busy_pipes.accept().await {
+                tokio::spawn(serve_pipe(pipe, directory.clone()));
             }
         });
     }

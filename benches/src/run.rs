@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use indicatif::{ProgressBar, ProgressStyle};
 use sluice_channel::{Allocation, ChannelKind, Context, ContextOptions, Message, Pipe, Tensor, TransportKind};
-use sluice_transport::shm::ShmTransport;
+use sluice_transport::shm::{ShmOptions, ShmTransport};
 use sluice_transport::tcp::TcpTransport;
 use sluice_transport::{Connection, FrameReader, FrameWriter, Transport};
 
@@ -61,7 +61,22 @@ struct Directory {
     tcp: String,
     shm: String,
     raw: String,
+    /// The peer's busy-polling pipe listener and shm transport listener (empty from an older
+    /// peer).
+    busy: String,
+    shm_busy: String,
 }
+
+/// Shared-memory options with busy polling on (see [`ShmOptions::busy_poll`]).
+fn busy_shm() -> ShmOptions {
+    ShmOptions {
+        busy_poll: true,
+        ..ShmOptions::default()
+    }
+}
+
+/// Sizes at which busy polling is measured: the small ones, where waiting is the cost.
+const BUSY_MAX: usize = 1 << 10;
 
 async fn directory(addr: &str) -> anyhow::Result<Directory> {
     let pipe = Context::new(ContextOptions::default())?.connect(addr).await?;
@@ -89,6 +104,8 @@ async fn directory(addr: &str) -> anyhow::Result<Directory> {
         tcp: fix(field("tcp")),
         shm: field("shm"),
         raw: fix(field("raw")),
+        busy: fix(field("busy")),
+        shm_busy: field("shmbusy"),
     })
 }
 
@@ -179,6 +196,13 @@ pub async fn run(options: &BenchOptions, addr: &str) -> anyhow::Result<Vec<Recor
                 let mut r = Record::bw("transport", "shm", size, g, n);
                 r.against(&memcpy[i]);
                 out.push(r);
+                if !dir.shm_busy.is_empty() && size <= BUSY_MAX {
+                    let shm = ShmTransport::new(busy_shm());
+                    let samples = transport_rtt(&shm, &dir.shm_busy, size, budget).await?;
+                    let mut r = Record::rtt("transport", "shm+busy", size, samples);
+                    r.against(&shm_rtt[i]);
+                    out.push(r);
+                }
             }
         }
     }
@@ -230,9 +254,33 @@ pub async fn run(options: &BenchOptions, addr: &str) -> anyhow::Result<Vec<Recor
         }
     }
 
+    if options.wants("pipe") && !dir.busy.is_empty() && !dir.shm.is_empty() {
+        // Busy polling, both sides: the same round trips with no side ever parking.
+        for channel in [ChannelKind::Basic, ChannelKind::Cma] {
+            let ctx = Context::new(ContextOptions {
+                transports: vec![TransportKind::Shm],
+                channels: vec![channel],
+                shm: busy_shm(),
+                ..ContextOptions::default()
+            })?;
+            let pipe = ctx.connect(&dir.busy).await?;
+            let backend = format!("{}/{}+busy", channel, pipe.info().transport);
+            for (i, &size) in sizes.iter().enumerate().filter(|(_, &s)| s <= BUSY_MAX) {
+                step(format!("pipe {backend} {}", crate::report::human_bytes(size as u64)));
+                let mut r = Record::rtt("pipe", backend.clone(), size, pipe_rtt(&pipe, size, budget).await?);
+                r.against(&shm_rtt[i]);
+                out.push(r);
+            }
+        }
+    }
+
     if options.wants("idle") {
         step("idle pipe".into());
-        out.push(idle_cpu(addr, options.idle_seconds).await?);
+        out.push(idle_cpu(addr, options.idle_seconds, false).await?);
+        if !dir.busy.is_empty() && !dir.shm.is_empty() {
+            // What busy polling costs: a core while a receive waits.
+            out.push(idle_cpu(&dir.busy, options.idle_seconds, true).await?);
+        }
     }
     bar.finish_and_clear();
     Ok(out)
@@ -342,14 +390,20 @@ fn cpu_seconds() -> f64 {
 }
 
 /// CPU used by this process while one pipe (default negotiation) sits idle with a receive
-/// pending, as a percentage of one core.
-async fn idle_cpu(addr: &str, seconds: f64) -> anyhow::Result<Record> {
+/// pending, as a percentage of one core; `busy`: with busy polling (shared memory only).
+async fn idle_cpu(addr: &str, seconds: f64, busy: bool) -> anyhow::Result<Record> {
     let ctx = Context::new(ContextOptions {
-        transports: vec![TransportKind::Shm, TransportKind::Tcp],
+        transports: if busy {
+            vec![TransportKind::Shm]
+        } else {
+            vec![TransportKind::Shm, TransportKind::Tcp]
+        },
+        shm: if busy { busy_shm() } else { ShmOptions::default() },
         ..ContextOptions::default()
     })?;
     let pipe = ctx.connect(addr).await?;
-    let backend = format!("{}/{}", pipe.info().cpu_channel, pipe.info().transport);
+    let busy = if busy { "+busy" } else { "" };
+    let backend = format!("{}/{}{busy}", pipe.info().cpu_channel, pipe.info().transport);
     let waiter = tokio::spawn({
         let pipe = pipe.clone();
         async move { pipe.read_descriptor().await }

@@ -60,8 +60,14 @@ pub struct PeerProcess {
 impl PeerProcess {
     /// Starts the peer binary `exe` with `args`.
     pub fn spawn(exe: &str, args: &[&str]) -> PeerProcess {
+        Self::spawn_with_env(exe, args, &[])
+    }
+
+    /// Starts the peer binary `exe` with `args` and these environment variables added.
+    pub fn spawn_with_env(exe: &str, args: &[&str], env: &[(&str, &str)]) -> PeerProcess {
         let child = Command::new(exe)
             .args(args)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

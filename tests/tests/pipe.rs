@@ -628,9 +628,14 @@ async fn a_read_abandoned_mid_message_closes_the_pipe() {
 /// A real second process echoes every message back; then it is killed with SIGKILL while we
 /// wait, and the wait fails promptly with a peer-lost error.
 async fn echo_with_peer(channel: &str) {
-    let ctx = Context::new(ContextOptions::default()).unwrap();
+    echo_with_peer_in(channel, ContextOptions::default(), &[]).await
+}
+
+/// [`echo_with_peer`] with these options here and this environment for the peer.
+async fn echo_with_peer_in(channel: &str, options: ContextOptions, env: &[(&str, &str)]) {
+    let ctx = Context::new(options).unwrap();
     let mut listener = ctx.listen("").await.unwrap();
-    let mut peer = PeerProcess::spawn(&peer(), &["pipe-echo", listener.address(), channel]);
+    let mut peer = PeerProcess::spawn_with_env(&peer(), &["pipe-echo", listener.address(), channel], env);
     let pipe = listener.accept().await.expect("peer pipe");
     assert_eq!(pipe.info().cpu_channel.name(), channel);
     let sizes = [5, (4 << 20) + 1];
@@ -659,6 +664,25 @@ async fn echo_with_peer(channel: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cma_with_a_real_peer_process() {
     watchdog("cma peer", echo_with_peer("cma")).await
+}
+
+/// Busy polling on both sides (here by option, in the peer by `SLUICE_BUSY_POLL`): messages
+/// arrive intact, and a peer killed while this side spins for its next message (a kill leaves
+/// no flag in the ring: only its socket's hang-up tells) fails the wait promptly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn busy_polling_with_a_real_peer_process() {
+    let options = ContextOptions {
+        shm: sluice_transport::shm::ShmOptions {
+            busy_poll: true,
+            ..Default::default()
+        },
+        ..ContextOptions::default()
+    };
+    watchdog(
+        "busy peer",
+        echo_with_peer_in("cma", options, &[("SLUICE_BUSY_POLL", "1")]),
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

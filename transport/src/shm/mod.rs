@@ -57,6 +57,13 @@ pub struct ShmOptions {
     pub spin: Duration,
     /// How long an accepted socket may take to complete the descriptor exchange.
     pub handshake_timeout: Duration,
+    /// Busy polling: a waiting side never parks. It spins for as long as it waits (in rounds of
+    /// `spin`, between which it lets its runtime run other tasks and looks whether the peer
+    /// process is gone), whatever other waiters the host has. Lowest latency, for hosts with a
+    /// core to give to each waiting connection side: while it waits, that side keeps one core
+    /// fully busy, idle connections included. Off by default (adaptive: spin, then park);
+    /// `SLUICE_BUSY_POLL=1` in the environment turns it on.
+    pub busy_poll: bool,
 }
 
 impl Default for ShmOptions {
@@ -65,8 +72,15 @@ impl Default for ShmOptions {
             ring_capacity: 2 << 20,
             spin: Duration::from_micros(50),
             handshake_timeout: Duration::from_secs(5),
+            busy_poll: busy_poll_from_env(),
         }
     }
+}
+
+/// Whether `SLUICE_BUSY_POLL` asks for busy polling (`1`, `true`, `yes`, `on`).
+pub fn busy_poll_from_env() -> bool {
+    std::env::var("SLUICE_BUSY_POLL")
+        .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"))
 }
 
 /// The shared-memory transport context.
@@ -331,6 +345,7 @@ async fn handshake(stream: UnixStream, options: &ShmOptions, client: bool, peer:
     let shared = Arc::new(Shared {
         peer: peer_name,
         spin: options.spin,
+        busy_poll: options.busy_poll,
         inbox_data: reg(data_efd).map_err(io("register eventfd"))?,
         inbox_space: space_efd,
         outbox_data: peer_data_efd,
@@ -352,6 +367,8 @@ async fn handshake(stream: UnixStream, options: &ShmOptions, client: bool, peer:
 struct Shared {
     peer: String,
     spin: Duration,
+    /// Never park (see [`ShmOptions::busy_poll`]).
+    busy_poll: bool,
     /// Signalled by the peer when it published into our inbox while we were parked.
     inbox_data: AsyncFd<OwnedFd>,
     /// We signal it when we freed inbox space while the peer's writer was parked.
@@ -463,6 +480,9 @@ impl Shared {
         if check(self)? {
             return Ok(());
         }
+        if self.busy_poll {
+            return self.busy_wait(check).await;
+        }
         // Spin only in a free slot: see `spin`.
         let slot = if self.spin.is_zero() { None } else { spin::try_spin() };
         if slot.is_some() {
@@ -514,6 +534,34 @@ impl Shared {
                 }
             }
             parked.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Busy polling (see [`ShmOptions::busy_poll`]): spins until `check` says ready or fails,
+    /// never parking. Between rounds of `spin` it yields to the runtime (other tasks of its
+    /// worker run; with none, it is polled again at once) and looks, without waiting, whether
+    /// the peer process hung up (a process killed mid-frame sets no flag in the ring).
+    async fn busy_wait(&self, mut check: impl FnMut(&Self) -> Result<bool>) -> Result<()> {
+        let round = self.spin.max(Duration::from_micros(10));
+        loop {
+            let start = Instant::now();
+            let mut spins = 0u32;
+            loop {
+                if check(self)? {
+                    return Ok(());
+                }
+                spins = spins.wrapping_add(1);
+                if spins.is_multiple_of(64) && start.elapsed() >= round {
+                    break;
+                }
+                std::hint::spin_loop();
+            }
+            match sys::peek_hangup(self.socket.get_ref().as_fd()) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                // EOF, an error, or bytes that should never come after setup.
+                _ => self.peer_gone.store(true, Ordering::Release),
+            }
+            tokio::task::yield_now().await;
         }
     }
 
