@@ -20,6 +20,7 @@ import os
 import pickle
 import threading
 import traceback
+import types
 from typing import Any, Dict, NamedTuple, Optional
 
 from . import _sluice
@@ -182,8 +183,35 @@ def _rref(i):
     return RRef._wrap(_local.received[1][i])
 
 
+# Values that pickle the same with or without the tensor- and RRef-lifting pickler: builtin
+# scalars, and small tuples, lists and dicts of them (checked to a small depth).
+_PLAIN = frozenset((int, float, complex, str, bytes, bool, type(None)))
+_PLAIN_DEPTH = 3
+_PLAIN_LEN = 16
+
+
+def _plain(obj, depth=_PLAIN_DEPTH):
+    t = type(obj)
+    if t in _PLAIN:
+        return True
+    if not depth or (t is not tuple and t is not list and t is not dict) or len(obj) > _PLAIN_LEN:
+        return False
+    if t is dict:
+        for k, v in obj.items():
+            if type(k) not in _PLAIN or not _plain(v, depth - 1):
+                return False
+        return True
+    for x in obj:
+        if not _plain(x, depth - 1):
+            return False
+    return True
+
+
 def _pack(obj):
     """``obj`` as (pickle bytes, [tensors], [native RRefs])."""
+    if _plain(obj):
+        # Nothing to lift out: the C pickler alone, without the Python-level override.
+        return pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), [], []
     p = getattr(_local, "pickler", None)
     if p is None or p.busy:
         p = _Pickler()
@@ -204,7 +232,19 @@ def _pack(obj):
         p.tensors, p.rrefs = [], []
 
 
+def _pack_call(func, args, kwargs):
+    """A call's ``(func, args, kwargs)`` packed for the callee, the function by reference
+    where it can be (see ``_ref``)."""
+    call = (_ref(func), tuple(args or ()), kwargs or {})
+    if type(call[0]) is str and (not call[1] or _plain(call[1])) and (not call[2] or _plain(call[2])):
+        return pickle.dumps(call, pickle.HIGHEST_PROTOCOL), [], []
+    return _pack(call)
+
+
 def _unpack(data, tensors, rrefs):
+    if not tensors and not rrefs:
+        # Nothing lifted out, nothing for `_tensor`/`_rref` to find.
+        return pickle.loads(data)
     previous = getattr(_local, "received", None)
     _local.received = (tensors, rrefs)
     try:
@@ -223,9 +263,73 @@ def _unpack_tuple(t):
 def _serve_call(data, tensors, rrefs):
     try:
         func, args, kwargs = _unpack(data, tensors, rrefs)
+        if type(func) is str:
+            func = _function(func)
     except Exception as e:
         raise RuntimeError(f"{_me()} cannot load the call: {type(e).__name__}: {e}") from e
     return func(*args, **kwargs)
+
+
+# --- functions named by reference ------------------------------------------------------------
+#
+# A plain function (or builtin) that its module exposes under its qualified name travels as the
+# string "module:qualname", which the callee resolves once and caches: what pickle would do
+# (it too names such functions by module and name, and the callee imports them), without
+# pickling and importing on every call. Anything else (lambdas, closures, bound methods,
+# callable objects) is pickled with the call as before.
+
+_FUNCTION_TYPES = (types.FunctionType, types.BuiltinFunctionType)
+_refs = {}
+_resolved = {}
+
+
+def _lookup(module, qualname):
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _ref(func):
+    """``func``'s reference string, or ``func`` itself when it cannot travel by reference."""
+    try:
+        return _refs[func]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable
+        return func
+    ref = func
+    module = getattr(func, "__module__", None)
+    qualname = getattr(func, "__qualname__", None)
+    if (
+        isinstance(func, _FUNCTION_TYPES)
+        and isinstance(module, str)
+        and isinstance(qualname, str)
+        and "<" not in qualname
+    ):
+        try:
+            if _lookup(module, qualname) is func:
+                ref = f"{module}:{qualname}"
+        except Exception:
+            pass
+    _refs[func] = ref
+    return ref
+
+
+def _function(ref):
+    """The function a reference string names (callee side), cached."""
+    try:
+        return _resolved[ref]
+    except KeyError:
+        pass
+    module, sep, qualname = ref.partition(":")
+    if not sep or not module or not qualname:
+        raise ValueError(f"not a function reference: {ref!r}")
+    func = _lookup(module, qualname)
+    if not callable(func):
+        raise TypeError(f"{ref} is not callable")
+    _resolved[ref] = func
+    return func
 
 
 def _serve_method(target, data, tensors, rrefs):
@@ -489,15 +593,19 @@ def rpc_sync(to, func, args=None, kwargs=None, timeout: float = -1.0, priority: 
     """Runs ``func(*args, **kwargs)`` on ``to`` (a name, rank or WorkerInfo) and returns its
     result. ``timeout`` in seconds; negative: the default; 0: none. ``priority``: this call's
     level (see ``priority()``); None: the thread's."""
-    data, tensors, rrefs = _pack((func, tuple(args or ()), kwargs or {}))
-    with _at(priority):
-        out = _require_agent().call_sync((to, _handler(func), _key(func), data, tensors, rrefs, _timeout(timeout)))
+    data, tensors, rrefs = _pack_call(func, args, kwargs)
+    request = (to, _handler(func), _key(func), data, tensors, rrefs, _timeout(timeout))
+    if priority is None:
+        out = _require_agent().call_sync(request)
+    else:
+        with _at(priority):
+            out = _require_agent().call_sync(request)
     return _unpack(*out)
 
 
 def rpc_async(to, func, args=None, kwargs=None, timeout: float = -1.0, priority: Optional[int] = None) -> Future:
     """Like ``rpc_sync``, returning a ``Future`` at once."""
-    data, tensors, rrefs = _pack((func, tuple(args or ()), kwargs or {}))
+    data, tensors, rrefs = _pack_call(func, args, kwargs)
     with _at(priority):
         native = _require_agent().call((to, _handler(func), _key(func), data, tensors, rrefs, _timeout(timeout)))
     return Future(_native=native, _decode=_unpack_tuple)
@@ -506,7 +614,7 @@ def rpc_async(to, func, args=None, kwargs=None, timeout: float = -1.0, priority:
 def remote(to, func, args=None, kwargs=None, timeout: float = -1.0, priority: Optional[int] = None) -> "RRef":
     """Runs ``func`` on ``to``, which keeps the result (as the object itself) and owns it;
     returns a reference at once."""
-    data, tensors, rrefs = _pack((func, tuple(args or ()), kwargs or {}))
+    data, tensors, rrefs = _pack_call(func, args, kwargs)
     with _at(priority):
         native = _require_agent().remote((to, _handler(func), _key(func), data, tensors, rrefs, _timeout(timeout)))
     return RRef._wrap(native)

@@ -177,3 +177,24 @@ def my_priority():
 
 def nested_priority(to):
     return rpc.rpc_sync(to, my_priority)
+
+
+class Holder:
+    """A function reached through a class: travels by reference as ``Holder.double``."""
+
+    @staticmethod
+    def double(x):
+        return 2 * x
+
+
+class Offset:
+    """Its bound methods and the instance itself (callable) travel pickled, by value."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def get(self, k=0):
+        return self.n + k
+
+    def __call__(self, k):
+        return self.n * k

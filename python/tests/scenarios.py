@@ -3,7 +3,11 @@
 Rank 0 drives and asserts; the others serve until the graceful shutdown."""
 
 import asyncio
+import functools
+import math
+import operator
 import os
+import pickle
 import threading
 import time
 
@@ -372,4 +376,44 @@ def priorities(rank, world):
             except ValueError:
                 pass
         assert rpc.current_priority() == 0
+    rpc.shutdown()
+
+
+def references(rank, world):
+    """Functions travel by reference (module and qualified name, resolved once by the callee)
+    where their module names them, and pickled otherwise; a reference that names nothing is a
+    clear error from the callee, which goes on serving."""
+    _init(rank)
+    if rank == 0:
+        # By reference: module functions, through a class, builtins.
+        assert rpc._ref(rpcfns.add) == "rpcfns:add"
+        assert pickle.loads(rpc._pack_call(rpcfns.add, (1, 2), None)[0]) == ("rpcfns:add", (1, 2), {})
+        assert rpc._ref(rpcfns.Holder.double) == "rpcfns:Holder.double"
+        assert rpc._ref(operator.add) == "_operator:add"
+        assert rpc.rpc_sync("worker1", rpcfns.add, (2, 3)) == 5
+        assert rpc.rpc_sync("worker1", rpcfns.Holder.double, (21,)) == 42
+        assert rpc.rpc_sync("worker1", operator.add, ("a", "b")) == "ab"
+        assert rpc.rpc_sync("worker1", math.sqrt, (16.0,)) == 4.0
+        assert rpc.rpc_async("worker1", rpcfns.add, (1, 1)).wait() == 2
+        assert rpc.remote("worker1", rpcfns.add, (4, 4)).to_here() == 8
+        # Pickled: bound methods, callable objects, partials.
+        c = rpcfns.Offset(5)
+        for f in (c.get, c, functools.partial(rpcfns.add, 10)):
+            assert rpc._ref(f) is f
+        assert rpc.rpc_sync("worker1", c.get, (), {"k": 2}) == 7
+        assert rpc.rpc_sync("worker1", c, (3,)) == 15
+        assert rpc.rpc_sync("worker1", functools.partial(rpcfns.add, 10), (1,)) == 11
+        # Arguments that need the lifting pickler still take it.
+        t = torch.arange(4)
+        assert torch.equal(rpc.rpc_sync("worker1", rpcfns.scale, (t, 3)), t * 3)
+        # A reference that names nothing: the callee says so, and serves the next call.
+        agent = rpc._require_agent()
+        for ref in ("no_such_module_xyz:f", "rpcfns:no_such_function", "rpcfns", "rpcfns:Offset.n"):
+            data = pickle.dumps((ref, (), {}))
+            try:
+                rpc._unpack(*agent.call_sync(("worker1", "py.call", "k", data, [], [], None)))
+                raise AssertionError(f"{ref} was resolved")
+            except RuntimeError as e:
+                assert "cannot load the call" in str(e), e
+        assert rpc.rpc_sync("worker1", rpcfns.add, (2, 2)) == 4
     rpc.shutdown()

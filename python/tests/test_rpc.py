@@ -37,3 +37,7 @@ def test_remote_tensors_run_on_their_owners(group):
 
 def test_call_priorities_from_python(group):
     group("priorities")
+
+
+def test_functions_travel_by_reference_or_pickled(group):
+    group("references")
