@@ -178,7 +178,12 @@ impl AgentInner {
         map: Option<&DeviceMap>,
         reverse: bool,
     ) -> Result<Outgoing, RpcError> {
-        let dest_name = &self.name_of(dest);
+        // The name is for errors about tensors only: no lookup for a call without any.
+        let dest_name = &if payload.tensors.is_empty() {
+            String::new()
+        } else {
+            self.name_of(dest)
+        };
         let mut tensors = Vec::with_capacity(payload.tensors.len());
         for t in &payload.tensors {
             let device = t.buffer.device();
