@@ -28,6 +28,58 @@ pub struct Record {
     /// (higher is better).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ratio: Option<f64>,
+    /// Where this process's shared-memory waits went during the row, and its minor page
+    /// faults (rows over shared memory).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stages: Option<Stages>,
+}
+
+/// This process's shared-memory waits (see `sluice_transport::shm::stats`) and minor page
+/// faults during one row.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Stages {
+    pub waits: u64,
+    pub spun: u64,
+    pub parked: u64,
+    pub spin_us: u64,
+    pub park_us: u64,
+    pub wakes: u64,
+    pub minor_faults: u64,
+}
+
+/// Counts [`Stages`] from a start until [`StageMeter::stop`].
+pub struct StageMeter {
+    waits: sluice_transport::shm::stats::WaitStats,
+    faults: u64,
+}
+
+fn minor_faults() -> u64 {
+    nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF)
+        .map(|u| u.minor_page_faults() as u64)
+        .unwrap_or(0)
+}
+
+impl StageMeter {
+    pub fn start() -> StageMeter {
+        sluice_transport::shm::stats::enable();
+        StageMeter {
+            waits: sluice_transport::shm::stats::snapshot(),
+            faults: minor_faults(),
+        }
+    }
+
+    pub fn stop(&self) -> Stages {
+        let w = sluice_transport::shm::stats::snapshot().since(&self.waits);
+        Stages {
+            waits: w.waits,
+            spun: w.spun,
+            parked: w.parked,
+            spin_us: w.spin_us,
+            park_us: w.park_us,
+            wakes: w.wakes,
+            minor_faults: minor_faults().saturating_sub(self.faults),
+        }
+    }
 }
 
 impl Record {
@@ -53,6 +105,7 @@ impl Record {
             iterations: samples.len() as u64,
             baseline: String::new(),
             ratio: None,
+            stages: None,
         }
     }
 
@@ -70,6 +123,7 @@ impl Record {
             iterations,
             baseline: String::new(),
             ratio: None,
+            stages: None,
         }
     }
 
@@ -94,6 +148,7 @@ impl Record {
             iterations,
             baseline: String::new(),
             ratio: None,
+            stages: None,
         }
     }
 

@@ -10,7 +10,7 @@ use sluice_transport::tcp::TcpTransport;
 use sluice_transport::{Connection, FrameReader, FrameWriter, Transport};
 
 use crate::raw;
-use crate::report::Record;
+use crate::report::{Record, StageMeter};
 
 /// What to measure and how long.
 #[derive(Debug, Clone)]
@@ -184,6 +184,7 @@ pub async fn run(options: &BenchOptions, addr: &str) -> anyhow::Result<Vec<Recor
             if !dir.shm.is_empty() {
                 step(format!("transport shm {}", crate::report::human_bytes(size as u64)));
                 let shm = ShmTransport::default();
+                let meter = StageMeter::start();
                 let mut r = Record::rtt(
                     "transport",
                     "shm",
@@ -191,10 +192,13 @@ pub async fn run(options: &BenchOptions, addr: &str) -> anyhow::Result<Vec<Recor
                     transport_rtt(&shm, &dir.shm, size, budget).await?,
                 );
                 r.against(&shm_rtt[i]);
+                r.stages = Some(meter.stop());
                 out.push(r);
+                let meter = StageMeter::start();
                 let (g, n) = transport_bw(&shm, &dir.shm, size, budget).await?;
                 let mut r = Record::bw("transport", "shm", size, g, n);
                 r.against(&memcpy[i]);
+                r.stages = Some(meter.stop());
                 out.push(r);
                 if !dir.shm_busy.is_empty() && size <= BUSY_MAX {
                     let shm = ShmTransport::new(busy_shm());
@@ -236,7 +240,9 @@ pub async fn run(options: &BenchOptions, addr: &str) -> anyhow::Result<Vec<Recor
             let backend = format!("{}/{}", channel, pipe.info().transport);
             for (i, &size) in sizes.iter().enumerate() {
                 step(format!("pipe {backend} {}", crate::report::human_bytes(size as u64)));
+                let meter = StageMeter::start();
                 let mut r = Record::rtt("pipe", backend.clone(), size, pipe_rtt(&pipe, size, budget).await?);
+                r.stages = Some(meter.stop());
                 // Like with like: a round trip whose bytes cross shared memory against the raw
                 // shared-memory ping-pong, one that crosses TCP (any pipe over TCP, and
                 // multilane's lanes from a lane piece up) against raw TCP, both of this size.
@@ -244,8 +250,10 @@ pub async fn run(options: &BenchOptions, addr: &str) -> anyhow::Result<Vec<Recor
                     || (channel == ChannelKind::MultiLane && size >= sluice_channel::channel::multilane::MIN_PIECE);
                 r.against(if over_tcp { &raw_rtt[i] } else { &shm_rtt[i] });
                 out.push(r);
+                let meter = StageMeter::start();
                 let (g, n) = pipe_bw(&pipe, size, budget).await?;
                 let mut r = Record::bw("pipe", backend.clone(), size, g, n);
+                r.stages = Some(meter.stop());
                 let over_tcp = pipe.info().transport != "shm"
                     || (channel == ChannelKind::MultiLane && size >= sluice_channel::channel::multilane::MIN_PIECE);
                 r.against(if over_tcp { &raw_bw[i] } else { &memcpy[i] });
@@ -428,5 +436,6 @@ async fn idle_cpu(addr: &str, seconds: f64, busy: bool) -> anyhow::Result<Record
         iterations: 1,
         baseline: String::new(),
         ratio: None,
+        stages: None,
     })
 }

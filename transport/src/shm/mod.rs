@@ -20,6 +20,7 @@
 mod ring;
 mod shared;
 mod spin;
+pub mod stats;
 mod sys;
 
 use std::os::fd::{AsFd, OwnedFd};
@@ -363,6 +364,12 @@ async fn handshake(stream: UnixStream, options: &ShmOptions, client: bool, peer:
     })
 }
 
+/// How many bytes of a large frame move between publications (writer) and releases (reader):
+/// a quarter of the ring, at most 256 KiB, so both sides work on the ring at once.
+fn stream_step(capacity: usize) -> usize {
+    (capacity / 4).clamp(1, 256 << 10)
+}
+
 /// State shared by the two halves of a shared-memory connection.
 struct Shared {
     peer: String,
@@ -485,11 +492,13 @@ impl Shared {
         }
         // Spin only in a free slot: see `spin`.
         let slot = if self.spin.is_zero() { None } else { spin::try_spin() };
+        let mut spun = Duration::ZERO;
         if slot.is_some() {
             let start = Instant::now();
             let mut spins = 0u32;
             loop {
                 if check(self)? {
+                    stats::wait(true, start.elapsed(), Duration::ZERO);
                     return Ok(());
                 }
                 spins = spins.wrapping_add(1);
@@ -498,8 +507,11 @@ impl Shared {
                 }
                 std::hint::spin_loop();
             }
+            spun = start.elapsed();
         }
         drop(slot);
+        let park_start = stats::on().then(Instant::now);
+        let _counted = Parked(spun, park_start);
         let (parked, efd): (&AtomicU32, &AsyncFd<OwnedFd>) = match side {
             Side::Reader => (self.inbox.consumer_parked(), &self.inbox_data),
             Side::Writer => (self.outbox.producer_parked(), &self.outbox_space),
@@ -548,6 +560,7 @@ impl Shared {
             let mut spins = 0u32;
             loop {
                 if check(self)? {
+                    stats::wait(true, start.elapsed(), Duration::ZERO);
                     return Ok(());
                 }
                 spins = spins.wrapping_add(1);
@@ -570,6 +583,7 @@ impl Shared {
         fence(Ordering::SeqCst);
         if self.outbox.consumer_parked().load(Ordering::Relaxed) != 0 {
             sys::eventfd_signal(self.outbox_data.as_fd());
+            stats::woke();
         }
     }
 
@@ -578,6 +592,18 @@ impl Shared {
         fence(Ordering::SeqCst);
         if self.inbox.producer_parked().load(Ordering::Relaxed) != 0 {
             sys::eventfd_signal(self.inbox_space.as_fd());
+            stats::woke();
+        }
+    }
+}
+
+/// Counts a parked wait (see [`stats`]) when it ends, however it ends.
+struct Parked(Duration, Option<Instant>);
+
+impl Drop for Parked {
+    fn drop(&mut self) {
+        if let Some(start) = self.1 {
+            stats::wait(false, self.0, start.elapsed());
         }
     }
 }
@@ -648,8 +674,11 @@ struct ReadOp<'a> {
 
 impl ReadOp<'_> {
     /// Fills `dst` from the inbox, waiting for the peer as needed. Space is handed back to the
-    /// peer before every wait (so a frame larger than the ring streams) and at the end.
+    /// peer every [`stream_step`] bytes (so a frame larger than the ring streams: the writer
+    /// refills behind the reader instead of waiting for it to drain the ring), before every
+    /// wait, and at the end.
     async fn fill(&mut self, dst: &mut [u8]) -> Result<()> {
+        let step = stream_step(self.consumer.ring().capacity());
         let mut done = 0;
         while done < dst.len() {
             let avail = self.consumer.available(1).map_err(|_| self.shared.corrupt())?;
@@ -664,7 +693,12 @@ impl ReadOp<'_> {
                     .await?;
                 continue;
             }
-            done += self.consumer.pop(&mut dst[done..]);
+            let end = dst.len().min(done + step);
+            done += self.consumer.pop(&mut dst[done..end]);
+            if self.consumer.unreleased() >= step as u64 {
+                self.consumer.release();
+                self.shared.notify_writer();
+            }
         }
         Ok(())
     }
@@ -778,12 +812,18 @@ async fn write_frame(shared: &Shared, producer: &mut Producer, parts: &[&[u8]], 
         return Err(shared.peer_lost(Side::Writer));
     }
     let header = encode_header(total_len(parts));
+    let step = stream_step(producer.ring().capacity());
     for part in std::iter::once(&header[..]).chain(parts.iter().copied()) {
         let mut off = 0;
         while off < part.len() {
             producer.free(part.len() - off).map_err(|_| shared.corrupt())?;
-            off += producer.push(&part[off..]);
-            if off < part.len() {
+            off += producer.push(&part[off..part.len().min(off + step)]);
+            if producer.unpublished() >= step as u64 {
+                // A large frame streams: the reader starts on it while the rest is copied in.
+                producer.publish();
+                shared.notify_reader();
+            }
+            if off < part.len() && producer.free(1).map_err(|_| shared.corrupt())? == 0 {
                 // The ring is full: let the reader see what is there, then wait for room.
                 producer.publish();
                 shared.notify_reader();

@@ -167,6 +167,8 @@ pub(crate) struct Producer {
     ring: Ring,
     tail: u64,
     head_cache: u64,
+    /// `tail` as last made visible to the consumer.
+    published: u64,
 }
 
 impl Producer {
@@ -175,6 +177,7 @@ impl Producer {
             ring,
             tail: 0,
             head_cache: 0,
+            published: 0,
         }
     }
 
@@ -208,9 +211,15 @@ impl Producer {
         n
     }
 
+    /// Bytes pushed since the last publication.
+    pub(crate) fn unpublished(&self) -> u64 {
+        self.tail.wrapping_sub(self.published)
+    }
+
     /// Makes every pushed byte visible to the consumer.
-    pub(crate) fn publish(&self) {
+    pub(crate) fn publish(&mut self) {
         self.ring.header().tail.store(self.tail, Ordering::Release);
+        self.published = self.tail;
     }
 }
 
@@ -219,6 +228,8 @@ pub(crate) struct Consumer {
     ring: Ring,
     head: u64,
     tail_cache: u64,
+    /// `head` as last handed back to the producer.
+    released: u64,
 }
 
 impl Consumer {
@@ -227,6 +238,7 @@ impl Consumer {
             ring,
             head: 0,
             tail_cache: 0,
+            released: 0,
         }
     }
 
@@ -260,14 +272,20 @@ impl Consumer {
         n
     }
 
+    /// Bytes popped since the last release.
+    pub(crate) fn unreleased(&self) -> u64 {
+        self.head.wrapping_sub(self.released)
+    }
+
     /// Whether bytes were popped since the last release.
     pub(crate) fn has_unreleased(&self) -> bool {
-        self.ring.header().head.load(Ordering::Relaxed) != self.head
+        self.unreleased() != 0
     }
 
     /// Hands every popped byte's space back to the producer.
-    pub(crate) fn release(&self) {
+    pub(crate) fn release(&mut self) {
         self.ring.header().head.store(self.head, Ordering::Release);
+        self.released = self.head;
     }
 }
 
