@@ -31,6 +31,11 @@
 //!   then. Misuse (reading without a descriptor, a wrong allocation) is reported without
 //!   breaking the pipe.
 //!
+//! - **Small messages are one frame.** A message whose payloads and inline tensors total at
+//!   most [`PACK_MAX`] travels packed after its descriptor (see [`WireDescriptor`]); the reader
+//!   keeps the frame in a buffer it reuses and copies those bytes out of it in `read`. The
+//!   descriptor is encoded from the message into a reused buffer, never built as a value.
+//!
 //! How each tensor's bytes move is its channel's business (`channel::path` dispatches to the
 //! channel's module); the pipe keeps ordering, acknowledgements and sticky errors.
 
