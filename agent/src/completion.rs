@@ -160,6 +160,11 @@ pub(crate) trait Driver: Send + Sync {
 
     /// A task awaits the result asynchronously: someone must be reading.
     fn awaited(&self);
+
+    /// Who holds the read role and who waits for it, for diagnostics.
+    fn debug_state(&self) -> String {
+        String::new()
+    }
 }
 
 /// A result that arrives later. Clone it to wait in several places; each gets the same result.

@@ -560,6 +560,9 @@ pub(crate) async fn heartbeat(
         let silent = Duration::from_millis(now.saturating_sub(l.last_heard.load(Ordering::Acquire)));
         let quiet = Duration::from_millis(now.saturating_sub(l.last_sent.load(Ordering::Acquire)));
         if silent >= limit {
+            // What the pipe and its read role looked like, for whoever finds this in a log.
+            let role = l.reader.lock().unwrap().as_ref().map(|r| r.debug_state());
+            tracing::warn!(worker = %inner.me, peer = %peer.info, lane, pipe = %pipe.debug_state(), role = ?role, "no reply to heartbeats: declaring the peer lost");
             pipe.close();
             let which = if lane == EXPRESS_LANE {
                 " on the express pipe"

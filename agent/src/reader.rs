@@ -78,6 +78,18 @@ pub(crate) struct ReplyReader<R> {
     give_way: tokio::sync::Notify,
 }
 
+/// Tells the waiter the role was handed to that it holds it. Called under the role's lock:
+/// a waiter reads its flag under that lock too, so it either sees the promotion, or leaves the
+/// queue before the role can be handed to it. (Set after the lock was dropped, a waiter whose
+/// result had just come in could leave without seeing it, and the role stayed with a thread
+/// that was gone: every later caller queued behind it, and nothing read the pipe until the
+/// heartbeat declared the peer lost.)
+fn promote(pass: &Pass<WaiterRef>) {
+    if let Pass::To(w) = pass {
+        w.0.promoted.store(true, Ordering::Release);
+    }
+}
+
 struct ThreadWaker(Thread);
 
 impl Wake for ThreadWaker {
@@ -120,17 +132,19 @@ impl<R: Replies> ReplyReader<R> {
     /// likely to come back for its next reply at once (a wake-up per call would cost more
     /// than the call), and calls nobody waits for are read on its tick.
     fn release(&self) {
-        let pass = self.role.lock().unwrap().release(|| self.replies.wanted());
+        let pass = {
+            let mut role = self.role.lock().unwrap();
+            let pass = role.release(|| self.replies.wanted());
+            promote(&pass);
+            pass
+        };
         self.pass(pass);
     }
 
-    /// Acts on where the role went.
+    /// Wakes whoever the role went to (after [`promote`], outside the role's lock).
     fn pass(&self, pass: Pass<WaiterRef>) {
         match pass {
-            Pass::To(w) => {
-                w.0.promoted.store(true, Ordering::Release);
-                w.0.thread.unpark();
-            }
+            Pass::To(w) => w.0.thread.unpark(),
             Pass::Resume => self.resume.notify_one(),
             Pass::Nothing => {}
         }
@@ -224,6 +238,7 @@ impl<R: Replies> Driver for ReplyReader<R> {
                 let promoted = me.0.promoted.swap(false, Ordering::AcqRel);
                 if done || expired || r.ended() {
                     let pass = r.leave(&me, promoted, queued, || self.replies.wanted());
+                    promote(&pass);
                     drop(r);
                     // Handed the role as our result came in: it went on to the next.
                     self.pass(pass);
@@ -266,6 +281,10 @@ impl<R: Replies> Driver for ReplyReader<R> {
                 crate::pool::blocking(|| std::thread::park_timeout(nap));
             }
         }
+    }
+
+    fn debug_state(&self) -> String {
+        self.role.lock().unwrap().describe()
     }
 
     fn awaited(&self) {

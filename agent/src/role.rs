@@ -67,6 +67,18 @@ impl<W: PartialEq> Role<W> {
         self.ended
     }
 
+    /// The role's state in words, for diagnostics.
+    pub(crate) fn describe(&self) -> String {
+        format!(
+            "holder {:?}, {} waiting, dormant {}, awaited {}, ended {}",
+            self.holder,
+            self.waiting.len(),
+            self.dormant,
+            self.awaited,
+            self.ended
+        )
+    }
+
     /// Thread `me` wants its reply read. `promoted`: the role was handed to it; `queued`:
     /// it is in the queue (updated here).
     pub(crate) fn ask(&mut self, me: W, promoted: bool, queued: &mut bool) -> Ask {

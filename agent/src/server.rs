@@ -678,7 +678,7 @@ pub(crate) async fn serve_loop(served: Arc<Served>) {
         let (d, allocation) = match message {
             Ok(m) => m,
             Err(e) => {
-                tracing::debug!(worker = %inner.me, caller, error = %e, "incoming pipe ended");
+                tracing::debug!(worker = %inner.me, caller, error = %e, pipe = %pipe.debug_state(), "incoming pipe ended");
                 return;
             }
         };

@@ -458,6 +458,31 @@ impl Pipe {
         self.flush_locked(&mut side).await
     }
 
+    /// The pipe's coordination state, for diagnostics: writers queued, frames held, batching,
+    /// whether the write and read sides are held now, whether a descriptor waits for its read.
+    pub fn debug_state(&self) -> String {
+        let inner = &self.inner;
+        let writer = match inner.writer.try_lock() {
+            Ok(_) => "free".to_owned(),
+            Err(_) => "held".to_owned(),
+        };
+        let reader = match inner.reader.try_lock() {
+            Ok(mut side) => format!(
+                "free (descriptor pending: {}, input waiting: {})",
+                side.pending.is_some(),
+                side.rx.control.has_input()
+            ),
+            Err(_) => "held".to_owned(),
+        };
+        format!(
+            "queued writers {}, frames held {}, batching {}, failed {}, write side {writer}, read side {reader}",
+            inner.queued.load(Ordering::SeqCst),
+            inner.held.load(Ordering::SeqCst),
+            inner.batching.load(Ordering::Acquire),
+            inner.failed.load(Ordering::Acquire),
+        )
+    }
+
     /// Whether a batch is open (see [`set_batching`](Self::set_batching)).
     pub fn is_batching(&self) -> bool {
         self.inner.batching.load(Ordering::Acquire)
