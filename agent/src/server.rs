@@ -540,42 +540,35 @@ fn allocate(pipe: &Pipe, inner: &AgentInner, d: &Descriptor) -> Result<Allocatio
     })
 }
 
-/// Reads the message whose descriptor `d` was just read, within the server's memory `budget`
-/// (its bytes are acquired before anything is allocated for it).
+/// Reads the message whose descriptor `d` (of `size` bytes) was just read, within the
+/// server's memory `budget` (its bytes are acquired before anything is allocated for it).
 pub(crate) async fn finish_read(
     pipe: &Pipe,
     inner: &AgentInner,
     d: Descriptor,
-    budget: Option<(&Budget, u64)>,
+    budget: &Budget,
+    size: u64,
 ) -> Result<(Descriptor, Allocation), PipeError> {
-    let size = message_bytes(&d);
     if let Err(e) = within_limit(pipe, inner, size) {
         pipe.close();
         return Err(e);
     }
-    if let Some((b, size)) = budget {
-        b.acquire(size).await;
-    }
+    budget.acquire(size).await;
     let allocation = match allocate(pipe, inner, &d) {
         Ok(a) => a,
         Err(e) => {
-            if let Some((b, size)) = budget {
-                b.release(size);
-            }
+            budget.release(size);
             pipe.close();
             return Err(e);
         }
     };
-    let allocation = match pipe.read(allocation).await {
-        Ok(a) => a,
+    match pipe.read(allocation).await {
+        Ok(a) => Ok((d, a)),
         Err(e) => {
-            if let Some((b, size)) = budget {
-                b.release(size);
-            }
-            return Err(e.error);
+            budget.release(size);
+            Err(e.error)
         }
-    };
-    Ok((d, allocation))
+    }
 }
 
 /// Serves one incoming pipe: requests in, replies out. A caller that heartbeats and then
@@ -672,7 +665,7 @@ pub(crate) async fn serve_loop(served: Arc<Served>) {
         heard.store(inner.now_ms(), Ordering::Relaxed);
         let size = descriptor.as_ref().map_or(0, message_bytes);
         let message = match descriptor {
-            Ok(d) => finish_read(pipe, inner, d, Some((budget, size))).await,
+            Ok(d) => finish_read(pipe, inner, d, budget, size).await,
             Err(e) => Err(e),
         };
         let (d, allocation) = match message {

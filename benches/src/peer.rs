@@ -13,7 +13,7 @@ use std::net::SocketAddr;
 
 use bytes::Bytes;
 use sluice_channel::{Allocation, Context, ContextOptions, Message, Pipe, Tensor};
-use sluice_transport::shm::{ShmOptions, ShmTransport};
+use sluice_transport::shm::ShmTransport;
 use sluice_transport::tcp::TcpTransport;
 use sluice_transport::{Connection, FrameReader, FrameWriter, Listener, Transport};
 
@@ -27,10 +27,7 @@ pub async fn serve(listen: &str, ready: impl FnOnce(&str)) -> anyhow::Result<()>
     let ip = pipes.address().parse::<SocketAddr>()?.ip();
     let any = SocketAddr::new(ip, 0).to_string();
     // Busy polling (shared memory only): a second pipe listener and shm listener that never park.
-    let busy = ShmOptions {
-        busy_poll: true,
-        ..ShmOptions::default()
-    };
+    let busy = crate::run::busy_shm();
     let busy_ctx = Context::new(ContextOptions {
         shm: busy.clone(),
         ..ContextOptions::default()

@@ -68,7 +68,7 @@ struct Directory {
 }
 
 /// Shared-memory options with busy polling on (see [`ShmOptions::busy_poll`]).
-fn busy_shm() -> ShmOptions {
+pub(crate) fn busy_shm() -> ShmOptions {
     ShmOptions {
         busy_poll: true,
         ..ShmOptions::default()

@@ -788,13 +788,12 @@ impl Pipe {
             ..
         } = side;
         // A packed message's payloads and inline tensors are in its descriptor's frame.
-        let mut packed: Option<&[u8]> = descriptor.packed.then(|| &frame[*packed_at..]);
+        let mut tail: &[u8] = if descriptor.packed { &frame[*packed_at..] } else { &[] };
         let mut unpack = |n: u64| -> Result<&[u8]> {
-            let tail = packed.as_mut().expect("unpacking a packed message");
             let Some((head, rest)) = tail.split_at_checked(n as usize) else {
                 return Err(inner.protocol("packed bytes shorter than announced"));
             };
-            *tail = rest;
+            tail = rest;
             Ok(head)
         };
         for p in allocation.payloads.iter_mut() {

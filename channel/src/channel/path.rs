@@ -274,10 +274,7 @@ pub(crate) async fn recv(
             *buffer = RecvBuffer::cpu(length as usize);
         }
     }
-    if let RecvBuffer::Shared(b) = buffer {
-        // A buffer handed back from an earlier read: this tensor needs writable memory.
-        *buffer = RecvBuffer::cpu(b.len());
-    }
+    writable(buffer);
     match (source, buffer) {
         (Source::Empty, _) => Ok(Received::Done),
         (Source::Inline, RecvBuffer::Cpu(dst)) => basic::recv(rx, link, dst).await.map(|()| Received::Done),
@@ -296,6 +293,14 @@ pub(crate) async fn recv(
                 .map(Received::Cuda)
         }
         (_, b) => Err(link.protocol(format!("channel {channel} cannot fill a {} buffer", b.device()))),
+    }
+}
+
+/// A buffer handed back from an earlier read (shared, read-only) is replaced by writable memory
+/// of its length: the tensor being received is written into it.
+fn writable(buffer: &mut RecvBuffer) {
+    if let RecvBuffer::Shared(b) = buffer {
+        *buffer = RecvBuffer::cpu(b.len());
     }
 }
 
@@ -329,10 +334,7 @@ pub(crate) async fn send_inline(tx: &mut Tx, bytes: &Bytes) -> Result<()> {
 
 /// Receiver: an inline tensor of a packed message, whose bytes came in the descriptor's frame.
 pub(crate) fn recv_packed(channel: ChannelKind, link: &Link<'_>, bytes: &[u8], buffer: &mut RecvBuffer) -> Result<()> {
-    if let RecvBuffer::Shared(b) = buffer {
-        // A buffer handed back from an earlier read: this tensor needs writable memory.
-        *buffer = RecvBuffer::cpu(b.len());
-    }
+    writable(buffer);
     match buffer {
         RecvBuffer::Cpu(dst) if dst.len() == bytes.len() => {
             dst.copy_from_slice(bytes);

@@ -494,20 +494,10 @@ impl Shared {
         let slot = if self.spin.is_zero() { None } else { spin::try_spin() };
         let mut spun = Duration::ZERO;
         if slot.is_some() {
-            let start = Instant::now();
-            let mut spins = 0u32;
-            loop {
-                if check(self)? {
-                    stats::wait(true, start.elapsed(), Duration::ZERO);
-                    return Ok(());
-                }
-                spins = spins.wrapping_add(1);
-                if spins.is_multiple_of(64) && start.elapsed() >= self.spin {
-                    break;
-                }
-                std::hint::spin_loop();
+            match self.spin_on(&mut check, self.spin)? {
+                None => return Ok(()),
+                Some(spent) => spun = spent,
             }
-            spun = start.elapsed();
         }
         drop(slot);
         let park_start = stats::on().then(Instant::now);
@@ -537,10 +527,8 @@ impl Shared {
                 }
                 guard = self.socket.readable() => {
                     if let Ok(mut guard) = guard {
-                        match sys::peek_hangup(guard.get_inner().as_fd()) {
-                            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => guard.clear_ready(),
-                            // EOF, an error, or bytes that should never come after setup.
-                            _ => self.peer_gone.store(true, Ordering::Release),
+                        if self.peer_still_there() {
+                            guard.clear_ready();
                         }
                     }
                 }
@@ -555,26 +543,43 @@ impl Shared {
     /// the peer process hung up (a process killed mid-frame sets no flag in the ring).
     async fn busy_wait(&self, mut check: impl FnMut(&Self) -> Result<bool>) -> Result<()> {
         let round = self.spin.max(Duration::from_micros(10));
-        loop {
-            let start = Instant::now();
-            let mut spins = 0u32;
-            loop {
-                if check(self)? {
-                    stats::wait(true, start.elapsed(), Duration::ZERO);
-                    return Ok(());
-                }
-                spins = spins.wrapping_add(1);
-                if spins.is_multiple_of(64) && start.elapsed() >= round {
-                    break;
-                }
-                std::hint::spin_loop();
-            }
-            match sys::peek_hangup(self.socket.get_ref().as_fd()) {
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                // EOF, an error, or bytes that should never come after setup.
-                _ => self.peer_gone.store(true, Ordering::Release),
-            }
+        while self.spin_on(&mut check, round)?.is_some() {
+            self.peer_still_there();
             tokio::task::yield_now().await;
+        }
+        Ok(())
+    }
+
+    /// Spins on `check` for up to `limit`: `None` once it says ready (a wait counted as spun),
+    /// else the time spent.
+    fn spin_on(&self, check: &mut impl FnMut(&Self) -> Result<bool>, limit: Duration) -> Result<Option<Duration>> {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            if check(self)? {
+                stats::wait(true, start.elapsed(), Duration::ZERO);
+                return Ok(None);
+            }
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(64) {
+                let spent = start.elapsed();
+                if spent >= limit {
+                    return Ok(Some(spent));
+                }
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Looks, without waiting, whether the peer's setup socket hung up, and records it when it
+    /// did (EOF, an error, or bytes that should never come after setup). True while it is there.
+    fn peer_still_there(&self) -> bool {
+        match sys::peek_hangup(self.socket.get_ref().as_fd()) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => true,
+            _ => {
+                self.peer_gone.store(true, Ordering::Release);
+                false
+            }
         }
     }
 
