@@ -600,20 +600,29 @@ async fn first_error_is_sticky_and_fails_pending_operations() {
 
 /// A read given up in the middle of a message (its descriptor taken, its bytes still arriving)
 /// cannot be resumed: abandoning it closes the pipe on this side, so later reads and writes
-/// fail at once instead of parsing the middle of a tensor as a descriptor. (The writer is not
-/// awaited: over TCP it learns only when the connection's close reaches it.)
+/// fail at once instead of parsing the middle of a tensor as a descriptor. The writer's bytes
+/// pass through a proxy that stops forwarding after 8 MiB, so the 64 MiB tensor can never
+/// finish arriving: the read is abandoned on every machine, however fast or loaded. (The writer
+/// is not awaited: it is held by the proxy.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_abandoned_mid_message_closes_the_pipe() {
     watchdog("abandoned read", async {
-        let (a, b) = pair_with(options(&[TransportKind::Tcp], &[ChannelKind::Basic])).await;
+        let opts = options(&[TransportKind::Tcp], &[ChannelKind::Basic]);
+        let mut listener = Context::new(opts.clone()).unwrap().listen("").await.unwrap();
+        let proxy = stalling_proxy(listener.address().to_owned(), 8 << 20).await;
+        let client = Context::new(opts).unwrap();
+        let (a, b) = tokio::join!(client.connect(&proxy), listener.accept());
+        let (a, b) = (a.expect("connect through the proxy"), b.expect("accept"));
         let writer = tokio::spawn({
             let a = a.clone();
             async move { a.write(&message(0, &[64 << 20])).await }
         });
         let d = b.read_descriptor().await.expect("descriptor");
-        // 64 MiB over TCP cannot have arrived within a microsecond: the read is abandoned.
-        let read = tokio::time::timeout(Duration::from_micros(1), b.read(Allocation::for_descriptor(&d))).await;
-        assert!(read.is_err(), "the read finished before it could be abandoned");
+        let read = tokio::time::timeout(Duration::from_millis(50), b.read(Allocation::for_descriptor(&d))).await;
+        assert!(
+            read.is_err(),
+            "the read finished although the proxy held its bytes back"
+        );
         assert!(matches!(b.read_descriptor().await, Err(PipeError::Closed { .. })));
         assert!(matches!(
             b.write(&message(1, &[1])).await,
@@ -623,6 +632,30 @@ async fn a_read_abandoned_mid_message_closes_the_pipe() {
         a.close();
     })
     .await
+}
+
+/// A TCP proxy to `target`, for every connection made to it (the pipe's setup may open more
+/// than one): everything towards the client passes, and the first `limit` bytes from the
+/// client; after those it holds the rest back, both sockets left open. Returns the address to
+/// connect to.
+async fn stalling_proxy(target: String, limit: u64) -> String {
+    let front = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = front.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = front.accept().await {
+            let server = tokio::net::TcpStream::connect(&target).await.unwrap();
+            tokio::spawn(async move {
+                let (mut client_rx, mut client_tx) = client.into_split();
+                let (mut server_rx, mut server_tx) = server.into_split();
+                tokio::spawn(async move { tokio::io::copy(&mut server_rx, &mut client_tx).await });
+                let _ = tokio::io::copy(&mut (&mut client_rx).take(limit), &mut server_tx).await;
+                // Hold both halves open without reading on: the writer stalls, the reader waits.
+                std::future::pending::<()>().await;
+                drop((client_rx, server_tx));
+            });
+        }
+    });
+    addr
 }
 
 /// A real second process echoes every message back; then it is killed with SIGKILL while we
