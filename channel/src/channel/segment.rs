@@ -31,6 +31,9 @@ pub const BLOCK: usize = 64 << 10;
 const MAGIC: u64 = u64::from_le_bytes(*b"SLCSEG01");
 /// Header: magic, block count, then the bitmap; padded to whole blocks.
 const FIXED: usize = 16;
+/// A sender maps the blocks of a peer's segment into its page tables this many at a time (1 MiB),
+/// the first time it writes into any of them: see [`Segment::write`].
+const GROUP_BLOCKS: usize = 16;
 
 /// What a side offers in setup: the file its peer opens to send to it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -48,6 +51,9 @@ pub struct Segment {
     /// Receiving side only: blocks held by tensors this process received (so a peer naming
     /// them twice is caught). Bit per block.
     held: Mutex<Vec<u64>>,
+    /// Sending side: the groups of [`GROUP_BLOCKS`] blocks this process has already mapped in
+    /// (bit per group).
+    populated: Box<[AtomicU64]>,
 }
 
 impl std::fmt::Debug for Segment {
@@ -79,6 +85,7 @@ impl Segment {
             blocks,
             data,
             held: Mutex::new(vec![0; blocks.div_ceil(64)]),
+            populated: Box::default(),
         };
         seg.word(0).store(MAGIC, Ordering::Relaxed);
         seg.word(1).store(blocks as u64, Ordering::Release);
@@ -96,6 +103,9 @@ impl Segment {
             blocks,
             data,
             held: Mutex::new(Vec::new()),
+            populated: (0..blocks.div_ceil(GROUP_BLOCKS).div_ceil(64))
+                .map(|_| AtomicU64::new(0))
+                .collect(),
         };
         if seg.word(0).load(Ordering::Relaxed) != MAGIC || seg.word(1).load(Ordering::Acquire) != blocks as u64 {
             return Err(format!("process {pid}'s file is not a segment of {blocks} blocks"));
@@ -240,17 +250,48 @@ impl Segment {
     }
 
     /// Sender: copies `src` into the blocks reserved at `offset`.
+    ///
+    /// Each sender maps the receiver's segment on its own, so each page the receiver's hot blocks
+    /// span would fault once in every sender's page tables (with 64 processes on one host, page
+    /// faults on segments were a tenth of all CPU time in the soak). Instead, the first write
+    /// into a group of [`GROUP_BLOCKS`] blocks maps the whole group in with one system call;
+    /// blocks are reused first fit from the bottom (runs from the top), so a sender's groups
+    /// stay the few around the receiver's bytes in flight.
     pub fn write(&self, offset: u64, src: &[u8]) {
         let offset = offset as usize;
         assert!(
             offset.is_multiple_of(BLOCK) && offset + src.len() <= self.capacity(),
             "write outside the reserved blocks"
         );
+        self.populate(offset / BLOCK, src.len().div_ceil(BLOCK).max(1));
         // SAFETY: the range lies in the data area (asserted) and was reserved by `allocate` on
         // this side, so the receiver does not read it until the descriptor naming it arrives,
         // and no other sender writes it.
         unsafe {
             std::ptr::copy_nonoverlapping(src.as_ptr(), self.file.as_ptr().add(self.data + offset), src.len());
+        }
+    }
+
+    /// Maps in, once per process, the groups that blocks `first..first + n` fall in (adjacent
+    /// ones with one call). A group is marked before it is mapped: a concurrent writer into it
+    /// just takes the page faults. A failed call (a kernel before 5.14) leaves the faults too.
+    fn populate(&self, first: usize, n: usize) {
+        let group = GROUP_BLOCKS * BLOCK;
+        let mut run: Option<(usize, usize)> = None;
+        let map = |(g0, g1): (usize, usize)| {
+            let _ = self.file.populate_write(self.data + g0 * group, (g1 - g0) * group);
+        };
+        for g in first / GROUP_BLOCKS..=(first + n - 1) / GROUP_BLOCKS {
+            let Some(word) = self.populated.get(g / 64) else { return };
+            let bit = 1u64 << (g % 64);
+            if word.load(Ordering::Relaxed) & bit == 0 && word.fetch_or(bit, Ordering::Relaxed) & bit == 0 {
+                run = Some(run.map_or((g, g + 1), |(g0, _)| (g0, g + 1)));
+            } else if let Some(r) = run.take() {
+                map(r);
+            }
+        }
+        if let Some(r) = run {
+            map(r);
         }
     }
 
@@ -336,6 +377,38 @@ mod tests {
         let inbox = Segment::create(bytes).unwrap();
         let outbox = Segment::open(std::process::id(), inbox.offer()).unwrap();
         (outbox, inbox)
+    }
+
+    /// Page faults this thread has taken so far.
+    fn minor_faults() -> i64 {
+        use nix::sys::resource::{getrusage, UsageWho};
+        getrusage(UsageWho::RUSAGE_THREAD).unwrap().minor_page_faults()
+    }
+
+    #[test]
+    fn a_sender_maps_a_group_of_blocks_in_at_its_first_write() {
+        let (tx, rx) = pair(4 * GROUP_BLOCKS * BLOCK);
+        let block = vec![7u8; BLOCK];
+        // The first write maps in its whole group (16 blocks), not just its own block.
+        let first = tx.allocate(BLOCK).unwrap();
+        tx.write(first, &block);
+        // The next blocks of the group are new pages, yet writing them faults no page in.
+        let before = minor_faults();
+        for _ in 1..GROUP_BLOCKS {
+            let at = tx.allocate(BLOCK).unwrap();
+            assert!(
+                (at as usize) < GROUP_BLOCKS * BLOCK,
+                "first fit stays in the first group"
+            );
+            tx.write(at, &block);
+        }
+        let faults = minor_faults() - before;
+        // Without the mapping-in these writes take 15 x 16 = 240 faults (4 KiB pages).
+        assert!(
+            faults < 16,
+            "{faults} page faults writing into a group already mapped in"
+        );
+        assert_eq!(&rx.take(first, BLOCK as u64).unwrap()[..], &block[..]);
     }
 
     #[test]

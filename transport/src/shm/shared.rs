@@ -71,4 +71,12 @@ impl SharedFile {
     pub fn as_ptr(&self) -> *mut u8 {
         self.map.as_ptr()
     }
+
+    /// Makes `offset..offset + len` of the mapping present and writable in this process now,
+    /// in one system call, rather than one page fault per page on first write (see
+    /// `Mapping::populate_write`). Clamped to the file; fails only where the kernel lacks the
+    /// call or memory runs out, and then the pages simply fault in when written.
+    pub fn populate_write(&self, offset: usize, len: usize) -> io::Result<()> {
+        self.map.populate_write(offset, len)
+    }
 }
