@@ -115,17 +115,23 @@ impl AgentInner {
                 inner.finish_call(id, Err(e));
             }
         };
-        if tokio::runtime::Handle::try_current().is_ok() {
-            self.handle.spawn(send);
-        } else if peer_for_driver.lanes[lane].generation().is_none() {
-            // The lane's pipe opens first: done here, so that calls made one after another on
-            // this thread are written in that order (the first poll below queues a write on
-            // the pipe's fair lock; a task still opening the pipe would not).
-            self.handle.block_on(send);
+        let in_runtime = tokio::runtime::Handle::try_current().is_ok();
+        if peer_for_driver.lanes[lane].generation().is_none() {
+            if in_runtime {
+                // A task cannot wait here: the pipe opens in a task of its own.
+                self.handle.spawn(send);
+            } else {
+                // The lane's pipe opens first: done here, so that calls made one after
+                // another on this thread are written in that order (the first poll below
+                // queues a write on the pipe's fair lock; a task still opening the pipe would
+                // not).
+                self.handle.block_on(send);
+            }
         } else {
-            // A plain thread starts the write itself (no hand-off when it completes at once,
-            // the common case), but never waits for it: a write that cannot finish now (a
-            // bulk tensor the peer has not read yet, writes queued ahead) goes on as a task,
+            // The caller (a plain thread or a task, of this runtime or another) starts the
+            // write itself (no task spawned, no hand-off when it completes at once, the
+            // common case), but never waits for it: a write that cannot finish now (a bulk
+            // tensor the peer has not read yet, writes queued ahead) goes on as a task,
             // queued on the pipe's fair lock in call order, and the future returns at once.
             let mut send = Box::pin(send);
             let _runtime = self.handle.enter();
