@@ -115,8 +115,16 @@ impl AgentInner {
                 inner.finish_call(id, Err(e));
             }
         };
-        let in_runtime = tokio::runtime::Handle::try_current().is_ok();
-        if peer_for_driver.lanes[lane].generation().is_none() {
+        // A task of a current-thread runtime (or a `LocalSet`) must not start the write: a
+        // large segment copy runs in `block_in_place`, which only a plain thread or a
+        // multi-thread runtime's worker may call.
+        let (in_runtime, may_block) = match tokio::runtime::Handle::try_current() {
+            Ok(h) => (true, h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread),
+            Err(_) => (false, true),
+        };
+        if !may_block {
+            self.handle.spawn(send);
+        } else if peer_for_driver.lanes[lane].generation().is_none() {
             if in_runtime {
                 // A task cannot wait here: the pipe opens in a task of its own.
                 self.handle.spawn(send);
@@ -128,8 +136,8 @@ impl AgentInner {
                 self.handle.block_on(send);
             }
         } else {
-            // The caller (a plain thread or a task, of this runtime or another) starts the
-            // write itself (no task spawned, no hand-off when it completes at once, the
+            // The caller (a plain thread or a task of a multi-thread runtime, this one or
+            // another) starts the write itself (no task spawned, no hand-off when it completes at once, the
             // common case), but never waits for it: a write that cannot finish now (a bulk
             // tensor the peer has not read yet, writes queued ahead) goes on as a task,
             // queued on the pipe's fair lock in call order, and the future returns at once.

@@ -197,6 +197,56 @@ worker_test!(errors_reach_the_caller_and_the_agent_keeps_serving, 2, |env| {
 // An unknown handler and a handler's own typed error fail the same way through every call
 // form: `call`, `call_async`, `remote` then `to_here`, and an RRef's proxies (`rpc_sync`,
 // `rpc_async`, `remote` then `to_here`).
+// Calls made from tasks of every kind of runtime, with a tensor large enough (16 MiB) that the
+// sender's copy into the peer's segment is offloaded: the caller starts the write itself where
+// it may block (a plain thread, a multi-thread runtime's task) and hands it to the agent's
+// runtime where it may not (a current-thread runtime's task, a `LocalSet`).
+worker_test!(large_tensors_from_tasks_of_any_runtime, 2, |env| {
+    let agent = env.agent(registry());
+    if env.rank == 0 {
+        let big = Payload::empty().with_tensors(vec![Tensor::cpu(bytes::Bytes::from(vec![7u8; 16 << 20]))]);
+        let echo = |reply: Payload| reply.tensors[0].buffer.as_cpu().map(|b| (b.len(), b[b.len() - 1]));
+        // The lane's pipe is open before the calls below (their write starts inline).
+        assert_eq!(
+            echo(agent.rpc_sync(1u32, "echo", big.clone()).unwrap()),
+            Some((16 << 20, 7))
+        );
+        let single = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let got = single
+            .block_on(async { agent.rpc_async(1u32, "echo", big.clone()).await })
+            .unwrap();
+        assert_eq!(echo(got), Some((16 << 20, 7)), "current-thread runtime");
+        let local = tokio::task::LocalSet::new();
+        let got = local
+            .block_on(&single, async {
+                tokio::task::spawn_local(agent.rpc_async(1u32, "echo", big.clone()))
+                    .await
+                    .unwrap()
+            })
+            .unwrap();
+        assert_eq!(echo(got), Some((16 << 20, 7)), "LocalSet");
+        let multi = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let got = multi
+            .block_on(async {
+                let agent = agent.clone();
+                let big = big.clone();
+                tokio::spawn(async move { agent.rpc_async(1u32, "echo", big).await })
+                    .await
+                    .unwrap()
+            })
+            .unwrap();
+        assert_eq!(echo(got), Some((16 << 20, 7)), "multi-thread runtime");
+    }
+    agent.shutdown().unwrap();
+});
+
 worker_test!(every_call_form_gives_the_same_typed_error, 2, |env| {
     let agent = env.agent(registry());
     if env.rank == 0 {

@@ -282,7 +282,7 @@ impl Segment {
             let _ = self.file.populate_write(self.data + g0 * group, (g1 - g0) * group);
         };
         for g in first / GROUP_BLOCKS..=(first + n - 1) / GROUP_BLOCKS {
-            let Some(word) = self.populated.get(g / 64) else { return };
+            let Some(word) = self.populated.get(g / 64) else { break };
             let bit = 1u64 << (g % 64);
             if word.load(Ordering::Relaxed) & bit == 0 && word.fetch_or(bit, Ordering::Relaxed) & bit == 0 {
                 run = Some(run.map_or((g, g + 1), |(g0, _)| (g0, g + 1)));
@@ -388,6 +388,14 @@ mod tests {
     #[test]
     fn a_sender_maps_a_group_of_blocks_in_at_its_first_write() {
         let (tx, rx) = pair(4 * GROUP_BLOCKS * BLOCK);
+        // A kernel before 5.14 (or a sandbox) lacks the call: the pages fault in as before.
+        if let Err(e) = tx.file.populate_write(tx.file.len() - BLOCK, BLOCK) {
+            sluice_cuda::gate::skipped(
+                "a_sender_maps_a_group_of_blocks_in_at_its_first_write",
+                format!("MADV_POPULATE_WRITE: {e}"),
+            );
+            return;
+        }
         let block = vec![7u8; BLOCK];
         // The first write maps in its whole group (16 blocks), not just its own block.
         let first = tx.allocate(BLOCK).unwrap();

@@ -80,8 +80,9 @@ impl Mapping {
             return Ok(());
         }
         // SAFETY: `start..end` lies inside this mapping (clamped above, `start` page-aligned
-        // inside it); MADV_POPULATE_WRITE only faults pages in as a write would, changing no
-        // contents, so no Rust object's memory is affected.
+        // inside it); the mapping is MAP_SHARED (see `new`), so MADV_POPULATE_WRITE only faults
+        // the file's pages in as a write would, changing no contents (no private copy is
+        // made), and memory other threads or processes use at the same time is unaffected.
         let rc = unsafe {
             libc::madvise(
                 self.ptr.as_ptr().add(start).cast(),
