@@ -25,7 +25,7 @@ mod sys;
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
-use std::sync::atomic::{fence, AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -54,7 +54,9 @@ pub struct ShmOptions {
     pub ring_capacity: usize,
     /// How long a side spins on an empty or full ring before parking on its eventfd. Zero parks
     /// at once (lowest CPU, highest latency); longer keeps wake-ups (tens of µs) off busy
-    /// connections.
+    /// connections. A side whose recent waits typically lasted longer than this but at most a
+    /// millisecond (a caller waiting on a handler that computes) spins up to twice that typical
+    /// wait instead, yielding its core to any thread ready to run on it.
     pub spin: Duration,
     /// How long an accepted socket may take to complete the descriptor exchange.
     pub handshake_timeout: Duration,
@@ -354,6 +356,7 @@ async fn handshake(stream: UnixStream, options: &ShmOptions, client: bool, peer:
         socket,
         stopped: Stopped::default(),
         peer_gone: AtomicBool::new(false),
+        typical_wait_ns: [AtomicU64::new(0), AtomicU64::new(0)],
         inbox: inbox.clone(),
         outbox: outbox.clone(),
     });
@@ -388,8 +391,38 @@ struct Shared {
     socket: AsyncFd<OwnedFd>,
     stopped: Stopped,
     peer_gone: AtomicBool,
+    /// How long this process's reader and writer (by [`Side`]) have typically waited lately,
+    /// in ns (a moving average of the waits that ended with the ring ready): see
+    /// [`Shared::spin_limit`].
+    typical_wait_ns: [AtomicU64; 2],
     inbox: Ring,
     outbox: Ring,
+}
+
+/// A side whose waits typically end within this long learns to spin through them (see
+/// [`Shared::spin_limit`]).
+const ADAPT_MAX: Duration = Duration::from_millis(1);
+
+/// The spin before parking for a side configured to spin `spin` whose waits typically last
+/// `typical_ns`: twice the typical wait where that is longer than `spin` but within
+/// [`ADAPT_MAX`], else `spin`.
+fn adaptive_spin(spin: Duration, typical_ns: u64) -> Duration {
+    let typical = Duration::from_nanos(typical_ns);
+    if typical > spin && typical <= ADAPT_MAX {
+        typical * 2
+    } else {
+        spin
+    }
+}
+
+/// A moving average of wait lengths (ns): the first wait as it is, then each new one at ¼.
+fn fold_wait(typical_ns: u64, waited: Duration) -> u64 {
+    let waited = waited.as_nanos().min(u64::MAX as u128 / 4) as u64;
+    if typical_ns == 0 {
+        waited
+    } else {
+        (typical_ns * 3 + waited) / 4
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -494,14 +527,17 @@ impl Shared {
         let slot = if self.spin.is_zero() { None } else { spin::try_spin() };
         let mut spun = Duration::ZERO;
         if slot.is_some() {
-            match self.spin_on(&mut check, self.spin)? {
-                None => return Ok(()),
-                Some(spent) => spun = spent,
+            match self.spin_on(&mut check, self.spin_limit(side))? {
+                Ok(waited) => {
+                    self.learn(side, waited);
+                    return Ok(());
+                }
+                Err(spent) => spun = spent,
             }
         }
         drop(slot);
-        let park_start = stats::on().then(Instant::now);
-        let _counted = Parked(spun, park_start);
+        let park_start = Instant::now();
+        let _counted = Parked(spun, stats::on().then_some(park_start));
         let (parked, efd): (&AtomicU32, &AsyncFd<OwnedFd>) = match side {
             Side::Reader => (self.inbox.consumer_parked(), &self.inbox_data),
             Side::Writer => (self.outbox.producer_parked(), &self.outbox_space),
@@ -515,6 +551,9 @@ impl Shared {
             let outcome = check(self);
             if !matches!(outcome, Ok(false)) {
                 parked.store(0, Ordering::Relaxed);
+                if outcome.is_ok() {
+                    self.learn(side, spun + park_start.elapsed());
+                }
                 return outcome.map(|_| ());
             }
             tokio::select! {
@@ -543,28 +582,56 @@ impl Shared {
     /// the peer process hung up (a process killed mid-frame sets no flag in the ring).
     async fn busy_wait(&self, mut check: impl FnMut(&Self) -> Result<bool>) -> Result<()> {
         let round = self.spin.max(Duration::from_micros(10));
-        while self.spin_on(&mut check, round)?.is_some() {
+        while self.spin_on(&mut check, round)?.is_err() {
             self.peer_still_there();
             tokio::task::yield_now().await;
         }
         Ok(())
     }
 
-    /// Spins on `check` for up to `limit`: `None` once it says ready (a wait counted as spun),
-    /// else the time spent.
-    fn spin_on(&self, check: &mut impl FnMut(&Self) -> Result<bool>, limit: Duration) -> Result<Option<Duration>> {
+    /// How long a wait of `side` spins before it parks: the configured `spin`, or, where this
+    /// side's recent waits typically ended after longer but within [`ADAPT_MAX`], twice their
+    /// typical length. A caller waiting on a handler that computes for a millisecond then gets
+    /// its reply without being woken (on this machine kind a wake-up of a parked thread costs
+    /// tens of µs, three times in a distributed training step); a side whose waits are short
+    /// (a busy pipe) or long (an idle one, heartbeats) keeps the configured spin. The spin
+    /// yields the core every few µs to any thread ready to run on it, and needs a spin slot as
+    /// before, so spinners never outnumber cores.
+    fn spin_limit(&self, side: Side) -> Duration {
+        adaptive_spin(self.spin, self.typical_wait_ns[side as usize].load(Ordering::Relaxed))
+    }
+
+    /// Folds a finished wait of `side` into its typical length (concurrent waits of one side
+    /// may lose an update, which only slows the learning).
+    fn learn(&self, side: Side, waited: Duration) {
+        let slot = &self.typical_wait_ns[side as usize];
+        slot.store(fold_wait(slot.load(Ordering::Relaxed), waited), Ordering::Relaxed);
+    }
+
+    /// Spins on `check` for up to `limit`: `Ok(waited)` once it says ready (a wait counted as
+    /// spun), else `Err(spent)`. Every 512 rounds it yields the core (`sched_yield`) to any thread
+    /// waiting for it: a spinner must not delay the work it waits for.
+    fn spin_on(
+        &self,
+        check: &mut impl FnMut(&Self) -> Result<bool>,
+        limit: Duration,
+    ) -> Result<std::result::Result<Duration, Duration>> {
         let start = Instant::now();
         let mut spins = 0u32;
         loop {
             if check(self)? {
-                stats::wait(true, start.elapsed(), Duration::ZERO);
-                return Ok(None);
+                let waited = start.elapsed();
+                stats::wait(true, waited, Duration::ZERO);
+                return Ok(Ok(waited));
             }
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(64) {
                 let spent = start.elapsed();
                 if spent >= limit {
-                    return Ok(Some(spent));
+                    return Ok(Err(spent));
+                }
+                if spins.is_multiple_of(512) {
+                    std::thread::yield_now();
                 }
             }
             std::hint::spin_loop();
@@ -888,5 +955,58 @@ impl FrameWriter for ShmWriter {
 
     fn peer(&self) -> &str {
         &self.shared.peer
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SPIN: Duration = Duration::from_micros(50);
+    const US: u64 = 1_000;
+
+    /// Waits a millisecond long (a caller waiting on a handler that computes) teach a side to
+    /// spin through them; short waits (a busy ping-pong) and long ones (an idle pipe,
+    /// heartbeats) leave the configured spin; an unknown side spins as configured.
+    #[test]
+    fn a_side_spins_through_waits_it_has_learned_are_short_enough() {
+        assert_eq!(adaptive_spin(SPIN, 0), SPIN);
+        assert_eq!(adaptive_spin(SPIN, 3 * US), SPIN);
+        assert_eq!(adaptive_spin(SPIN, 800 * US), Duration::from_micros(1_600));
+        assert_eq!(adaptive_spin(SPIN, 1_000 * US), Duration::from_micros(2_000));
+        assert_eq!(adaptive_spin(SPIN, 1_001 * US), SPIN);
+        assert_eq!(adaptive_spin(SPIN, 5_000_000 * US), SPIN);
+        // Spinning configured off stays off only for short waits: zero spin means none at all
+        // (`wait` takes no spin slot then), whatever is learned.
+        assert_eq!(adaptive_spin(Duration::ZERO, 0), Duration::ZERO);
+    }
+
+    /// The average follows a change of pattern within a few waits, and one idle gap does not
+    /// wipe out what a busy pattern taught for long.
+    #[test]
+    fn the_typical_wait_follows_the_recent_ones() {
+        let mut t = 0;
+        t = fold_wait(t, Duration::from_micros(800));
+        assert_eq!(t, 800 * US, "the first wait is taken as it is");
+        for _ in 0..10 {
+            t = fold_wait(t, Duration::from_micros(2));
+        }
+        assert!(
+            adaptive_spin(SPIN, t) == SPIN,
+            "ten short waits later, no long spin ({t} ns)"
+        );
+        for _ in 0..10 {
+            t = fold_wait(t, Duration::from_micros(700));
+        }
+        assert!(
+            adaptive_spin(SPIN, t) > Duration::from_millis(1),
+            "long waits again: {t} ns"
+        );
+        // One idle second pushes the average past ADAPT_MAX: back to the configured spin...
+        t = fold_wait(t, Duration::from_secs(1));
+        assert_eq!(adaptive_spin(SPIN, t), SPIN);
+        // ...and no wait, however long, overflows the average.
+        t = fold_wait(t, Duration::MAX);
+        assert!(t > 0 && adaptive_spin(SPIN, t) == SPIN);
     }
 }
