@@ -122,25 +122,22 @@ impl AgentInner {
             Ok(h) => (true, h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread),
             Err(_) => (false, true),
         };
-        if !may_block {
+        let opening = peer_for_driver.lanes[lane].generation().is_none();
+        if !may_block || (in_runtime && opening) {
+            // A task cannot wait for the pipe to open: the write goes on as a task of its own.
             self.handle.spawn(send);
-        } else if peer_for_driver.lanes[lane].generation().is_none() {
-            if in_runtime {
-                // A task cannot wait here: the pipe opens in a task of its own.
-                self.handle.spawn(send);
-            } else {
-                // The lane's pipe opens first: done here, so that calls made one after
-                // another on this thread are written in that order (the first poll below
-                // queues a write on the pipe's fair lock; a task still opening the pipe would
-                // not).
-                self.handle.block_on(send);
-            }
+        } else if opening {
+            // The lane's pipe opens first: done here, so that calls made one after another on
+            // this thread are written in that order (the first poll below queues a write on
+            // the pipe's fair lock; a task still opening the pipe would not).
+            self.handle.block_on(send);
         } else {
             // The caller (a plain thread or a task of a multi-thread runtime, this one or
-            // another) starts the write itself (no task spawned, no hand-off when it completes at once, the
-            // common case), but never waits for it: a write that cannot finish now (a bulk
-            // tensor the peer has not read yet, writes queued ahead) goes on as a task,
-            // queued on the pipe's fair lock in call order, and the future returns at once.
+            // another) starts the write itself (no task spawned, no hand-off when it
+            // completes at once, the common case), but never waits for it: a write that
+            // cannot finish now (a bulk tensor the peer has not read yet, writes queued
+            // ahead) goes on as a task, queued on the pipe's fair lock in call order, and
+            // the future returns at once.
             let mut send = Box::pin(send);
             let _runtime = self.handle.enter();
             let mut cx = std::task::Context::from_waker(std::task::Waker::noop());

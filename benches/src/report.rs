@@ -38,12 +38,8 @@ pub struct Record {
 /// faults during one row.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct Stages {
-    pub waits: u64,
-    pub spun: u64,
-    pub parked: u64,
-    pub spin_us: u64,
-    pub park_us: u64,
-    pub wakes: u64,
+    #[serde(flatten)]
+    pub waits: sluice_transport::shm::stats::WaitStats,
     pub minor_faults: u64,
 }
 
@@ -69,14 +65,8 @@ impl StageMeter {
     }
 
     pub fn stop(&self) -> Stages {
-        let w = sluice_transport::shm::stats::snapshot().since(&self.waits);
         Stages {
-            waits: w.waits,
-            spun: w.spun,
-            parked: w.parked,
-            spin_us: w.spin_us,
-            park_us: w.park_us,
-            wakes: w.wakes,
+            waits: sluice_transport::shm::stats::snapshot().since(&self.waits),
             minor_faults: minor_faults().saturating_sub(self.faults),
         }
     }

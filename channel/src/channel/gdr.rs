@@ -141,7 +141,8 @@ pub fn register(
     let info = driver::pointer_info(&bound, buf.ptr()).map_err(|e| fail(e.into()))?;
     // `cuMemGetHandleForAddressRange` takes page-aligned ranges only: export the pages around
     // the allocation, addressed from the first page's start.
-    let (start, len) = page_span(info.base, info.size, host_page());
+    // `cuMemGetHandleForAddressRange` aligns to the host page.
+    let (start, len) = page_span(info.base, info.size, sluice_transport::shm::page_size() as u64);
     // SAFETY: the context of the buffer's device is current (bind above) and the range covers
     // the allocation around `buf`, which the caller keeps alive (a clone) while registered.
     let dmabuf = unsafe { driver::dmabuf_fd(&bound, start, len) };
@@ -158,14 +159,6 @@ pub fn register(
     // SAFETY: as above; with nvidia-peermem the NIC pins the GPU pages itself.
     let mr = unsafe { nic.register(info.base as *mut u8, info.size, access)? };
     Ok((mr, "peer memory"))
-}
-
-/// The host page size (`cuMemGetHandleForAddressRange` aligns to it).
-fn host_page() -> u64 {
-    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
-        .ok()
-        .flatten()
-        .map_or(4096, |p| p as u64)
 }
 
 /// The page-aligned span covering `base..base+size`: its start and length.

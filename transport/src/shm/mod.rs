@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 use tokio::io::unix::AsyncFd;
 
 pub use shared::SharedFile;
+pub use sys::page_size;
 use tokio::io::Interest;
 use tokio::net::UnixStream;
 use tokio::sync::mpsc;
@@ -976,13 +977,13 @@ mod tests {
         assert_eq!(adaptive_spin(SPIN, 1_000 * US), Duration::from_micros(2_000));
         assert_eq!(adaptive_spin(SPIN, 1_001 * US), SPIN);
         assert_eq!(adaptive_spin(SPIN, 5_000_000 * US), SPIN);
-        // Spinning configured off stays off only for short waits: zero spin means none at all
-        // (`wait` takes no spin slot then), whatever is learned.
+        // A side configured not to spin learns nothing to spin for: `wait` takes no spin slot
+        // when `spin` is zero.
         assert_eq!(adaptive_spin(Duration::ZERO, 0), Duration::ZERO);
     }
 
-    /// The average follows a change of pattern within a few waits, and one idle gap does not
-    /// wipe out what a busy pattern taught for long.
+    /// The average follows a change of pattern within a few waits; one idle gap after a run of
+    /// millisecond waits sends the side back to the configured spin until it learns again.
     #[test]
     fn the_typical_wait_follows_the_recent_ones() {
         let mut t = 0;

@@ -17,7 +17,7 @@ static PARK_NS: AtomicU64 = AtomicU64::new(0);
 static WAKES: AtomicU64 = AtomicU64::new(0);
 
 /// Counts of this process's shared-memory waits since it started counting.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct WaitStats {
     /// Waits that found the ring not ready (empty for a reader, full for a writer).
     pub waits: u64,

@@ -98,7 +98,8 @@ impl Mapping {
     }
 }
 
-fn page_size() -> usize {
+/// The host's page size (asked of the kernel once).
+pub fn page_size() -> usize {
     static PAGE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *PAGE.get_or_init(|| {
         nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
