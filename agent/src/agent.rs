@@ -28,7 +28,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
@@ -92,7 +92,7 @@ pub(crate) struct AgentInner {
     pub(crate) secret: Option<sluice_channel::Secret>,
     pub(crate) store_server: Mutex<Option<StoreServer>>,
     pub(crate) subscribers: Subscribers,
-    pub(crate) clock: Instant,
+    pub(crate) clock: crate::clock::Clock,
     pub(crate) counter: AtomicU64,
     pub(crate) calls: Mutex<Calls<ResultSlot>>,
     pub(crate) timer: tokio::sync::Notify,
@@ -398,8 +398,9 @@ impl AgentInner {
         }
     }
 
+    /// Milliseconds since this agent started, to a scheduler tick.
     pub(crate) fn now_ms(&self) -> u64 {
-        self.clock.elapsed().as_millis() as u64
+        self.clock.now_ms()
     }
 
     /// A fresh `worker << 48 | counter` id.

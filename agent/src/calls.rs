@@ -41,10 +41,17 @@ impl<S> Default for Calls<S> {
 }
 
 impl<S> Calls<S> {
-    /// Registers call `id` to `peer` at `now`; a zero timeout means none. Returns the new
-    /// deadline when it is earlier than every other one, so the timer must wake sooner.
-    pub fn register(&mut self, id: u64, peer: u32, timeout: Duration, now: Instant, slot: S) -> Option<Instant> {
-        let deadline = (!timeout.is_zero()).then(|| now + timeout);
+    /// Registers call `id` to `peer`, due at `deadline` (`None`: never; `timeout` is what the
+    /// caller asked for, for its error). Returns the deadline when it is earlier than every
+    /// other one, so the timer must wake sooner.
+    pub fn register(
+        &mut self,
+        id: u64,
+        peer: u32,
+        timeout: Duration,
+        deadline: Option<Instant>,
+        slot: S,
+    ) -> Option<Instant> {
         let earliest = self.deadlines.first().map(|(t, _)| *t);
         if let Some(d) = deadline {
             self.deadlines.insert((d, id));
@@ -134,6 +141,11 @@ mod tests {
 
     const MS: Duration = Duration::from_millis(1);
 
+    /// A deadline `timeout` after `now`, as the agent sets them (zero: none).
+    fn due(now: Instant, timeout: Duration) -> Option<Instant> {
+        (!timeout.is_zero()).then(|| now + timeout)
+    }
+
     /// A fake clock: instants are offsets from one base, advanced by hand.
     fn at(base: Instant, ms: u64) -> Instant {
         base + MS * ms as u32
@@ -143,7 +155,10 @@ mod tests {
     fn a_call_completes_once_and_a_late_reply_finds_nothing() {
         let t0 = Instant::now();
         let mut calls = Calls::default();
-        assert_eq!(calls.register(1, 7, MS * 100, t0, "a"), Some(at(t0, 100)));
+        assert_eq!(
+            calls.register(1, 7, MS * 100, due(t0, MS * 100), "a"),
+            Some(at(t0, 100))
+        );
         assert_eq!(calls.pending_to(7), 1);
         let (expired, next) = calls.expire(at(t0, 99));
         assert!(expired.is_empty());
@@ -161,7 +176,7 @@ mod tests {
     fn a_reply_before_the_deadline_cancels_it() {
         let t0 = Instant::now();
         let mut calls = Calls::default();
-        calls.register(1, 7, MS * 10, t0, ());
+        calls.register(1, 7, MS * 10, due(t0, MS * 10), ());
         assert!(calls.complete(1).is_some());
         assert!(calls.complete(1).is_none(), "exactly once");
         let (expired, next) = calls.expire(at(t0, 1000));
@@ -173,10 +188,18 @@ mod tests {
     fn the_timer_is_told_only_about_an_earlier_deadline() {
         let t0 = Instant::now();
         let mut calls = Calls::default();
-        assert_eq!(calls.register(1, 1, MS * 50, t0, ()), Some(at(t0, 50)));
-        assert_eq!(calls.register(2, 1, MS * 80, t0, ()), None, "later than the earliest");
-        assert_eq!(calls.register(3, 1, Duration::ZERO, t0, ()), None, "no timeout");
-        assert_eq!(calls.register(4, 1, MS * 20, t0, ()), Some(at(t0, 20)));
+        assert_eq!(calls.register(1, 1, MS * 50, due(t0, MS * 50), ()), Some(at(t0, 50)));
+        assert_eq!(
+            calls.register(2, 1, MS * 80, due(t0, MS * 80), ()),
+            None,
+            "later than the earliest"
+        );
+        assert_eq!(
+            calls.register(3, 1, Duration::ZERO, due(t0, Duration::ZERO), ()),
+            None,
+            "no timeout"
+        );
+        assert_eq!(calls.register(4, 1, MS * 20, due(t0, MS * 20), ()), Some(at(t0, 20)));
         let (expired, next) = calls.expire(at(t0, 60));
         assert_eq!(expired.len(), 2);
         assert_eq!(next, Some(at(t0, 80)));
@@ -193,7 +216,7 @@ mod tests {
         let t0 = Instant::now();
         let mut calls = Calls::default();
         for id in 0..10u64 {
-            calls.register(id, (id % 3) as u32, MS * 100, t0, id);
+            calls.register(id, (id % 3) as u32, MS * 100, due(t0, MS * 100), id);
         }
         let mut failed: Vec<u64> = calls.fail(Some(1)).into_iter().map(|p| p.slot).collect();
         failed.sort();
@@ -211,8 +234,8 @@ mod tests {
     fn shutdown_fails_everything_once() {
         let t0 = Instant::now();
         let mut calls = Calls::default();
-        calls.register(1, 1, MS, t0, ());
-        calls.register(2, 2, Duration::ZERO, t0, ());
+        calls.register(1, 1, MS, due(t0, MS), ());
+        calls.register(2, 2, Duration::ZERO, due(t0, Duration::ZERO), ());
         assert_eq!(calls.fail(None).len(), 2);
         assert_eq!(calls.len(), 0);
         assert_eq!(calls.next_deadline(), None);

@@ -74,13 +74,14 @@ impl AgentInner {
             tensors,
         );
         let slot = Slot::new();
+        let deadline = (!timeout.is_zero()).then(|| self.clock.deadline_in(timeout));
         let sooner = self
             .calls
             .lock()
             .unwrap()
-            .register(id, dest, timeout, Instant::now(), slot.clone());
+            .register(id, dest, timeout, deadline, slot.clone());
         if let Some(d) = sooner {
-            let due_ms = d.saturating_duration_since(self.clock).as_millis() as u64;
+            let due_ms = d.saturating_duration_since(self.clock.start()).as_millis() as u64;
             if due_ms < self.timer_due.load(Ordering::Acquire) {
                 self.timer.notify_one();
             }
@@ -401,7 +402,7 @@ pub(crate) async fn run_timer(weak: std::sync::Weak<AgentInner>) {
         notified.as_mut().enable();
         let until = next.unwrap_or_else(|| Instant::now() + Duration::from_millis(200));
         inner.timer_due.store(
-            until.saturating_duration_since(inner.clock).as_millis() as u64,
+            until.saturating_duration_since(inner.clock.start()).as_millis() as u64,
             Ordering::Release,
         );
         // A call registered between `expire` and publishing `timer_due` may have seen the old

@@ -36,6 +36,7 @@ pub mod agent;
 mod budget;
 mod calls;
 mod client;
+mod clock;
 pub mod completion;
 pub mod device_map;
 pub mod error;

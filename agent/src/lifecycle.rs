@@ -253,7 +253,7 @@ pub(crate) fn init(options: AgentOptions, mut registry: Registry) -> Result<Agen
         secret: resolved.secret.clone(),
         store_server: Mutex::new(store_server),
         subscribers: Subscribers::default(),
-        clock: Instant::now(),
+        clock: crate::clock::Clock::new(),
         counter: AtomicU64::new(0),
         calls: Mutex::new(Calls::default()),
         timer: tokio::sync::Notify::new(),

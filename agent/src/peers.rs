@@ -453,7 +453,9 @@ impl AgentInner {
         if let Some((_, p)) = l.pipe.lock().unwrap().as_ref() {
             return Ok(p.clone());
         }
-        self.open_pipe(peer, lane).await
+        // Boxed: opening is rare, and its future is large; a call's own future (moved on
+        // every call) stays small.
+        Box::pin(self.open_pipe(peer, lane)).await
     }
 
     /// Opens a new pipe of `lane` to `peer` and starts its reader and heartbeat.

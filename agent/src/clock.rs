@@ -1,0 +1,127 @@
+//! The agent's clock for the per-call path. A precise clock read (`Instant::now`) costs tens
+//! of nanoseconds on a virtual machine, and a call made several; the kernel's coarse monotonic
+//! clock is a plain memory read, exact to a scheduler tick (1–10 ms). Heartbeats and long
+//! deadlines need no more than that; short deadlines keep the precise clock.
+//!
+//! Both clocks are `CLOCK_MONOTONIC`, one read at tick granularity, so a coarse reading
+//! converts to an [`Instant`] through one pair of readings taken together at the start.
+
+use std::time::{Duration, Instant};
+
+use nix::time::{clock_getres, clock_gettime, ClockId};
+
+/// Deadlines at least this far off are set on the coarse clock (late by at most two ticks,
+/// never early); nearer ones on the precise clock.
+const COARSE_FROM: Duration = Duration::from_secs(1);
+
+#[derive(Debug)]
+pub(crate) struct Clock {
+    /// The precise and the coarse clock read together.
+    base: Instant,
+    base_coarse: Duration,
+    /// The coarse clock's tick (zero where the kernel has no coarse clock: then everything
+    /// reads the precise one).
+    tick: Duration,
+}
+
+fn coarse() -> Option<Duration> {
+    clock_gettime(ClockId::CLOCK_MONOTONIC_COARSE).ok().map(Duration::from)
+}
+
+impl Clock {
+    pub(crate) fn new() -> Clock {
+        let tick = clock_getres(ClockId::CLOCK_MONOTONIC_COARSE)
+            .ok()
+            .map(Duration::from)
+            .filter(|t| *t <= Duration::from_millis(100))
+            .unwrap_or_default();
+        Clock {
+            base: Instant::now(),
+            base_coarse: coarse().filter(|_| !tick.is_zero()).unwrap_or_default(),
+            tick,
+        }
+    }
+
+    /// Time since the agent started, to a tick.
+    pub(crate) fn elapsed(&self) -> Duration {
+        match coarse().filter(|_| !self.tick.is_zero()) {
+            Some(now) => now.saturating_sub(self.base_coarse),
+            None => self.base.elapsed(),
+        }
+    }
+
+    /// Milliseconds since the agent started, to a tick (heartbeats, silence).
+    pub(crate) fn now_ms(&self) -> u64 {
+        self.elapsed().as_millis() as u64
+    }
+
+    /// The instant `timeout` from now, never early: to a tick (late by at most two) when the
+    /// timeout is long, exact when it is short.
+    pub(crate) fn deadline_in(&self, timeout: Duration) -> Instant {
+        if timeout < COARSE_FROM || self.tick.is_zero() {
+            return Instant::now() + timeout;
+        }
+        // The coarse reading is up to a tick behind, and the base pair up to a tick apart:
+        // two ticks make it never early.
+        self.base + self.elapsed() + 2 * self.tick + timeout
+    }
+
+    /// The agent's start, on the precise clock.
+    pub(crate) fn start(&self) -> Instant {
+        self.base
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deadlines_are_never_early_and_late_by_at_most_a_few_ticks() {
+        let clock = Clock::new();
+        for timeout in [
+            Duration::from_millis(5),
+            Duration::from_secs(1),
+            Duration::from_secs(60),
+        ] {
+            for _ in 0..1000 {
+                let before = Instant::now();
+                let d = clock.deadline_in(timeout);
+                let after = Instant::now();
+                assert!(
+                    d >= before + timeout,
+                    "{timeout:?}: early by {:?}",
+                    before + timeout - d
+                );
+                let slack = if timeout < COARSE_FROM {
+                    Duration::ZERO
+                } else {
+                    4 * clock.tick
+                };
+                assert!(
+                    d <= after + timeout + slack,
+                    "{timeout:?}: late by {:?} (tick {:?})",
+                    d - (after + timeout),
+                    clock.tick
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn elapsed_follows_the_precise_clock_to_a_tick() {
+        let clock = Clock::new();
+        std::thread::sleep(Duration::from_millis(30));
+        let precise = clock.start().elapsed();
+        let coarse = clock.elapsed();
+        let tick = clock.tick.max(Duration::from_millis(1));
+        assert!(
+            coarse <= precise + tick,
+            "coarse {coarse:?} ahead of precise {precise:?}"
+        );
+        assert!(
+            coarse + 2 * tick >= precise,
+            "coarse {coarse:?} behind precise {precise:?}"
+        );
+    }
+}
