@@ -25,7 +25,6 @@
 //! Threads: a tokio runtime (`io_threads`) drives pipes, timers and async handlers; a pool
 //! (`pool_threads`) runs synchronous handlers that have shown they block or take long.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -108,7 +107,7 @@ pub(crate) struct AgentInner {
     pub(crate) rrefs: RRefTable,
     pub(crate) incoming: Mutex<Vec<Pipe>>,
     /// Requests being served: their caller's budget and size, released by the reply.
-    pub(crate) held: Mutex<HashMap<(u32, u64), Held>>,
+    pub(crate) held: Mutex<rustc_hash::FxHashMap<(u32, u64), Held>>,
     pub(crate) drop_control: AtomicUsize,
     pub(crate) recv_pool: Mutex<Vec<Bytes>>,
     /// Streams incoming CUDA tensors land on, and fetched RRef values leave from.

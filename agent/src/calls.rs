@@ -10,7 +10,9 @@
 //! - a late reply (after its deadline) finds no entry and is dropped by the caller;
 //! - a peer's calls can be counted and failed without touching anyone else's.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
+
+use rustc_hash::FxHashMap as HashMap;
 use std::time::{Duration, Instant};
 
 /// One pending call; `S` is whatever completes it (the agent's result slot).
@@ -33,9 +35,9 @@ pub(crate) struct Calls<S> {
 impl<S> Default for Calls<S> {
     fn default() -> Self {
         Calls {
-            map: HashMap::new(),
+            map: HashMap::default(),
             deadlines: BTreeSet::new(),
-            per_peer: HashMap::new(),
+            per_peer: HashMap::default(),
         }
     }
 }

@@ -35,7 +35,8 @@ const SPIN: Duration = Duration::ZERO;
 
 struct State<T> {
     value: Option<T>,
-    wakers: Vec<Waker>,
+    /// Usually one (the task or thread waiting): kept inline, no allocation per call.
+    wakers: smallvec::SmallVec<[Waker; 1]>,
     /// Threads asleep on `ready` (a notify with none costs a system call for nothing).
     sleepers: usize,
 }
@@ -53,7 +54,7 @@ impl<T: Clone> Slot<T> {
             done: AtomicBool::new(false),
             state: Mutex::new(State {
                 value: None,
-                wakers: Vec::new(),
+                wakers: smallvec::SmallVec::new(),
                 sleepers: 0,
             }),
             ready: Condvar::new(),

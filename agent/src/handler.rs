@@ -8,7 +8,7 @@
 //! Typed forms decode the argument and encode the result with serde; raw forms take and return
 //! a [`Payload`] (bytes, tensors, RRefs).
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -87,8 +87,8 @@ impl<C> Clone for Handlers<C> {
 impl<C> Default for Handlers<C> {
     fn default() -> Self {
         Handlers {
-            handlers: HashMap::new(),
-            methods: HashMap::new(),
+            handlers: HashMap::default(),
+            methods: HashMap::default(),
         }
     }
 }

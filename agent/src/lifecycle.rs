@@ -264,7 +264,7 @@ pub(crate) fn init(options: AgentOptions, mut registry: Registry) -> Result<Agen
         activity: AtomicU64::new(0),
         rrefs: RRefTable::new(announce.id),
         incoming: Mutex::new(Vec::new()),
-        held: Mutex::new(HashMap::new()),
+        held: Mutex::new(Default::default()),
         drop_control: AtomicUsize::new(options.faults.drop_control),
         recv_pool: Mutex::new(Vec::new()),
         streams: StreamPool::default(),

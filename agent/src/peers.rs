@@ -104,8 +104,9 @@ impl Peer {
 /// The group as this worker knows it.
 #[derive(Default)]
 pub(crate) struct Members {
-    pub(crate) by_id: HashMap<u32, Arc<Peer>>,
-    pub(crate) by_name: HashMap<String, u32>,
+    // Looked up on every call: a fast hash (the keys are ours, from the store).
+    pub(crate) by_id: rustc_hash::FxHashMap<u32, Arc<Peer>>,
+    pub(crate) by_name: rustc_hash::FxHashMap<String, u32>,
     /// Ids that are gone, and why: errors about them still name the worker.
     pub(crate) gone: HashMap<u32, (WorkerInfo, String)>,
 }

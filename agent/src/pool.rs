@@ -26,7 +26,7 @@ thread_local! {
     static CURRENT: RefCell<Option<Weak<Inner>>> = const { RefCell::new(None) };
     /// Set while a handler may run inline on the runtime thread that read its request: what
     /// to do before that handler blocks (hand the pipe's read role to a new reader).
-    static HAND_OFF: RefCell<Option<Box<dyn FnOnce()>>> = const { RefCell::new(None) };
+    static HAND_OFF: RefCell<Option<Arc<dyn HandOff>>> = const { RefCell::new(None) };
     /// Whether this (runtime worker) thread is inside [`inline`].
     static INLINE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// Whether the job running on this thread has blocked (see [`blocking`]).
@@ -37,13 +37,19 @@ thread_local! {
 /// first if a handler inside blocks (through [`blocking`]): then the read role goes to a new
 /// reader, and the runtime moves this worker's other tasks to another thread while this one
 /// waits. Returns `work`'s result and whether the hand-off ran.
-pub(crate) fn inline<R>(hand_off: impl FnOnce() + 'static, work: impl FnOnce() -> R) -> (R, bool) {
-    HAND_OFF.with(|h| *h.borrow_mut() = Some(Box::new(hand_off)));
+pub(crate) fn inline<R>(hand_off: Arc<dyn HandOff>, work: impl FnOnce() -> R) -> (R, bool) {
+    HAND_OFF.with(|h| *h.borrow_mut() = Some(hand_off));
     let outer = INLINE.replace(true);
     let r = work();
     INLINE.set(outer);
     let handed = HAND_OFF.with(|h| h.borrow_mut().take()).is_none();
     (r, handed)
+}
+
+/// What a handler running [`inline`] does before it blocks: hand its pipe to a new reader.
+/// A shared object rather than a closure, so that setting it up per request allocates nothing.
+pub(crate) trait HandOff: Send + Sync {
+    fn hand_off(self: Arc<Self>);
 }
 
 /// Whether this thread is inside [`inline`]: a synchronous handler may run right here.
@@ -328,7 +334,7 @@ pub fn blocking<R>(f: impl FnOnce() -> R) -> R {
         // A handler inline on a runtime thread: another reader takes the pipe (once), and the
         // runtime moves this worker's other tasks elsewhere while we wait.
         if let Some(hand_off) = HAND_OFF.with(|h| h.borrow_mut().take()) {
-            hand_off();
+            hand_off.hand_off();
         }
         return tokio::task::block_in_place(f);
     }

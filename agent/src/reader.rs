@@ -92,6 +92,17 @@ fn promote(pass: &Pass<WaiterRef>) {
 
 struct ThreadWaker(Thread);
 
+thread_local! {
+    static THIS_THREAD: (WaiterRef, Waker) = {
+        let me = WaiterRef(Arc::new(Waiter {
+            thread: std::thread::current(),
+            promoted: AtomicBool::new(false),
+        }));
+        let waker = Waker::from(Arc::new(ThreadWaker(me.0.thread.clone())));
+        (me, waker)
+    };
+}
+
 impl Wake for ThreadWaker {
     fn wake(self: Arc<Self>) {
         self.0.unpark();
@@ -222,11 +233,10 @@ impl<R: Replies> ReplyReader<R> {
 
 impl<R: Replies> Driver for ReplyReader<R> {
     fn drive(&self, poll_done: &mut dyn FnMut(&mut Context<'_>) -> Poll<()>, deadline: Option<Instant>) {
-        let me = WaiterRef(Arc::new(Waiter {
-            thread: std::thread::current(),
-            promoted: AtomicBool::new(false),
-        }));
-        let waker = Waker::from(Arc::new(ThreadWaker(me.0.thread.clone())));
+        // This thread's waiter and waker, made once per thread (a blocked thread waits for
+        // one result at a time; it leaves the role's queue before it returns).
+        let (me, waker) = THIS_THREAD.with(|t| t.clone());
+        me.0.promoted.store(false, Ordering::Release);
         let mut cx = Context::from_waker(&waker);
         let mut queued = false;
         loop {

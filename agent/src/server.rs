@@ -630,6 +630,12 @@ pub(crate) struct Served {
     pub(crate) heard: Arc<AtomicU64>,
 }
 
+impl crate::pool::HandOff for Served {
+    fn hand_off(self: Arc<Self>) {
+        tokio::spawn(serve_requests(self));
+    }
+}
+
 /// Reads requests from one caller and dispatches them, until the pipe ends or the read role
 /// is handed to a new reader (a handler running inline blocked).
 pub(crate) fn serve_requests(served: Arc<Served>) -> BoxFuture<()> {
@@ -709,12 +715,7 @@ pub(crate) async fn serve_loop(served: Arc<Served>) {
                     .unwrap()
                     .insert((caller, request.id), (budget.clone(), size));
                 // Should a handler run here block, a new reader takes the pipe over first.
-                let hand_off = {
-                    let served = served.clone();
-                    move || {
-                        tokio::spawn(serve_requests(served));
-                    }
-                };
+                let hand_off: Arc<dyn crate::pool::HandOff> = served.clone();
                 let mut once = Some((hand_off, request, payload));
                 let (pending, handed) = std::future::poll_fn(|cx| {
                     let (hand_off, request, payload) = once.take().expect("polled once");

@@ -134,7 +134,15 @@ pub enum WireError {
 }
 
 pub fn encode(envelope: &Envelope) -> Bytes {
-    Bytes::from(postcard::to_allocvec(envelope).expect("agent envelopes always encode"))
+    // Sized first: one allocation of exactly the length, which `Bytes` takes over as it is
+    // (a growing vector would reallocate, and its spare capacity cost `Bytes` a second box).
+    let size = postcard::experimental::serialized_size(envelope).expect("agent envelopes always encode");
+    let mut buf = vec![0u8; size];
+    let used = postcard::to_slice(envelope, &mut buf)
+        .expect("agent envelopes always encode")
+        .len();
+    debug_assert_eq!(used, size);
+    Bytes::from(buf)
 }
 
 pub fn decode(bytes: &[u8]) -> Result<Envelope, String> {
