@@ -1,15 +1,20 @@
 //! The agent: one per process. [`Agent`] is the public handle; [`AgentInner`] is the state its
 //! parts share. The parts, each an `impl AgentInner` in its own module:
 //!
-//! - [`crate::client`]: a call becomes an entry in the pending-call table ([`crate::calls`]),
-//!   a request on this worker's own pipe to the peer, and a reply read by the waiting thread
-//!   or the background reader ([`crate::reader`]); deadlines; RRef control messages.
+//! - [`crate::client`]: a call becomes an entry in the call core ([`crate::calls::Outstanding`],
+//!   which owns the pending calls, their deadlines' timer and the clock), a request on this
+//!   worker's own pipe to the peer, and a reply read by the waiting thread or the background
+//!   reader ([`crate::reader`]); RRef control messages.
 //! - [`crate::server`]: requests read from incoming pipes, dispatched to handlers (inline on
 //!   the reading thread when quick, on the pool, or polled as futures) and answered on the
 //!   same pipe.
 //! - [`crate::peers`]: membership applied from the store, the pipe to each peer, heartbeats,
 //!   loss and reconnection.
 //! - [`crate::lifecycle`]: init, the group barrier, leave with the store hand-off, shutdown.
+//!
+//! Dependencies: a part uses this module and leaf modules (wire, payload, calls, reader, …),
+//! never another part, with one exception: `peers` reads replies with `server::read_message`.
+//! `lifecycle` assembles everything.
 //!
 //! Pipes: each worker opens its own pipe to each peer it calls (lazily by default) and sends
 //! its requests there; the callee answers on the same pipe. So a pipe carries requests one way
@@ -34,8 +39,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use sluice_channel::{Context, Pipe};
 
-use crate::calls::Calls;
-use crate::completion::{Completion, Slot};
+use crate::calls::Outstanding;
+use crate::completion::Completion;
 use crate::error::{InitError, RpcError, ShutdownError};
 use crate::gpu::StreamPool;
 use crate::membership::{Announce, MembershipEvent, Subscribers};
@@ -69,8 +74,6 @@ pub(crate) const POOL_KEEP: usize = 8;
 /// The internal handler that takes over the embedded store from a leaving host.
 pub(crate) const H_TAKEOVER: &str = "sluice.store.takeover";
 
-type ResultSlot = Arc<Slot<Result<Payload, RpcError>>>;
-
 pub(crate) struct AgentInner {
     pub(crate) me: WorkerInfo,
     pub(crate) announce: Announce,
@@ -91,13 +94,9 @@ pub(crate) struct AgentInner {
     pub(crate) secret: Option<sluice_channel::Secret>,
     pub(crate) store_server: Mutex<Option<StoreServer>>,
     pub(crate) subscribers: Subscribers,
-    pub(crate) clock: crate::clock::Clock,
     pub(crate) counter: AtomicU64,
-    pub(crate) calls: Mutex<Calls<ResultSlot>>,
-    pub(crate) timer: tokio::sync::Notify,
-    /// When the deadline timer looks next (ms on the agent's clock): a call whose deadline is
-    /// later needs no wake-up (one per call would cost a runtime thread's wake-up each).
-    pub(crate) timer_due: AtomicU64,
+    /// The calls this worker started and has not completed (and the agent's clock).
+    pub(crate) calls: Arc<Outstanding>,
     pub(crate) state: AtomicU8,
     /// Handlers running, control messages in flight: outstanding work for shutdown.
     pub(crate) handlers_running: AtomicI64,
@@ -399,7 +398,7 @@ impl AgentInner {
 
     /// Milliseconds since this agent started, to a scheduler tick.
     pub(crate) fn now_ms(&self) -> u64 {
-        self.clock.now_ms()
+        self.calls.clock().now_ms()
     }
 
     /// A fresh `worker << 48 | counter` id.

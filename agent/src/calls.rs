@@ -1,8 +1,12 @@
-//! The pending-call table: every call this worker started and has not completed, its peer and
-//! its deadline. IO-free and clock-free: the caller passes `now` and acts on what comes back
-//! (complete these, wake the timer at that instant), so the whole policy is unit-tested on a
-//! fake clock below. The agent keeps one table behind one lock and drives it from the call path,
-//! the reply readers, the deadline timer and failure handling.
+//! The calls this worker started and has not completed: [`Outstanding`], the call core, owns
+//! them with their result slots, their deadlines' timer and the clock deadlines are set on. It
+//! is driven by the caller (register), whoever reads a reply (finish), the deadline timer
+//! ([`Outstanding::run_timer`]) and failure handling (fail); it knows nothing of pipes, peers or
+//! the agent.
+//!
+//! Inside it, [`Calls`] is the table itself: IO-free and clock-free (the caller passes the
+//! deadline and `now`, and acts on what comes back), so its whole policy is unit-tested on a
+//! fake clock below.
 //!
 //! Rules it holds:
 //! - a call completes exactly once: whichever of reply, deadline, peer loss or shutdown comes
@@ -11,9 +15,141 @@
 //! - a peer's calls can be counted and failed without touching anyone else's.
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use rustc_hash::FxHashMap as HashMap;
-use std::time::{Duration, Instant};
+
+use crate::clock::Clock;
+use crate::completion::Slot;
+use crate::error::RpcError;
+use crate::payload::Payload;
+
+/// Where a call's result goes.
+pub(crate) type ResultSlot = Arc<Slot<Result<Payload, RpcError>>>;
+
+/// The call core: the table behind one lock, the deadline timer's wake-ups, the clock.
+pub(crate) struct Outstanding {
+    table: Mutex<Calls<ResultSlot>>,
+    clock: Clock,
+    timer: tokio::sync::Notify,
+    /// When the deadline timer looks next (ms on the clock): a call whose deadline is later
+    /// needs no wake-up (one per call would cost a runtime thread's wake-up each).
+    timer_due: AtomicU64,
+    /// Closed at teardown: the timer ends.
+    closed: AtomicBool,
+}
+
+impl Outstanding {
+    pub(crate) fn new() -> Outstanding {
+        Outstanding {
+            table: Mutex::new(Calls::default()),
+            clock: Clock::new(),
+            timer: tokio::sync::Notify::new(),
+            timer_due: AtomicU64::new(0),
+            closed: AtomicBool::new(false),
+        }
+    }
+
+    /// The agent's clock (deadlines, heartbeats).
+    pub(crate) fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    /// Registers call `id` to `peer`, due in `timeout` (zero: never); returns its result slot.
+    pub(crate) fn register(&self, id: u64, peer: u32, timeout: Duration) -> ResultSlot {
+        let slot = Slot::new();
+        let deadline = (!timeout.is_zero()).then(|| self.clock.deadline_in(timeout));
+        let sooner = self
+            .table
+            .lock()
+            .unwrap()
+            .register(id, peer, timeout, deadline, slot.clone());
+        if let Some(d) = sooner {
+            if self.ms(d) < self.timer_due.load(Ordering::Acquire) {
+                self.timer.notify_one();
+            }
+        }
+        slot
+    }
+
+    fn ms(&self, at: Instant) -> u64 {
+        at.saturating_duration_since(self.clock.start()).as_millis() as u64
+    }
+
+    /// Completes call `id` (once). A call already completed (timed out, failed) is ignored, and
+    /// so is its late reply: returns whether this completed it.
+    pub(crate) fn finish(&self, id: u64, result: Result<Payload, RpcError>) -> bool {
+        let pending = self.table.lock().unwrap().complete(id);
+        match pending {
+            Some(p) => {
+                p.slot.complete(result);
+                true
+            }
+            None => {
+                tracing::debug!(id, "reply for a call that already finished (timed out); discarded");
+                false
+            }
+        }
+    }
+
+    /// Fails every pending call to `peer` (`None`: to everyone) with `error`.
+    pub(crate) fn fail(&self, peer: Option<u32>, error: impl Fn(u32) -> RpcError) {
+        let failed = self.table.lock().unwrap().fail(peer);
+        for p in failed {
+            p.slot.complete(Err(error(p.peer)));
+        }
+    }
+
+    /// Fails everything with `error` and stops the timer (teardown).
+    pub(crate) fn close(&self, error: impl Fn(u32) -> RpcError) {
+        self.closed.store(true, Ordering::Release);
+        self.fail(None, error);
+        self.timer.notify_one();
+    }
+
+    /// Calls pending in all.
+    pub(crate) fn len(&self) -> usize {
+        self.table.lock().unwrap().len()
+    }
+
+    /// Calls pending to `peer`.
+    pub(crate) fn pending_to(&self, peer: u32) -> usize {
+        self.table.lock().unwrap().pending_to(peer)
+    }
+
+    /// Fails calls whose deadline passed, naming their peer with `name_of`, until the core is
+    /// closed or dropped (or the runtime shuts down).
+    pub(crate) async fn run_timer(weak: Weak<Outstanding>, name_of: impl Fn(u32) -> String) {
+        loop {
+            let Some(core) = weak.upgrade() else { return };
+            if core.closed.load(Ordering::Acquire) {
+                return;
+            }
+            let (expired, next) = core.table.lock().unwrap().expire(Instant::now());
+            for p in expired {
+                p.slot.complete(Err(RpcError::Timeout {
+                    worker: name_of(p.peer),
+                    timeout: p.timeout,
+                }));
+            }
+            // Without a deadline it looks again now and then, so a dropped core lets this task
+            // end; a call whose deadline falls before the next look wakes it (`register`).
+            let notified = core.timer.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let until = next.unwrap_or_else(|| Instant::now() + Duration::from_millis(200));
+            core.timer_due.store(core.ms(until), Ordering::Release);
+            // A call registered between `expire` and publishing `timer_due` may have seen the
+            // old value and not woken us: look again before sleeping.
+            if core.table.lock().unwrap().next_deadline().is_some_and(|d| d < until) {
+                continue;
+            }
+            let _ = tokio::time::timeout_at(until.into(), notified).await;
+        }
+    }
+}
 
 /// One pending call; `S` is whatever completes it (the agent's result slot).
 #[derive(Debug)]
@@ -151,6 +287,52 @@ mod tests {
     /// A fake clock: instants are offsets from one base, advanced by hand.
     fn at(base: Instant, ms: u64) -> Instant {
         base + MS * ms as u32
+    }
+
+    /// The core end to end on a real runtime: a deadline fails its call with a timeout naming
+    /// the peer, a reply completes exactly once, and closing fails the rest and ends the timer.
+    #[test]
+    fn the_core_times_out_finishes_once_and_closes() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let core = Arc::new(Outstanding::new());
+        let timer = rt.spawn(Outstanding::run_timer(Arc::downgrade(&core), |id| format!("w{id}")));
+        let late = core.register(1, 7, MS * 20);
+        let answered = core.register(2, 7, Duration::from_secs(60));
+        let open = core.register(3, 8, Duration::ZERO);
+        assert_eq!(core.pending_to(7), 2);
+        rt.block_on(async {
+            // Watchdog: the deadline must fire well within this.
+            tokio::time::timeout(Duration::from_secs(10), async {
+                while !late.is_done() {
+                    tokio::time::sleep(MS).await;
+                }
+            })
+            .await
+            .expect("the 20 ms deadline fired");
+        });
+        match late.peek() {
+            Some(Err(RpcError::Timeout { worker, timeout })) => {
+                assert_eq!(worker, "w7");
+                assert_eq!(timeout, MS * 20);
+            }
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        assert!(!core.finish(1, Ok(Payload::empty())), "a late reply finds nothing");
+        assert!(core.finish(2, Ok(Payload::empty())));
+        assert!(!core.finish(2, Ok(Payload::empty())), "exactly once");
+        assert!(matches!(answered.peek(), Some(Ok(_))));
+        core.close(|_| RpcError::Shutdown);
+        assert!(matches!(open.peek(), Some(Err(RpcError::Shutdown))));
+        assert_eq!(core.len(), 0);
+        rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(10), timer)
+                .await
+                .expect("closing ends the timer")
+                .unwrap();
+        });
     }
 
     #[test]

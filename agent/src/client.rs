@@ -4,24 +4,21 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
-use sluice_channel::{Message, Pipe, Tensor};
+use sluice_channel::Tensor;
 
 use crate::name::WorkerInfo;
 use crate::rref::{RRefHost, RRefState, RRefTable};
 
 use crate::agent::{AgentInner, RpcFuture};
-use crate::completion::{Completion, Slot};
+use crate::completion::Completion;
 use crate::device_map::{self, DeviceMap};
 use crate::error::RpcError;
 use crate::payload::Payload;
-use crate::peers::Peer;
 use crate::priority::Priority;
-use crate::reader::Replies;
-use crate::server::read_message;
-use crate::wire::{self, Body, Envelope, GlobalId, Request, Response, WireError, WireRRef, WireValue};
+use crate::wire::{self, Body, Envelope, GlobalId, Request, WireError, WireRRef, WireValue};
 
 impl AgentInner {
     /// Registers a call and sends it; the returned completion gets the reply or an error.
@@ -63,8 +60,8 @@ impl AgentInner {
             Ok(v) => v,
             Err(e) => return Completion::ready(Err(e)),
         };
-        let message = build_message(
-            Envelope::Request(Request {
+        let message = wire::message(
+            &Envelope::Request(Request {
                 id,
                 priority: priority.level(),
                 body,
@@ -73,19 +70,7 @@ impl AgentInner {
             frames,
             tensors,
         );
-        let slot = Slot::new();
-        let deadline = (!timeout.is_zero()).then(|| self.clock.deadline_in(timeout));
-        let sooner = self
-            .calls
-            .lock()
-            .unwrap()
-            .register(id, dest, timeout, deadline, slot.clone());
-        if let Some(d) = sooner {
-            let due_ms = d.saturating_duration_since(self.clock.start()).as_millis() as u64;
-            if due_ms < self.timer_due.load(Ordering::Acquire) {
-                self.timer.notify_one();
-            }
-        }
+        let slot = self.calls.register(id, dest, timeout);
         self.activity.fetch_add(1, Ordering::Relaxed);
         if control && self.drop_control.load(Ordering::Relaxed) > 0 && self.take_drop() {
             tracing::debug!(id, "fault injection: dropping a control message");
@@ -113,7 +98,7 @@ impl AgentInner {
             .await;
             if let Err(e) = result {
                 inner.rrefs.undo_forks(&inner.host(), &forks);
-                inner.finish_call(id, Err(e));
+                inner.calls.finish(id, Err(e));
             }
         };
         // A task of a current-thread runtime (or a `LocalSet`) must not start the write: a
@@ -156,30 +141,6 @@ impl AgentInner {
         self.drop_control
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
             .is_ok()
-    }
-
-    /// Completes a pending call (once). A call already completed (timed out) is ignored, and so
-    /// is its late reply.
-    pub(crate) fn finish_call(&self, id: u64, result: Result<Payload, RpcError>) -> bool {
-        let pending = self.calls.lock().unwrap().complete(id);
-        match pending {
-            Some(p) => {
-                p.slot.complete(result);
-                true
-            }
-            None => {
-                tracing::debug!(id, "reply for a call that already finished (timed out); discarded");
-                false
-            }
-        }
-    }
-
-    /// Fails every pending call to `rank` (or to everyone) with `error`.
-    pub(crate) fn fail_calls(&self, rank: Option<u32>, error: impl Fn(u32) -> RpcError) {
-        let failed = self.calls.lock().unwrap().fail(rank);
-        for p in failed {
-            p.slot.complete(Err(error(p.peer)));
-        }
     }
 
     /// Prepares a value for `dest`: RRef forks, tensor placement (`reverse` for replies).
@@ -309,109 +270,6 @@ pub(crate) struct Outgoing {
     pub(crate) frames: Vec<Bytes>,
     pub(crate) tensors: Vec<Tensor>,
     pub(crate) forks: Vec<GlobalId>,
-}
-
-pub(crate) fn build_message(envelope: Envelope, payloads: Vec<Bytes>, tensors: Vec<Tensor>) -> Message {
-    Message {
-        metadata: wire::encode(&envelope),
-        payloads,
-        tensors,
-    }
-}
-
-/// The agent's side of an outgoing pipe's read role: what one reply does when it arrives.
-pub(crate) struct PeerReplies {
-    pub(crate) inner: std::sync::Weak<AgentInner>,
-    pub(crate) peer: Arc<Peer>,
-    /// Which of the peer's pipes this is.
-    pub(crate) lane: usize,
-    pub(crate) generation: u64,
-    pub(crate) handle: tokio::runtime::Handle,
-}
-
-impl Replies for PeerReplies {
-    async fn read_one(&self, pipe: &Pipe) -> Result<(), String> {
-        let inner = self.inner.upgrade().ok_or("the agent is down")?;
-        let id = self.peer.info.id;
-        let (d, allocation) = read_message(pipe, &inner).await.map_err(|e| e.to_string())?;
-        self.peer.lanes[self.lane]
-            .last_heard
-            .store(inner.now_ms(), Ordering::Release);
-        match inner.receive(id, &d, allocation) {
-            Ok((Envelope::Response(Response { id: call, result }), payload)) => {
-                let result = match result {
-                    Ok(_) => Ok(payload.unwrap_or_default()),
-                    Err(e) => Err(inner.rpc_error(id, e)),
-                };
-                if inner.finish_call(call, result) {
-                    inner.activity.fetch_add(1, Ordering::Relaxed);
-                }
-                Ok(())
-            }
-            Ok((Envelope::Goodbye, _)) => {
-                self.peer.leaving.store(true, Ordering::Release);
-                Ok(())
-            }
-            Ok((other, _)) => Err(format!("protocol error: unexpected {other:?} on a reply pipe")),
-            Err(e) => Err(format!("protocol error: {e}")),
-        }
-    }
-
-    fn failed(&self, detail: String) {
-        let Some(inner) = self.inner.upgrade() else { return };
-        if let Some((g, pipe)) = self.peer.lanes[self.lane].pipe.lock().unwrap().as_ref() {
-            if *g == self.generation {
-                pipe.close();
-            }
-        }
-        tracing::debug!(worker = %inner.me, peer = self.peer.info.id, error = %detail, "pipe to peer failed");
-        inner.declare_lost(self.peer.info.id, Some(self.generation), detail);
-    }
-
-    fn wanted(&self) -> bool {
-        self.inner
-            .upgrade()
-            .is_some_and(|inner| inner.calls.lock().unwrap().pending_to(self.peer.info.id) > 0)
-    }
-
-    fn runtime(&self) -> &tokio::runtime::Handle {
-        &self.handle
-    }
-}
-
-/// Fails calls whose deadline passed.
-pub(crate) async fn run_timer(weak: std::sync::Weak<AgentInner>) {
-    loop {
-        let Some(inner) = weak.upgrade() else { return };
-        if inner.is_down() {
-            return;
-        }
-        let (expired, next) = inner.calls.lock().unwrap().expire(Instant::now());
-        for p in expired {
-            let worker = inner.name_of(p.peer);
-            p.slot.complete(Err(RpcError::Timeout {
-                worker,
-                timeout: p.timeout,
-            }));
-        }
-        // The runtime's shutdown at teardown ends this task (and drops `inner`). Without a
-        // deadline it looks again now and then, so a dropped agent lets this task end; a call
-        // whose deadline falls before the next look wakes it (see `start_call`).
-        let notified = inner.timer.notified();
-        tokio::pin!(notified);
-        notified.as_mut().enable();
-        let until = next.unwrap_or_else(|| Instant::now() + Duration::from_millis(200));
-        inner.timer_due.store(
-            until.saturating_duration_since(inner.clock.start()).as_millis() as u64,
-            Ordering::Release,
-        );
-        // A call registered between `expire` and publishing `timer_due` may have seen the old
-        // value and not woken us: look again before sleeping.
-        if inner.calls.lock().unwrap().next_deadline().is_some_and(|d| d < until) {
-            continue;
-        }
-        let _ = tokio::time::timeout_at(until.into(), notified).await;
-    }
 }
 
 impl RRefHost for AgentInner {

@@ -10,8 +10,7 @@ use sluice_channel::{Context, Message, Pipe};
 
 use crate::agent::Registry;
 use crate::agent::{Agent, AgentInner, DOWN, H_TAKEOVER, RUNNING, RUNNING_STATE};
-use crate::calls::Calls;
-use crate::client::run_timer;
+use crate::calls::Outstanding;
 use crate::device_map::{self, WorkerDevices};
 use crate::error::{HandlerError, InitError, RpcError, ShutdownError};
 use crate::gpu::{self, StreamPool};
@@ -43,7 +42,7 @@ pub(crate) fn init(options: AgentOptions, mut registry: Registry) -> Result<Agen
     if let Some(devices) = &options.devices {
         gpu::check_local(&options.name, devices)?;
     }
-    let resolved = options::resolve(&options)?;
+    let mut resolved = options::resolve(&options)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(options.io_threads)
         .thread_name(format!("sluice-io-{}", options.name))
@@ -74,6 +73,13 @@ pub(crate) fn init(options: AgentOptions, mut registry: Registry) -> Result<Agen
                 }
                 _ => None,
             };
+            // A store served on port 0 is wherever its server bound (a group of one, or a
+            // launcher that hands the address on): no free port to pick and lose in a race.
+            if let (Some(s), StoreUrl::Tcp(addr)) = (&server, &resolved.store) {
+                if addr.ends_with(":0") {
+                    resolved.store = StoreUrl::Tcp(s.address().to_owned());
+                }
+            }
             let store = Store::connect(&resolved.store, left(), resolved.secret.clone())
                 .await
                 .map_err(store_error)?;
@@ -253,11 +259,8 @@ pub(crate) fn init(options: AgentOptions, mut registry: Registry) -> Result<Agen
         secret: resolved.secret.clone(),
         store_server: Mutex::new(store_server),
         subscribers: Subscribers::default(),
-        clock: crate::clock::Clock::new(),
         counter: AtomicU64::new(0),
-        calls: Mutex::new(Calls::default()),
-        timer: tokio::sync::Notify::new(),
-        timer_due: AtomicU64::new(0),
+        calls: Arc::new(Outstanding::new()),
         state: AtomicU8::new(RUNNING_STATE),
         handlers_running: AtomicI64::new(0),
         control_in_flight: AtomicI64::new(0),
@@ -295,7 +298,14 @@ pub(crate) fn init(options: AgentOptions, mut registry: Registry) -> Result<Agen
             }
         }
     });
-    handle.spawn(run_timer(Arc::downgrade(&inner)));
+    let name_of = {
+        let weak = Arc::downgrade(&inner);
+        move |id| {
+            weak.upgrade()
+                .map_or_else(|| format!("worker {id}"), |inner| inner.name_of(id))
+        }
+    };
+    handle.spawn(Outstanding::run_timer(Arc::downgrade(&inner.calls), name_of));
     handle.spawn(watch_members(Arc::downgrade(&inner), listing.revision));
     *inner.runtime.lock().unwrap() = Some(runtime);
 
@@ -471,7 +481,7 @@ impl AgentInner {
     }
 
     pub(crate) fn outstanding(&self) -> u64 {
-        let calls = self.calls.lock().unwrap().len() as i64;
+        let calls = self.calls.len() as i64;
         let n = calls + self.handlers_running.load(Ordering::Acquire) + self.control_in_flight.load(Ordering::Acquire);
         n.max(0) as u64
     }
@@ -553,7 +563,7 @@ impl AgentInner {
         if self.state.swap(DOWN, Ordering::AcqRel) == DOWN {
             return;
         }
-        self.fail_calls(None, |_| RpcError::Shutdown);
+        self.calls.close(|_| RpcError::Shutdown);
         let peers: Vec<Arc<Peer>> = self.members.read().unwrap().by_id.values().cloned().collect();
         for p in peers {
             p.close_lanes();

@@ -147,6 +147,9 @@ impl AgentOptions {
         self
     }
 
+    /// The store's address (`host:port`, or a URL such as `etcd://…`). With port 0 the worker
+    /// that serves the store binds any free port and uses it (useful for a group of one;
+    /// others learn the address from [`Agent::store_address`](crate::Agent::store_address)).
     pub fn store(mut self, addr: impl Into<String>) -> Self {
         self.store_addr = Some(addr.into());
         self

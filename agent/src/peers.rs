@@ -9,15 +9,15 @@ use std::time::Duration;
 use sluice_channel::{Message, Pipe, PipeError};
 
 use crate::agent::AgentInner;
-use crate::client::PeerReplies;
 use crate::completion::Driver;
 use crate::device_map::DeviceMap;
 use crate::error::RpcError;
 use crate::membership::{self, Announce, MembershipEvent};
 use crate::name::{Dest, WorkerInfo};
-use crate::reader::ReplyReader;
+use crate::reader::{Replies, ReplyReader};
+use crate::server::read_message;
 use crate::store::{Listing, Store, StoreUrl};
-use crate::wire::{self, Body, Envelope, Request, WireValue};
+use crate::wire::{self, Body, Envelope, Request, Response, WireValue};
 
 pub(crate) struct Peer {
     pub(crate) info: WorkerInfo,
@@ -280,7 +280,7 @@ impl AgentInner {
     pub(crate) fn drop_peer_state(self: &Arc<Self>, peer: &Peer, detail: &str) {
         peer.close_lanes();
         let name = peer.info.name.clone();
-        self.fail_calls(Some(peer.info.id), |_| RpcError::PeerLost {
+        self.calls.fail(Some(peer.info.id), |_| RpcError::PeerLost {
             worker: name.clone(),
             detail: detail.to_owned(),
         });
@@ -510,34 +510,6 @@ impl AgentInner {
     }
 }
 
-/// Declares the caller of an incoming pipe lost once the pipe has heard nothing for `limit`;
-/// ends with the pipe.
-pub(crate) async fn watch_silence(
-    weak: std::sync::Weak<AgentInner>,
-    pipe: Pipe,
-    caller: u32,
-    heard: Arc<AtomicU64>,
-    limit: Duration,
-) {
-    loop {
-        tokio::time::sleep(limit / 4).await;
-        let Some(inner) = weak.upgrade() else { return };
-        if inner.is_down() || pipe.error().is_some() {
-            return;
-        }
-        let silent = Duration::from_millis(inner.now_ms().saturating_sub(heard.load(Ordering::Relaxed)));
-        if silent >= limit {
-            pipe.close();
-            inner.declare_lost(
-                caller,
-                None,
-                format!("its pipe to this worker was silent for {silent:?}"),
-            );
-            return;
-        }
-    }
-}
-
 /// Pings `peer` on `pipe` whenever the pipe has heard nothing for an interval, and declares the
 /// peer lost after `heartbeat_misses` silent intervals. Ends with the pipe.
 pub(crate) async fn heartbeat(
@@ -627,5 +599,65 @@ pub(crate) async fn reconnect(weak: std::sync::Weak<AgentInner>, peer: Arc<Peer>
                 .publish(MembershipEvent::Reconnected(peer.info.clone()));
             return;
         }
+    }
+}
+
+/// The agent's side of an outgoing pipe's read role: what one reply does when it arrives.
+pub(crate) struct PeerReplies {
+    pub(crate) inner: std::sync::Weak<AgentInner>,
+    pub(crate) peer: Arc<Peer>,
+    /// Which of the peer's pipes this is.
+    pub(crate) lane: usize,
+    pub(crate) generation: u64,
+    pub(crate) handle: tokio::runtime::Handle,
+}
+
+impl Replies for PeerReplies {
+    async fn read_one(&self, pipe: &Pipe) -> Result<(), String> {
+        let inner = self.inner.upgrade().ok_or("the agent is down")?;
+        let id = self.peer.info.id;
+        let (d, allocation) = read_message(pipe, &inner).await.map_err(|e| e.to_string())?;
+        self.peer.lanes[self.lane]
+            .last_heard
+            .store(inner.now_ms(), Ordering::Release);
+        match inner.receive(id, &d, allocation) {
+            Ok((Envelope::Response(Response { id: call, result }), payload)) => {
+                let result = match result {
+                    Ok(_) => Ok(payload.unwrap_or_default()),
+                    Err(e) => Err(inner.rpc_error(id, e)),
+                };
+                if inner.calls.finish(call, result) {
+                    inner.activity.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(())
+            }
+            Ok((Envelope::Goodbye, _)) => {
+                self.peer.leaving.store(true, Ordering::Release);
+                Ok(())
+            }
+            Ok((other, _)) => Err(format!("protocol error: unexpected {other:?} on a reply pipe")),
+            Err(e) => Err(format!("protocol error: {e}")),
+        }
+    }
+
+    fn failed(&self, detail: String) {
+        let Some(inner) = self.inner.upgrade() else { return };
+        if let Some((g, pipe)) = self.peer.lanes[self.lane].pipe.lock().unwrap().as_ref() {
+            if *g == self.generation {
+                pipe.close();
+            }
+        }
+        tracing::debug!(worker = %inner.me, peer = self.peer.info.id, error = %detail, "pipe to peer failed");
+        inner.declare_lost(self.peer.info.id, Some(self.generation), detail);
+    }
+
+    fn wanted(&self) -> bool {
+        self.inner
+            .upgrade()
+            .is_some_and(|inner| inner.calls.pending_to(self.peer.info.id) > 0)
+    }
+
+    fn runtime(&self) -> &tokio::runtime::Handle {
+        &self.handle
     }
 }

@@ -11,14 +11,12 @@ use sluice_channel::{Allocation, Descriptor, Device, Pipe, PipeError, RecvBuffer
 
 use crate::agent::{Agent, AgentInner, POOL_KEEP, POOL_MIN};
 use crate::budget::Budget;
-use crate::client::build_message;
 use crate::error::{HandlerError, RpcError};
 use crate::gpu::{self};
 use crate::handler::{BoxFuture, Handler};
 use crate::name::WorkerInfo;
 use crate::payload::Carried;
 use crate::payload::{Payload, Value};
-use crate::peers::watch_silence;
 use crate::priority::{with_priority, Priority};
 use crate::wire::{self, Body, Envelope, GlobalId, Request, Response, WireError};
 
@@ -479,7 +477,7 @@ impl AgentInner {
             },
             Err(e) => (Err(e), Vec::new(), Vec::new(), Vec::new()),
         };
-        let message = build_message(Envelope::Response(Response { id, result }), frames, tensors);
+        let message = wire::message(&Envelope::Response(Response { id, result }), frames, tensors);
         if let Err(e) = pipe.write(&message).await {
             self.rrefs.undo_forks(&self.host(), &forks);
             tracing::debug!(worker = %self.me, caller, error = %e, "could not send a reply");
@@ -628,6 +626,34 @@ pub(crate) struct Served {
     pub(crate) caller: u32,
     pub(crate) budget: Arc<Budget>,
     pub(crate) heard: Arc<AtomicU64>,
+}
+
+/// Declares the caller of an incoming pipe lost once the pipe has heard nothing for `limit`;
+/// ends with the pipe.
+pub(crate) async fn watch_silence(
+    weak: std::sync::Weak<AgentInner>,
+    pipe: Pipe,
+    caller: u32,
+    heard: Arc<AtomicU64>,
+    limit: Duration,
+) {
+    loop {
+        tokio::time::sleep(limit / 4).await;
+        let Some(inner) = weak.upgrade() else { return };
+        if inner.is_down() || pipe.error().is_some() {
+            return;
+        }
+        let silent = Duration::from_millis(inner.now_ms().saturating_sub(heard.load(Ordering::Relaxed)));
+        if silent >= limit {
+            pipe.close();
+            inner.declare_lost(
+                caller,
+                None,
+                format!("its pipe to this worker was silent for {silent:?}"),
+            );
+            return;
+        }
+    }
 }
 
 impl crate::pool::HandOff for Served {

@@ -145,6 +145,19 @@ pub fn encode(envelope: &Envelope) -> Bytes {
     Bytes::from(buf)
 }
 
+/// A pipe message carrying `envelope`, with its payload frames and tensors.
+pub(crate) fn message(
+    envelope: &Envelope,
+    payloads: Vec<Bytes>,
+    tensors: Vec<sluice_channel::Tensor>,
+) -> sluice_channel::Message {
+    sluice_channel::Message {
+        metadata: encode(envelope),
+        payloads,
+        tensors,
+    }
+}
+
 pub fn decode(bytes: &[u8]) -> Result<Envelope, String> {
     postcard::from_bytes(bytes).map_err(|e| format!("malformed agent message: {e}"))
 }

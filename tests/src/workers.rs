@@ -56,12 +56,11 @@ pub enum Ending {
     Killed,
 }
 
-/// Options for a group of one, `name` at rank 0, serving its store on a free loopback port:
+/// Options for a group of one, `name` at rank 0, serving its store on a loopback port the
+/// store's server picks (port 0: no free port picked, released and lost to a concurrent test):
 /// an agent inside the test process itself.
 pub fn solo_options(name: &str) -> AgentOptions {
-    AgentOptions::new(name)
-        .rank(0, 1)
-        .store(format!("127.0.0.1:{}", free_port()))
+    AgentOptions::new(name).rank(0, 1).store("127.0.0.1:0")
 }
 
 /// A free TCP port on loopback (bound, then released for the store to take).
