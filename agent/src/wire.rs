@@ -178,6 +178,13 @@ mod tests {
             },
         });
         let b = encode(&e);
+        // Sized then encoded in place: the same bytes as postcard's own vector, no spare room.
+        assert_eq!(&b[..], &postcard::to_allocvec(&e).unwrap()[..]);
+        let reply = Envelope::Response(Response {
+            id: 9,
+            result: Err(WireError::Failed("x".repeat(300))),
+        });
+        assert_eq!(&encode(&reply)[..], &postcard::to_allocvec(&reply).unwrap()[..]);
         assert!(matches!(decode(&b), Ok(Envelope::Request(r)) if r.id == 7 << 48 | 3));
         assert!(decode(&[0xff, 0xff, 0xff]).is_err());
         assert!(decode(&[]).is_err());
