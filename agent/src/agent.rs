@@ -13,7 +13,8 @@
 //! - [`crate::lifecycle`]: init, the group barrier, leave with the store hand-off, shutdown.
 //!
 //! Dependencies: a part uses this module and leaf modules (wire, payload, calls, reader, …),
-//! never another part, with one exception: `peers` reads replies with `server::read_message`.
+//! never another part, with two exceptions: `peers` reads replies with `server::read_message`,
+//! and `client` picks a peer's lane with `peers::lane_for`.
 //! `lifecycle` assembles everything.
 //!
 //! Pipes: each worker opens its own pipe to each peer it calls (lazily by default) and sends
@@ -106,7 +107,8 @@ pub(crate) struct AgentInner {
     pub(crate) rrefs: RRefTable,
     pub(crate) incoming: Mutex<Vec<Pipe>>,
     /// Requests being served: their caller's budget and size, released by the reply.
-    pub(crate) held: Mutex<rustc_hash::FxHashMap<(u32, u64), Held>>,
+    /// SipHash, not FxHash: the request ids are the peer's to choose.
+    pub(crate) held: Mutex<std::collections::HashMap<(u32, u64), Held>>,
     pub(crate) drop_control: AtomicUsize,
     pub(crate) recv_pool: Mutex<Vec<Bytes>>,
     /// Streams incoming CUDA tensors land on, and fetched RRef values leave from.

@@ -61,11 +61,17 @@ impl Outstanding {
     pub(crate) fn register(&self, id: u64, peer: u32, timeout: Duration) -> ResultSlot {
         let slot = Slot::new();
         let deadline = (!timeout.is_zero()).then(|| self.clock.deadline_in(timeout));
-        let sooner = self
-            .table
-            .lock()
-            .unwrap()
-            .register(id, peer, timeout, deadline, slot.clone());
+        let sooner = {
+            let mut table = self.table.lock().unwrap();
+            // A call that slipped past the agent's running check as it shut down: `close`
+            // has failed the table already, so nothing else would complete this one.
+            if self.closed.load(Ordering::Acquire) {
+                drop(table);
+                slot.complete(Err(RpcError::Shutdown));
+                return slot;
+            }
+            table.register(id, peer, timeout, deadline, slot.clone())
+        };
         if let Some(d) = sooner {
             if self.ms(d) < self.timer_due.load(Ordering::Acquire) {
                 self.timer.notify_one();
@@ -104,6 +110,8 @@ impl Outstanding {
 
     /// Fails everything with `error` and stops the timer (teardown).
     pub(crate) fn close(&self, error: impl Fn(u32) -> RpcError) {
+        // Before `fail` takes the table's lock: a concurrent `register` either lands in the
+        // table before `fail` empties it, or takes the lock after and sees it closed.
         self.closed.store(true, Ordering::Release);
         self.fail(None, error);
         self.timer.notify_one();
@@ -326,6 +334,12 @@ mod tests {
         assert!(matches!(answered.peek(), Some(Ok(_))));
         core.close(|_| RpcError::Shutdown);
         assert!(matches!(open.peek(), Some(Err(RpcError::Shutdown))));
+        assert_eq!(core.len(), 0);
+        let after = core.register(4, 7, Duration::from_secs(60));
+        assert!(
+            matches!(after.peek(), Some(Err(RpcError::Shutdown))),
+            "a call after close fails at once"
+        );
         assert_eq!(core.len(), 0);
         rt.block_on(async {
             tokio::time::timeout(Duration::from_secs(10), timer)

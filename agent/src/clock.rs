@@ -35,9 +35,11 @@ impl Clock {
             .map(Duration::from)
             .filter(|t| *t <= Duration::from_millis(100))
             .unwrap_or_default();
+        // Coarse first: a pause between the two reads then makes readings late, never early.
+        let base_coarse = coarse().filter(|_| !tick.is_zero()).unwrap_or_default();
         Clock {
             base: Instant::now(),
-            base_coarse: coarse().filter(|_| !tick.is_zero()).unwrap_or_default(),
+            base_coarse,
             tick,
         }
     }
@@ -55,8 +57,10 @@ impl Clock {
         self.elapsed().as_millis() as u64
     }
 
-    /// The instant `timeout` from now, never early: to a tick (late by at most two) when the
-    /// timeout is long, exact when it is short.
+    /// The instant `timeout` from now: exact when the timeout is short; when it is long, late
+    /// by at most two ticks and never early, unless the kernel's coarse clock lags by more
+    /// than a tick (its timekeeper descheduled on a busy virtual machine), and then early by
+    /// no more than that extra lag: milliseconds on a timeout of a second or more.
     pub(crate) fn deadline_in(&self, timeout: Duration) -> Instant {
         if timeout < COARSE_FROM || self.tick.is_zero() {
             return Instant::now() + timeout;

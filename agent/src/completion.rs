@@ -35,8 +35,9 @@ const SPIN: Duration = Duration::ZERO;
 
 struct State<T> {
     value: Option<T>,
-    /// Usually one (the task or thread waiting): kept inline, no allocation per call.
-    wakers: smallvec::SmallVec<[Waker; 1]>,
+    /// Usually one or two (a waiting thread, and the runtime it reads replies on): kept
+    /// inline, no allocation per call.
+    wakers: smallvec::SmallVec<[Waker; 2]>,
     /// Threads asleep on `ready` (a notify with none costs a system call for nothing).
     sleepers: usize,
 }

@@ -73,11 +73,20 @@ pub(crate) fn init(options: AgentOptions, mut registry: Registry) -> Result<Agen
                 }
                 _ => None,
             };
-            // A store served on port 0 is wherever its server bound (a group of one, or a
-            // launcher that hands the address on): no free port to pick and lose in a race.
-            if let (Some(s), StoreUrl::Tcp(addr)) = (&server, &resolved.store) {
-                if addr.ends_with(":0") {
-                    resolved.store = StoreUrl::Tcp(s.address().to_owned());
+            // Port 0: a group of one serves its store wherever the server bound (no free port
+            // to pick and lose to a race). Nobody else could find it, so a bigger group, or a
+            // worker that does not serve the store, is told so.
+            if let StoreUrl::Tcp(addr) = &resolved.store {
+                if options::port_of(addr) == Some(0) {
+                    match &server {
+                        Some(s) if resolved.world_size == 1 => resolved.store = StoreUrl::Tcp(s.address().to_owned()),
+                        _ => {
+                            return Err(InitError::Config(format!(
+                                "store address {addr}: port 0 is for a group of one that serves its own store; \
+                                 give the others a real port"
+                            )))
+                        }
+                    }
                 }
             }
             let store = Store::connect(&resolved.store, left(), resolved.secret.clone())

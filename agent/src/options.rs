@@ -147,9 +147,10 @@ impl AgentOptions {
         self
     }
 
-    /// The store's address (`host:port`, or a URL such as `etcd://…`). With port 0 the worker
-    /// that serves the store binds any free port and uses it (useful for a group of one;
-    /// others learn the address from [`Agent::store_address`](crate::Agent::store_address)).
+    /// The store's address (`host:port`, or a URL such as `etcd://…`). Port 0 is for a group of
+    /// one: the worker serves its store on any free port (its address is then
+    /// [`Agent::store_address`](crate::Agent::store_address)); anything else with port 0 is a
+    /// configuration error.
     pub fn store(mut self, addr: impl Into<String>) -> Self {
         self.store_addr = Some(addr.into());
         self
@@ -304,4 +305,23 @@ fn resolve_store(o: &AgentOptions) -> Result<StoreUrl, InitError> {
         }
     };
     StoreUrl::parse(&url).map_err(|e| InitError::Store(e.to_string()))
+}
+
+/// The port of a `host:port` address (IPv6 hosts in brackets), if it has a numeric one.
+pub(crate) fn port_of(addr: &str) -> Option<u16> {
+    addr.rsplit_once(':').and_then(|(_, port)| port.parse().ok())
+}
+
+#[cfg(test)]
+mod port_tests {
+    use super::port_of;
+
+    #[test]
+    fn ports_are_parsed_as_numbers() {
+        assert_eq!(port_of("127.0.0.1:0"), Some(0));
+        assert_eq!(port_of("host:00"), Some(0));
+        assert_eq!(port_of("[::1]:29500"), Some(29500));
+        assert_eq!(port_of("host"), None);
+        assert_eq!(port_of("host:x"), None);
+    }
 }

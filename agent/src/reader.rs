@@ -92,15 +92,39 @@ fn promote(pass: &Pass<WaiterRef>) {
 
 struct ThreadWaker(Thread);
 
+/// A new waiter for this thread, and the waker that wakes it.
+fn new_waiter() -> (WaiterRef, Waker) {
+    let me = WaiterRef(Arc::new(Waiter {
+        thread: std::thread::current(),
+        promoted: AtomicBool::new(false),
+    }));
+    let waker = Waker::from(Arc::new(ThreadWaker(me.0.thread.clone())));
+    (me, waker)
+}
+
 thread_local! {
-    static THIS_THREAD: (WaiterRef, Waker) = {
-        let me = WaiterRef(Arc::new(Waiter {
-            thread: std::thread::current(),
-            promoted: AtomicBool::new(false),
-        }));
-        let waker = Waker::from(Arc::new(ThreadWaker(me.0.thread.clone())));
-        (me, waker)
-    };
+    /// This thread's waiter, made once rather than per call: a blocked thread waits for one
+    /// result at a time and leaves the role's queue before it returns.
+    static THIS_THREAD: std::cell::RefCell<Option<(WaiterRef, Waker)>> = const { std::cell::RefCell::new(None) };
+}
+
+/// This thread's waiter: the kept one, or a new one (kept for next time).
+fn this_thread() -> (WaiterRef, Waker) {
+    THIS_THREAD
+        .try_with(|t| t.borrow_mut().get_or_insert_with(new_waiter).clone())
+        .unwrap_or_else(|_| new_waiter())
+}
+
+/// Forgets the kept waiter when `drive` unwinds: it may still sit in a role's queue, where a
+/// later promotion must not reach this thread's next wait on another pipe.
+struct ForgetOnUnwind;
+
+impl Drop for ForgetOnUnwind {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let _ = THIS_THREAD.try_with(|t| t.borrow_mut().take());
+        }
+    }
 }
 
 impl Wake for ThreadWaker {
@@ -233,9 +257,8 @@ impl<R: Replies> ReplyReader<R> {
 
 impl<R: Replies> Driver for ReplyReader<R> {
     fn drive(&self, poll_done: &mut dyn FnMut(&mut Context<'_>) -> Poll<()>, deadline: Option<Instant>) {
-        // This thread's waiter and waker, made once per thread (a blocked thread waits for
-        // one result at a time; it leaves the role's queue before it returns).
-        let (me, waker) = THIS_THREAD.with(|t| t.clone());
+        let (me, waker) = this_thread();
+        let _forget = ForgetOnUnwind;
         me.0.promoted.store(false, Ordering::Release);
         let mut cx = Context::from_waker(&waker);
         let mut queued = false;

@@ -840,7 +840,15 @@ fn init_checks_names_and_second_init_errors() {
     agent.shutdown().unwrap();
     // After shutdown a new agent may start.
     let again = Agent::init(sluice_tests::workers::solo_options("solo2"), registry()).unwrap();
+    // Port 0: a group of one serves its store on a port of its own, and says which.
+    assert!(!again.store_address().ends_with(":0"), "{}", again.store_address());
     again.shutdown().unwrap();
+    // In a bigger group nobody could find that port: a configuration error, at once.
+    let e = Agent::init(AgentOptions::new("w").rank(0, 2).store("127.0.0.1:0"), Registry::new()).unwrap_err();
+    assert!(
+        matches!(e, InitError::Config(_)) && e.to_string().contains("port 0"),
+        "{e}"
+    );
 }
 
 #[test]
