@@ -521,6 +521,10 @@ fn serve_until_done(agent: Agent) {
     while !DONE.load(Ordering::SeqCst) && start.elapsed() < Duration::from_secs(90) {
         std::thread::sleep(Duration::from_millis(10));
     }
+    // `test.done` set the flag from its handler, before its reply left: an immediate
+    // `shutdown_now` could close the pipe under that reply, and the caller would see this
+    // worker lost (CI saw it once: "peer closed the connection" on `test.done`).
+    std::thread::sleep(Duration::from_millis(300));
     agent.shutdown_now();
 }
 
