@@ -108,12 +108,13 @@ impl Outstanding {
         }
     }
 
-    /// Fails everything with `error` and stops the timer (teardown).
-    pub(crate) fn close(&self, error: impl Fn(u32) -> RpcError) {
+    /// Fails everything with [`RpcError::Shutdown`] and stops the timer (teardown); calls
+    /// registered later fail the same way at once.
+    pub(crate) fn close(&self) {
         // Before `fail` takes the table's lock: a concurrent `register` either lands in the
         // table before `fail` empties it, or takes the lock after and sees it closed.
         self.closed.store(true, Ordering::Release);
-        self.fail(None, error);
+        self.fail(None, |_| RpcError::Shutdown);
         self.timer.notify_one();
     }
 
@@ -332,7 +333,7 @@ mod tests {
         assert!(core.finish(2, Ok(Payload::empty())));
         assert!(!core.finish(2, Ok(Payload::empty())), "exactly once");
         assert!(matches!(answered.peek(), Some(Ok(_))));
-        core.close(|_| RpcError::Shutdown);
+        core.close();
         assert!(matches!(open.peek(), Some(Err(RpcError::Shutdown))));
         assert_eq!(core.len(), 0);
         let after = core.register(4, 7, Duration::from_secs(60));

@@ -16,11 +16,16 @@ const COARSE_FROM: Duration = Duration::from_secs(1);
 
 #[derive(Debug)]
 pub(crate) struct Clock {
-    /// The precise and the coarse clock read together.
+    /// The agent's start on the precise clock.
     base: Instant,
-    base_coarse: Duration,
-    /// The coarse clock's tick (zero where the kernel has no coarse clock: then everything
-    /// reads the precise one).
+    /// The coarse clock, where the kernel has one (else everything reads the precise one).
+    coarse: Option<Coarse>,
+}
+
+#[derive(Debug)]
+struct Coarse {
+    /// Its reading at the agent's start, taken just before `Clock::base`.
+    base: Duration,
     tick: Duration,
 }
 
@@ -33,21 +38,28 @@ impl Clock {
         let tick = clock_getres(ClockId::CLOCK_MONOTONIC_COARSE)
             .ok()
             .map(Duration::from)
-            .filter(|t| *t <= Duration::from_millis(100))
-            .unwrap_or_default();
+            .filter(|t| !t.is_zero() && *t <= Duration::from_millis(100));
         // Coarse first: a pause between the two reads then makes readings late, never early.
-        let base_coarse = coarse().filter(|_| !tick.is_zero()).unwrap_or_default();
+        let coarse = tick.and_then(|tick| Some(Coarse { base: coarse()?, tick }));
         Clock {
             base: Instant::now(),
-            base_coarse,
-            tick,
+            coarse,
         }
+    }
+
+    /// The coarse clock's tick (zero without one).
+    fn tick(&self) -> Duration {
+        self.coarse.as_ref().map_or(Duration::ZERO, |c| c.tick)
     }
 
     /// Time since the agent started, to a tick.
     pub(crate) fn elapsed(&self) -> Duration {
-        match coarse().filter(|_| !self.tick.is_zero()) {
-            Some(now) => now.saturating_sub(self.base_coarse),
+        match self
+            .coarse
+            .as_ref()
+            .and_then(|c| Some(coarse()?.saturating_sub(c.base)))
+        {
+            Some(elapsed) => elapsed,
             None => self.base.elapsed(),
         }
     }
@@ -62,12 +74,13 @@ impl Clock {
     /// than a tick (its timekeeper descheduled on a busy virtual machine), and then early by
     /// no more than that extra lag: milliseconds on a timeout of a second or more.
     pub(crate) fn deadline_in(&self, timeout: Duration) -> Instant {
-        if timeout < COARSE_FROM || self.tick.is_zero() {
+        let tick = self.tick();
+        if timeout < COARSE_FROM || tick.is_zero() {
             return Instant::now() + timeout;
         }
         // The coarse reading is up to a tick behind, and the base pair up to a tick apart:
         // two ticks make it never early.
-        self.base + self.elapsed() + 2 * self.tick + timeout
+        self.base + self.elapsed() + 2 * tick + timeout
     }
 
     /// The agent's start, on the precise clock.
@@ -100,13 +113,13 @@ mod tests {
                 let slack = if timeout < COARSE_FROM {
                     Duration::ZERO
                 } else {
-                    4 * clock.tick
+                    4 * clock.tick()
                 };
                 assert!(
                     d <= after + timeout + slack,
                     "{timeout:?}: late by {:?} (tick {:?})",
                     d - (after + timeout),
-                    clock.tick
+                    clock.tick()
                 );
             }
         }
@@ -118,7 +131,7 @@ mod tests {
         std::thread::sleep(Duration::from_millis(30));
         let precise = clock.start().elapsed();
         let coarse = clock.elapsed();
-        let tick = clock.tick.max(Duration::from_millis(1));
+        let tick = clock.tick().max(Duration::from_millis(1));
         assert!(
             coarse <= precise + tick,
             "coarse {coarse:?} ahead of precise {precise:?}"

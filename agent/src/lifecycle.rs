@@ -12,7 +12,7 @@ use crate::agent::Registry;
 use crate::agent::{Agent, AgentInner, DOWN, H_TAKEOVER, RUNNING, RUNNING_STATE};
 use crate::calls::Outstanding;
 use crate::device_map::{self, WorkerDevices};
-use crate::error::{HandlerError, InitError, RpcError, ShutdownError};
+use crate::error::{HandlerError, InitError, ShutdownError};
 use crate::gpu::{self, StreamPool};
 use crate::membership::{self, Announce, Subscribers};
 use crate::name::{validate_name, WorkerInfo};
@@ -572,7 +572,7 @@ impl AgentInner {
         if self.state.swap(DOWN, Ordering::AcqRel) == DOWN {
             return;
         }
-        self.calls.close(|_| RpcError::Shutdown);
+        self.calls.close();
         let peers: Vec<Arc<Peer>> = self.members.read().unwrap().by_id.values().cloned().collect();
         for p in peers {
             p.close_lanes();
