@@ -77,6 +77,29 @@ impl AgentInner {
             return Completion::new(slot);
         }
         let duplicate = control && self.options.faults.duplicate_control;
+        // A task of a current-thread runtime (or a `LocalSet`) must not start the write: a
+        // large segment copy runs in `block_in_place`, which only a plain thread or a
+        // multi-thread runtime's worker may call.
+        let (in_runtime, may_block) = match tokio::runtime::Handle::try_current() {
+            Ok(h) => (true, h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread),
+            Err(_) => (false, true),
+        };
+        let open = peer.lanes[lane].open_pipe();
+        // The common case, a small request on an open pipe with room for it now: written
+        // right here, with no future built, moved or boxed.
+        if let (Some(pipe), true, false) = (&open, may_block, duplicate) {
+            if let Some(written) = pipe.try_write(&message) {
+                match written {
+                    Ok(()) => peer.lanes[lane].last_sent.store(self.now_ms(), Ordering::Relaxed),
+                    Err(e) => {
+                        self.rrefs.undo_forks(&self.host(), &forks);
+                        self.calls.finish(id, Err(RpcError::from_pipe(&peer.info.name, e)));
+                    }
+                }
+                let driver = peer.lanes[lane].reader.lock().unwrap().clone();
+                return Completion::driven(slot, driver);
+            }
+        }
         let peer_for_driver = peer.clone();
         let inner = self.clone();
         let send = async move {
@@ -101,14 +124,7 @@ impl AgentInner {
                 inner.calls.finish(id, Err(e));
             }
         };
-        // A task of a current-thread runtime (or a `LocalSet`) must not start the write: a
-        // large segment copy runs in `block_in_place`, which only a plain thread or a
-        // multi-thread runtime's worker may call.
-        let (in_runtime, may_block) = match tokio::runtime::Handle::try_current() {
-            Ok(h) => (true, h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread),
-            Err(_) => (false, true),
-        };
-        let opening = peer_for_driver.lanes[lane].generation().is_none();
+        let opening = open.is_none();
         if !may_block || (in_runtime && opening) {
             // A task cannot wait for the pipe to open: the write goes on as a task of its own.
             self.handle.spawn(send);

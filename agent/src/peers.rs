@@ -72,6 +72,11 @@ impl Lane {
     pub(crate) fn generation(&self) -> Option<u64> {
         self.pipe.lock().unwrap().as_ref().map(|(g, _)| *g)
     }
+
+    /// The open pipe, if one is open.
+    pub(crate) fn open_pipe(&self) -> Option<Pipe> {
+        self.pipe.lock().unwrap().as_ref().map(|(_, p)| p.clone())
+    }
 }
 
 impl Peer {

@@ -7,7 +7,7 @@ use std::task::Poll;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use sluice_channel::{Allocation, Descriptor, Device, Pipe, PipeError, RecvBuffer, Tensor};
+use sluice_channel::{Allocation, Descriptor, Device, Message, Pipe, PipeError, RecvBuffer, Tensor};
 
 use crate::agent::{Agent, AgentInner, POOL_KEEP, POOL_MIN};
 use crate::budget::Budget;
@@ -406,10 +406,19 @@ impl AgentInner {
             Handler::Sync(f, pace)
                 if pace.inline() && crate::pool::may_inline() && !self.pool.waiting_above(priority) =>
             {
+                let result = with_priority(priority, || pace.run(|| f(&ctx, payload)));
+                let reply = finish(&inner, result);
+                // A small reply leaves at once, with no future; any other is written by the
+                // future returned, which the reader polls at once.
+                let (message, forks) = inner.reply_message(caller, id, reply);
+                if let Some(written) = pipe.try_write(&message) {
+                    inner.reply_written(caller, written, &forks);
+                    inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
+                    return None;
+                }
                 Some(Box::pin(async move {
-                    let result = with_priority(priority, || pace.run(|| f(&ctx, payload)));
-                    let reply = finish(&inner, result);
-                    inner.reply(&pipe, caller, id, reply).await;
+                    let written = pipe.write(&message).await;
+                    inner.reply_written(caller, written, &forks);
                     inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
                 }))
             }
@@ -450,13 +459,40 @@ impl AgentInner {
                 inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
             });
         } else {
-            self.handle.block_on(self.reply(&pipe, caller, id, result));
+            let (message, forks) = self.reply_message(caller, id, result);
+            let written = match pipe.try_write(&message) {
+                Some(written) => written,
+                None => self.handle.block_on(pipe.write(&message)),
+            };
+            self.reply_written(caller, written, &forks);
             self.handlers_running.fetch_sub(1, Ordering::AcqRel);
         }
     }
 
     /// Sends the reply to request `id` back on `pipe`.
     pub(crate) async fn reply(self: &Arc<Self>, pipe: &Pipe, caller: u32, id: u64, result: Result<Payload, WireError>) {
+        let (message, forks) = self.reply_message(caller, id, result);
+        let written = pipe.write(&message).await;
+        self.reply_written(caller, written, &forks);
+    }
+
+    /// After a reply's write: a reply that could not be sent gives back the RRef forks it
+    /// made (the caller learns of the failure from its pipe).
+    pub(crate) fn reply_written(self: &Arc<Self>, caller: u32, written: Result<(), PipeError>, forks: &[GlobalId]) {
+        if let Err(e) = written {
+            self.rrefs.undo_forks(&self.host(), forks);
+            tracing::debug!(worker = %self.me, caller, error = %e, "could not send a reply");
+        }
+    }
+
+    /// The reply to request `id` as a message, and the RRef forks it made; the request's
+    /// bytes stop counting against the caller's budget.
+    pub(crate) fn reply_message(
+        self: &Arc<Self>,
+        caller: u32,
+        id: u64,
+        result: Result<Payload, WireError>,
+    ) -> (Message, Vec<GlobalId>) {
         let held = self.held.lock().unwrap().remove(&(caller, id));
         if let Some((budget, size)) = held {
             budget.release(size);
@@ -478,10 +514,7 @@ impl AgentInner {
             Err(e) => (Err(e), Vec::new(), Vec::new(), Vec::new()),
         };
         let message = wire::message(&Envelope::Response(Response { id, result }), frames, tensors);
-        if let Err(e) = pipe.write(&message).await {
-            self.rrefs.undo_forks(&self.host(), &forks);
-            tracing::debug!(worker = %self.me, caller, error = %e, "could not send a reply");
-        }
+        (message, forks)
     }
 }
 

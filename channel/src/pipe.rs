@@ -430,6 +430,54 @@ impl Pipe {
         result.map_err(|e| inner.fail(e))
     }
 
+    /// Sends a small message at once, with no future, if nothing stands in its way; `None`
+    /// (nothing sent) when it needs [`write`](Self::write): it has tensors or more than one
+    /// packed frame of payloads, another write holds or waits for the write side, or the
+    /// transport would have to wait (a full ring; TCP always). Sent, it keeps `write`'s order
+    /// and completion, and, while the pipe batches, stays in the transport like `write`'s.
+    pub fn try_write(&self, message: &Message) -> Option<Result<()>> {
+        if !message.tensors.is_empty() || message.payloads.iter().map(|p| p.len()).sum::<usize>() > PACK_MAX {
+            return None;
+        }
+        let inner = &self.inner;
+        // Fails while another write holds the lock or waits for it (tokio's lock is fair):
+        // this one never overtakes a queued write.
+        let mut side = inner.writer.try_lock().ok()?;
+        if let Err(e) = inner.check() {
+            return Some(Err(e));
+        }
+        // Read under the write lock, as `write` does: a batch ended after this read is
+        // flushed by whoever ends it, once this lock is released.
+        let defer = inner.batching.load(Ordering::Acquire);
+        let side = &mut *side;
+        let mut encoded = std::mem::take(&mut side.encoded);
+        wire::encode_into(
+            &DescriptorOut {
+                seq: side.seq,
+                metadata: ByteSlice(&message.metadata),
+                payloads: Lengths(&message.payloads),
+                tensors: &[],
+                packed: true,
+            },
+            &mut encoded,
+        );
+        let result = {
+            let mut parts: SmallVec<[&[u8]; 8]> = SmallVec::new();
+            parts.push(&encoded);
+            parts.extend(message.payloads.iter().map(|p| &p[..]));
+            side.tx.control.try_write_now(&parts, !defer)
+        };
+        side.encoded = encoded;
+        match result? {
+            Ok(()) => {
+                side.seq += 1;
+                inner.held.store(defer, Ordering::SeqCst);
+                Some(Ok(()))
+            }
+            Err(e) => Some(Err(inner.fail(e.into()))),
+        }
+    }
+
     /// Sends what the control connection holds.
     async fn flush_locked(&self, side: &mut WriteSide) -> Result<()> {
         self.inner.held.store(false, Ordering::SeqCst);

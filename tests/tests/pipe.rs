@@ -384,6 +384,75 @@ async fn batched_writes_arrive_in_order_once_the_batch_ends() {
     .await
 }
 
+/// `try_write` sends a small message at once or declines without sending anything: it keeps
+/// the pipe's order among `write`s, never overtakes a write that holds or waits for the write
+/// side, and holds back while the pipe batches. Shared memory takes it whenever there is room;
+/// TCP always declines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn immediate_writes_keep_order_and_never_overtake() {
+    watchdog("immediate writes", async {
+        for (transport, immediate) in [(TransportKind::Shm, true), (TransportKind::Tcp, false)] {
+            let (a, b) = pair_with(options(&[transport], &[ChannelKind::Basic])).await;
+            assert!(
+                a.try_write(&message(0, &[64])).is_none(),
+                "a message with a tensor is declined"
+            );
+            let mut taken = 0;
+            for i in 0..60u64 {
+                let sizes: &[usize] = if i % 3 == 0 { &[64] } else { &[] };
+                let m = message(i, sizes);
+                match a.try_write(&m) {
+                    Some(r) => {
+                        r.expect("immediate write");
+                        taken += 1;
+                    }
+                    None => a.write(&m).await.expect("write"),
+                }
+            }
+            assert_eq!(taken > 0, immediate, "{transport:?}: immediate writes taken: {taken}");
+            for i in 0..60u64 {
+                let sizes: &[usize] = if i % 3 == 0 { &[64] } else { &[] };
+                check(i, sizes, &receive(&b).await);
+            }
+            if !immediate {
+                continue;
+            }
+            // While the pipe batches, an immediate write stays in the transport until the batch ends.
+            a.set_batching(true).await.expect("batch");
+            a.try_write(&message(60, &[]))
+                .expect("room")
+                .expect("immediate write in a batch");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            assert!(
+                !b.has_input(),
+                "a batched immediate write was sent before the batch ended"
+            );
+            a.set_batching(false).await.expect("end of batch");
+            check(60, &[], &receive(&b).await);
+            // A write that waits for the reader (8 MiB through a 2 MiB ring) holds the write
+            // side: an immediate write declines rather than overtake it.
+            let big = a.clone();
+            let writer = tokio::spawn(async move { big.write(&message(61, &[8 << 20])).await });
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            assert!(!writer.is_finished(), "the 8 MiB write should wait for the reader");
+            assert!(
+                a.try_write(&message(62, &[])).is_none(),
+                "an immediate write overtook a waiting write"
+            );
+            check(61, &[8 << 20], &receive(&b).await);
+            writer.await.unwrap().expect("8 MiB write");
+            a.try_write(&message(62, &[]))
+                .expect("room again")
+                .expect("immediate write");
+            check(62, &[], &receive(&b).await);
+            // A closed pipe sends nothing, and says so.
+            a.close();
+            assert!(matches!(a.try_write(&message(63, &[])), Some(Err(_)) | None));
+        }
+    })
+    .await
+}
+
 /// Many tasks writing to one pipe at once (their writes queue and coalesce): every message
 /// arrives once, intact, each task's in its order, with nothing left held when they stop.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

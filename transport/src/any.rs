@@ -150,6 +150,10 @@ impl FrameWriter for AnyWriter {
         delegate!(self, w => w.flush().await)
     }
 
+    fn try_write_now(&mut self, parts: &[&[u8]], publish: bool) -> Option<Result<()>> {
+        delegate!(self, w => w.try_write_now(parts, publish))
+    }
+
     fn close(&self) {
         delegate!(self, w => w.close())
     }

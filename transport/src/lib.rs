@@ -181,6 +181,16 @@ pub trait FrameWriter: Send + 'static {
         std::future::ready(Ok(()))
     }
 
+    /// Writes one frame like [`write`](Self::write) (`publish`) or
+    /// [`write_deferred`](Self::write_deferred) (not), but only if that needs no waiting: a
+    /// small frame with room for it now. `None` means nothing was written, and the caller
+    /// uses the asynchronous path; backends without such a path always say `None`. This lets
+    /// a caller send a small message without building (and moving, and boxing) a future.
+    fn try_write_now(&mut self, parts: &[&[u8]], publish: bool) -> Option<Result<()>> {
+        let _ = (parts, publish);
+        None
+    }
+
     /// Closes the whole connection; pending operations on both halves fail promptly.
     fn close(&self);
 

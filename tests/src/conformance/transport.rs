@@ -13,6 +13,9 @@ pub trait Backend: Send + Sync + 'static {
     /// The name the peer binary understands (`tcp`, `shm`).
     const NAME: &'static str;
     fn transport() -> Self::T;
+    /// Whether the backend writes small frames at once when there is room
+    /// (`FrameWriter::try_write_now`); one that does must not decline them all.
+    const IMMEDIATE_WRITES: bool = false;
     /// `Err(why)` when the backend's hardware is missing here: its tests then skip (and fail
     /// under `SLUICE_REQUIRE_RDMA=1`).
     fn available() -> Result<(), String> {
@@ -161,6 +164,91 @@ pub async fn deferred_writes_keep_order_and_flush<B: Backend>() {
             done_tx.send(()).await.expect("writer gone");
         }
         drop(writer.await.expect("writer"));
+    })
+    .await
+}
+
+/// Immediate writes (`try_write_now`) are frames like any other: published or held back,
+/// they keep their order among plain and deferred writes; one declined writes nothing; and a
+/// connection nobody reads declines them once full rather than wait. (Backends without the
+/// path decline every one.)
+pub async fn immediate_writes_keep_order_or_decline<B: Backend>() {
+    watchdog("immediate writes", async {
+        let (a, b) = pair::<B>().await;
+        let (_ar, mut aw) = a.split();
+        let (mut br, _bw) = b.split();
+        // The length of every frame written, in order.
+        let mut lens: Vec<usize> = Vec::new();
+        for round in 0..50usize {
+            let i = lens.len() as u64;
+            let len = (round * 37) % 3000;
+            if let Some(r) = aw.try_write_now(&[&i.to_le_bytes(), &pattern(i, len)], true) {
+                r.expect("immediate write");
+                lens.push(len);
+            }
+            let i = lens.len() as u64;
+            aw.write_deferred(&[&i.to_le_bytes(), &pattern(i, 10)])
+                .await
+                .expect("deferred write");
+            lens.push(10);
+            let i = lens.len() as u64;
+            if let Some(r) = aw.try_write_now(&[&i.to_le_bytes(), &pattern(i, 5)], false) {
+                r.expect("immediate write, held back");
+                lens.push(5);
+            }
+            let i = lens.len() as u64;
+            aw.write(&[&i.to_le_bytes(), &pattern(i, 1)]).await.expect("write");
+            lens.push(1);
+        }
+        // 50 rounds of two plain writes each, plus the immediate writes taken.
+        let immediate = lens.len() - 100;
+        assert!(
+            immediate > 0 || !B::IMMEDIATE_WRITES,
+            "{} declined every immediate write into an empty connection",
+            B::NAME
+        );
+        let mut buf = vec![0u8; 80_000];
+        for (i, &len) in lens.iter().enumerate() {
+            let n = br.read(&mut buf).await.expect("read");
+            assert_eq!(n, 8 + len, "frame {i}: length");
+            assert_eq!(
+                u64::from_le_bytes(buf[..8].try_into().unwrap()),
+                i as u64,
+                "frame {i}: order"
+            );
+            assert_eq!(&buf[8..n], &pattern(i as u64, len)[..], "frame {i}: corrupted");
+        }
+        // Nobody reads now: immediate writes must decline before they would wait for room.
+        let block = vec![7u8; 64 << 10];
+        let mut filled = 0usize;
+        while filled < 10_000 {
+            match aw.try_write_now(&[&block], true) {
+                Some(r) => {
+                    r.expect("immediate write into room");
+                    filled += 1;
+                }
+                None => break,
+            }
+        }
+        assert!(
+            filled < 10_000,
+            "640 MiB written with nobody reading: an immediate write waited"
+        );
+        assert!(
+            filled > 0 || !B::IMMEDIATE_WRITES,
+            "{} declined an immediate write into an empty connection",
+            B::NAME
+        );
+        for k in 0..filled {
+            let n = br.read(&mut buf).await.expect("read of a filled frame");
+            assert!(n == block.len() && buf[..n] == block[..], "filled frame {k} corrupted");
+        }
+        // A closed connection takes no immediate write.
+        aw.close();
+        assert!(
+            !matches!(aw.try_write_now(&[b"x"], true), Some(Ok(()))),
+            "an immediate write succeeded on a closed connection"
+        );
     })
     .await
 }
@@ -450,6 +538,7 @@ macro_rules! transport_conformance {
                 ordering_of_interleaved_writes,
                 zero_and_one_byte_writes,
                 deferred_writes_keep_order_and_flush,
+                immediate_writes_keep_order_or_decline,
                 writes_of_256_mib,
                 many_connections,
                 close_with_operations_pending,

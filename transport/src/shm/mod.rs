@@ -945,6 +945,34 @@ impl FrameWriter for ShmWriter {
         Ok(())
     }
 
+    fn try_write_now(&mut self, parts: &[&[u8]], publish: bool) -> Option<Result<()>> {
+        if let Err(e) = self.shared.stopped.check() {
+            return Some(Err(e));
+        }
+        let total = HEADER_LEN + total_len(parts) as usize;
+        // A frame that would stream, or wait for room, takes the asynchronous path.
+        if total > stream_step(self.producer.ring().capacity()) {
+            return None;
+        }
+        match self.producer.free(total) {
+            Ok(free) if free >= total => {}
+            Ok(_) => return None,
+            Err(_) => return Some(Err(self.shared.fail(self.shared.corrupt()))),
+        }
+        if self.shared.peer_stopped(Side::Writer) {
+            return Some(Err(self.shared.fail(self.shared.peer_lost(Side::Writer))));
+        }
+        let header = encode_header(total_len(parts));
+        for part in std::iter::once(&header[..]).chain(parts.iter().copied()) {
+            let pushed = self.producer.push(part);
+            debug_assert_eq!(pushed, part.len(), "room was checked above");
+        }
+        if publish || self.producer.unpublished() >= stream_step(self.producer.ring().capacity()) as u64 {
+            self.publish();
+        }
+        Some(Ok(()))
+    }
+
     fn close(&self) {
         self.shared.close()
     }
