@@ -217,7 +217,7 @@ impl Agent {
         timeout: Duration,
     ) -> RpcFuture {
         let body = Body::Call {
-            handler: handler.to_owned(),
+            handler: handler.into(),
         };
         match self.inner.resolve(&dest.into()) {
             Ok(rank) => self.prioritized(|| self.inner.start_call(rank, body, payload, timeout)),
@@ -275,7 +275,7 @@ impl Agent {
         let inner = &self.inner;
         let owner = inner.resolve(&dest.into())?;
         inner.check_running()?;
-        let handler = handler.to_owned();
+        let handler = crate::wire::HandlerName::from(handler);
         let state = self.prioritized(|| {
             crate::rref::create_remote(&inner.host(), owner, payload, timeout, |rref, fork| Body::Remote {
                 handler,

@@ -44,10 +44,18 @@ impl<C> Clone for Handler<C> {
 /// showed it is quick: its last run took less than this and never blocked.
 const INLINE_MAX: std::time::Duration = std::time::Duration::from_micros(200);
 
-/// How a synchronous handler behaved last time it ran: whether it may run inline.
+/// Of the runs of a handler allowed inline, one in this many is timed: reading the clock twice
+/// costs about as much as a no-op handler's whole run. A handler that turns slow is moved off
+/// the reading thread within this many runs; one that blocks, at once (blocking is seen on
+/// every run).
+const TIMED_EVERY: u32 = 16;
+
+/// How a synchronous handler behaved when it last ran: whether it may run inline.
 #[derive(Debug, Default)]
 pub(crate) struct Pace {
     inline: std::sync::atomic::AtomicBool,
+    /// Runs while inline, for choosing the ones timed.
+    runs: std::sync::atomic::AtomicU32,
 }
 
 impl Pace {
@@ -55,15 +63,22 @@ impl Pace {
         self.inline.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Runs the handler's `job` and records how it went: quick and never blocked lets the
-    /// next run be inline.
+    /// Runs the handler's `job` and records how it went: quick (when timed) and never blocked
+    /// lets the next run be inline. Every run of a handler not inline is timed, so one that
+    /// became quick again is seen at once.
     pub(crate) fn run<R>(&self, job: impl FnOnce() -> R) -> R {
+        use std::sync::atomic::Ordering::Relaxed;
+        let timed = !self.inline() || self.runs.fetch_add(1, Relaxed).is_multiple_of(TIMED_EVERY);
+        if !timed {
+            let (r, blocked) = crate::pool::measured(job);
+            if blocked {
+                self.inline.store(false, Relaxed);
+            }
+            return r;
+        }
         let start = std::time::Instant::now();
         let (r, blocked) = crate::pool::measured(job);
-        self.inline.store(
-            !blocked && start.elapsed() < INLINE_MAX,
-            std::sync::atomic::Ordering::Relaxed,
-        );
+        self.inline.store(!blocked && start.elapsed() < INLINE_MAX, Relaxed);
         r
     }
 }
@@ -238,5 +253,30 @@ impl<C: Send + 'static> Handlers<C> {
         });
         self.methods.insert(name.to_owned(), m);
         self
+    }
+}
+
+#[cfg(test)]
+mod pace_tests {
+    use super::*;
+
+    /// A quick handler goes inline after one run; once it turns slow it leaves within
+    /// `TIMED_EVERY` runs, and one that blocks leaves at once.
+    #[test]
+    fn a_handler_leaves_the_reading_thread_once_slow_or_blocking() {
+        let pace = Pace::default();
+        assert!(!pace.inline(), "unknown handlers start on the pool");
+        pace.run(|| ());
+        assert!(pace.inline(), "one quick run lets it inline");
+        let mut runs = 0;
+        while pace.inline() {
+            pace.run(|| std::thread::sleep(INLINE_MAX * 2));
+            runs += 1;
+            assert!(runs <= TIMED_EVERY, "still inline after {runs} slow runs");
+        }
+        pace.run(|| ());
+        assert!(pace.inline(), "quick again: inline again after one run");
+        pace.run(|| crate::pool::blocking(|| ()));
+        assert!(!pace.inline(), "a run that blocked leaves at once, timed or not");
     }
 }

@@ -466,7 +466,7 @@ impl AgentInner {
             Err(e) => return Err(ShutdownError::Store(e.to_string())),
         };
         let body = Body::Call {
-            handler: H_TAKEOVER.to_owned(),
+            handler: H_TAKEOVER.into(),
         };
         let reply = self
             .start_call(successor, body, payload, Duration::from_secs(30))

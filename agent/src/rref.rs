@@ -411,7 +411,7 @@ impl<T> RRef<T> {
         };
         let body = Body::Method {
             rref: self.state.id,
-            handler: method.to_owned(),
+            handler: method.into(),
         };
         inner.call(self.state.owner, body, payload, timeout)
     }
@@ -457,7 +457,7 @@ impl<T> RRef<T> {
     /// argument, for methods registered with [`raw_method`](crate::handler::Handlers::raw_method).
     pub fn remote_raw<R>(&self, method: &str, payload: Payload, timeout: Duration) -> Result<RRef<R>, RpcError> {
         let host = self.agent()?;
-        let (target, handler) = (self.state.id, method.to_owned());
+        let (target, handler) = (self.state.id, crate::wire::HandlerName::from(method));
         let state = create_remote(&host, self.state.owner, payload, timeout, |rref, fork| {
             Body::RemoteMethod {
                 target,

@@ -284,13 +284,13 @@ impl AgentInner {
         ctx: CallContext,
         call: Call,
         target: GlobalId,
-        handler: String,
+        handler: wire::HandlerName,
         payload: Payload,
         rref: Option<GlobalId>,
     ) -> Option<BoxFuture<()>> {
         let caller = ctx.caller.id;
         let Call { pipe, id, priority } = call;
-        let Some(method) = self.registry.methods.get(&handler).cloned() else {
+        let Some(method) = self.registry.methods.get(handler.as_str()).cloned() else {
             return Some(self.unknown_handler(pipe, caller, id, &handler, rref));
         };
         let value = self.rrefs.value(target);

@@ -6,6 +6,9 @@
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
+/// A handler's name: kept inline up to 23 bytes (no allocation per call on either side),
+/// and sent as a plain string.
+pub use smol_str::SmolStr as HandlerName;
 
 use crate::error::HandlerError;
 
@@ -76,18 +79,18 @@ pub struct Request {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Body {
     /// Run a handler, reply with its value.
-    Call { handler: String },
+    Call { handler: HandlerName },
     /// Run a handler and keep its value as the RRef `rref`; `fork` is the creator's reference
     /// (`None` when the creator is the owner itself).
     Remote {
-        handler: String,
+        handler: HandlerName,
         rref: GlobalId,
         fork: Option<GlobalId>,
     },
     /// Reply with a copy of the RRef's value (`to_here`).
     Fetch { rref: GlobalId },
     /// Run a method handler on the RRef's value (proxies).
-    Method { rref: GlobalId, handler: String },
+    Method { rref: GlobalId, handler: HandlerName },
     /// Control (idempotent, retried): a new user reference introduces itself to the owner.
     ForkRequest { rref: GlobalId, fork: GlobalId },
     /// Control (idempotent, retried): tells the parent that the owner knows its child.
@@ -100,7 +103,7 @@ pub enum Body {
     /// `rref`, owned here too (the proxies' `remote` form); `fork` as for `Remote`.
     RemoteMethod {
         target: GlobalId,
-        handler: String,
+        handler: HandlerName,
         rref: GlobalId,
         fork: Option<GlobalId>,
     },
@@ -191,6 +194,18 @@ mod tests {
         // A truncated message never decodes.
         for n in 0..b.len() {
             let _ = decode(&b[..n]);
+        }
+    }
+
+    /// Handler names travel as plain strings (the wire is what it was with `String`), short
+    /// or long.
+    #[test]
+    fn handler_names_are_plain_strings_on_the_wire() {
+        for name in ["noop", "a.handler.name.longer.than.23.bytes"] {
+            let ours = postcard::to_allocvec(&HandlerName::from(name)).unwrap();
+            assert_eq!(ours, postcard::to_allocvec(&name.to_owned()).unwrap());
+            let back: HandlerName = postcard::from_bytes(&ours).unwrap();
+            assert_eq!(back, name);
         }
     }
 }
