@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use sluice_channel::{Message, Pipe, PipeError};
+use sluice_channel::{Allocation, Descriptor, Message, Pipe, PipeError};
 
 use crate::agent::AgentInner;
 use crate::completion::Driver;
@@ -15,7 +15,7 @@ use crate::error::RpcError;
 use crate::membership::{self, Announce, MembershipEvent};
 use crate::name::{Dest, WorkerInfo};
 use crate::reader::{Replies, ReplyReader};
-use crate::server::read_message;
+use crate::server::{read_message, try_read_message};
 use crate::store::{Listing, Store, StoreUrl};
 use crate::wire::{self, Body, Envelope, Request, Response, WireValue};
 
@@ -617,11 +617,15 @@ pub(crate) struct PeerReplies {
     pub(crate) handle: tokio::runtime::Handle,
 }
 
-impl Replies for PeerReplies {
-    async fn read_one(&self, pipe: &Pipe) -> Result<(), String> {
-        let inner = self.inner.upgrade().ok_or("the agent is down")?;
+impl PeerReplies {
+    /// Delivers a message read from the pipe: a reply completes its call.
+    fn deliver(
+        &self,
+        inner: &Arc<AgentInner>,
+        message: Result<(Descriptor, Allocation), PipeError>,
+    ) -> Result<(), String> {
         let id = self.peer.info.id;
-        let (d, allocation) = read_message(pipe, &inner).await.map_err(|e| e.to_string())?;
+        let (d, allocation) = message.map_err(|e| e.to_string())?;
         self.peer.lanes[self.lane]
             .last_heard
             .store(inner.now_ms(), Ordering::Release);
@@ -643,6 +647,22 @@ impl Replies for PeerReplies {
             Ok((other, _)) => Err(format!("protocol error: unexpected {other:?} on a reply pipe")),
             Err(e) => Err(format!("protocol error: {e}")),
         }
+    }
+}
+
+impl Replies for PeerReplies {
+    async fn read_one(&self, pipe: &Pipe) -> Result<(), String> {
+        let inner = self.inner.upgrade().ok_or("the agent is down")?;
+        let message = read_message(pipe, &inner).await;
+        self.deliver(&inner, message)
+    }
+
+    fn try_read_one(&self, pipe: &Pipe) -> Option<Result<(), String>> {
+        let Some(inner) = self.inner.upgrade() else {
+            return Some(Err("the agent is down".into()));
+        };
+        let message = try_read_message(pipe, &inner)?;
+        Some(self.deliver(&inner, message))
     }
 
     fn failed(&self, detail: String) {

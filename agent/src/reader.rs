@@ -42,6 +42,9 @@ pub(crate) trait Replies: Send + Sync + 'static {
     /// Reads one whole message from `pipe` and delivers it (a reply completes its call). An
     /// error means the pipe is unusable; the reader then ends it with [`failed`](Self::failed).
     fn read_one<'a>(&'a self, pipe: &'a Pipe) -> impl Future<Output = Result<(), String>> + Send + 'a;
+    /// [`read_one`](Self::read_one) at once, with no future, if the message is here whole and
+    /// small; `None` (nothing read) otherwise.
+    fn try_read_one(&self, pipe: &Pipe) -> Option<Result<(), String>>;
     /// The pipe failed: fail what depended on it (declare the peer lost).
     fn failed(&self, detail: String);
     /// Whether replies are expected (calls are pending to the peer).
@@ -207,7 +210,7 @@ impl<R: Replies> ReplyReader<R> {
                     Some(Err(e)) => return self.end(e.to_string()),
                     Some(Ok(())) => {
                         // Committed: a message is read whole, never abandoned halfway.
-                        if let Err(detail) = self.replies.read_one(&self.pipe).await {
+                        if let Err(detail) = self.read_ready().await {
                             return self.end(detail);
                         }
                     }
@@ -247,10 +250,19 @@ impl<R: Replies> ReplyReader<R> {
                 self.end(e.to_string());
                 return false;
             }
-            if let Err(detail) = self.replies.read_one(&self.pipe).await {
+            if let Err(detail) = self.read_ready().await {
                 self.end(detail);
                 return false;
             }
+        }
+    }
+
+    /// Reads and delivers the message the pipe has begun to receive: at once when it is here
+    /// whole and small, else through the general (boxed: rare, and its future is large) path.
+    async fn read_ready(&self) -> Result<(), String> {
+        match self.replies.try_read_one(&self.pipe) {
+            Some(result) => result,
+            None => Box::pin(self.replies.read_one(&self.pipe)).await,
         }
     }
 }

@@ -548,6 +548,12 @@ pub(crate) async fn read_message(pipe: &Pipe, inner: &AgentInner) -> Result<(Des
     .await
 }
 
+/// [`read_message`] if the message is here whole and small: taken at once, with no future;
+/// `None` when it must be read by `read_message`.
+pub(crate) fn try_read_message(pipe: &Pipe, inner: &AgentInner) -> Option<Result<(Descriptor, Allocation), PipeError>> {
+    pipe.try_read_message(|d| Some(within_limit(pipe, inner, message_bytes(d)).and_then(|()| allocate(pipe, inner, d))))
+}
+
 /// Refuses a message of `size` bytes above `max_message_bytes` (a protocol error).
 fn within_limit(pipe: &Pipe, inner: &AgentInner, size: u64) -> Result<(), PipeError> {
     if size > inner.options.max_message_bytes {
@@ -600,6 +606,55 @@ pub(crate) async fn finish_read(
             Err(e.error)
         }
     }
+}
+
+/// The next request from `pipe`, its contents, and the bytes it holds of the caller's
+/// `budget`. A request here whole and small is taken at once, with no future (the common case,
+/// once the pipe is readable); any other is read by the general path.
+async fn next_request(
+    pipe: &Pipe,
+    inner: &AgentInner,
+    budget: &Budget,
+) -> Result<(Descriptor, Allocation, u64), PipeError> {
+    let now = || {
+        pipe.try_read_message(|d| {
+            let size = message_bytes(d);
+            if let Err(e) = within_limit(pipe, inner, size) {
+                return Some(Err(e));
+            }
+            // Over the budget, the general path waits for room.
+            if !budget.try_acquire(size) {
+                return None;
+            }
+            let allocation = allocate(pipe, inner, d);
+            if allocation.is_err() {
+                budget.release(size);
+            }
+            Some(allocation)
+        })
+        .map(|m| {
+            m.map(|(d, a)| {
+                let size = message_bytes(&d);
+                (d, a, size)
+            })
+        })
+    };
+    if let Some(m) = now() {
+        return m;
+    }
+    pipe.readable().await?;
+    if let Some(m) = now() {
+        return m;
+    }
+    // Boxed: rare, and its future is large; the loop's own stays small.
+    Box::pin(async {
+        let d = pipe.read_descriptor().await?;
+        let size = message_bytes(&d);
+        finish_read(pipe, inner, d, budget, size)
+            .await
+            .map(|(d, a)| (d, a, size))
+    })
+    .await
 }
 
 /// Serves one incoming pipe: requests in, replies out. A caller that heartbeats and then
@@ -726,14 +781,9 @@ pub(crate) async fn serve_loop(served: Arc<Served>) {
             // A failed pipe is reported by the read below.
             let _ = pipe.set_batching(false).await;
         }
-        let descriptor = pipe.read_descriptor().await;
+        let message = next_request(pipe, inner, budget).await;
         heard.store(inner.now_ms(), Ordering::Relaxed);
-        let size = descriptor.as_ref().map_or(0, message_bytes);
-        let message = match descriptor {
-            Ok(d) => finish_read(pipe, inner, d, budget, size).await,
-            Err(e) => Err(e),
-        };
-        let (d, allocation) = match message {
+        let (d, allocation, size) = match message {
             Ok(m) => m,
             Err(e) => {
                 tracing::debug!(worker = %inner.me, caller, error = %e, pipe = %pipe.debug_state(), "incoming pipe ended");

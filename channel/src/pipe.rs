@@ -170,6 +170,9 @@ struct ReadSide {
     acks: AnyWriter,
     seq: u64,
     pending: Option<WireDescriptor>,
+    /// A descriptor decoded by [`Pipe::try_read_message`] whose message it could not take at
+    /// once: the next `read_descriptor` or `read_message` returns it.
+    early: Option<Descriptor>,
     /// The last descriptor frame (its capacity reused by the next); a packed message's
     /// payloads and inline tensors are copied out of it, from `packed_at` on.
     frame: Vec<u8>,
@@ -346,6 +349,7 @@ impl Pipe {
                     acks: links.reply.1,
                     seq: 0,
                     pending: None,
+                    early: None,
                     frame: Vec::new(),
                     packed_at: 0,
                 }),
@@ -700,6 +704,9 @@ impl Pipe {
     }
 
     async fn next_descriptor(&self, side: &mut ReadSide) -> Result<Descriptor> {
+        if let Some(d) = side.early.take() {
+            return Ok(d);
+        }
         if side.pending.is_some() {
             return Err(PipeError::Misuse(
                 "a descriptor is already waiting for its read()".into(),
@@ -713,6 +720,107 @@ impl Pipe {
         if let Err(e) = rx.control.read_into_vec(frame, limit).await {
             return Err(self.inner.fail(e.into()));
         }
+        self.accept_descriptor(side)
+    }
+
+    /// Receives the next message at once, with no future, if it is here whole and its
+    /// contents travel in its descriptor's frame (a packed message whose tensors, if any, are
+    /// inline): its descriptor, and its contents in the allocation `allocate` makes for that
+    /// descriptor. `None` means nothing was returned: the message has not arrived whole, needs
+    /// a channel, `allocate` declined it (said `None`), or another read holds the read side;
+    /// the next [`read_message`](Self::read_message) or
+    /// [`read_descriptor`](Self::read_descriptor) returns it as usual (its descriptor may be
+    /// decoded already). An allocation that fails fails the pipe, as in `read_message`; one
+    /// that does not fit the descriptor is [`PipeError::Misuse`], and the message stays for
+    /// the next read, as with [`read`](Self::read).
+    pub fn try_read_message(
+        &self,
+        allocate: impl FnOnce(&Descriptor) -> Option<Result<Allocation>>,
+    ) -> Option<Result<(Descriptor, Allocation)>> {
+        let inner = &self.inner;
+        let mut side = inner.reader.try_lock().ok()?;
+        if let Err(e) = inner.check() {
+            return Some(Err(e));
+        }
+        if side.pending.is_some() {
+            return None;
+        }
+        if side.frame.capacity() > FRAME_KEEP {
+            side.frame = Vec::new();
+        }
+        let limit = inner.max_descriptor.saturating_add(PACK_MAX);
+        let side = &mut *side;
+        if let Err(e) = side.rx.control.try_read_into_vec_now(&mut side.frame, limit)? {
+            return Some(Err(inner.fail(e.into())));
+        }
+        let d = match self.accept_descriptor(side) {
+            Ok(d) => d,
+            Err(e) => return Some(Err(e)),
+        };
+        let in_hand = side
+            .pending
+            .as_ref()
+            .is_some_and(|w| w.packed && w.tensors.iter().all(|t| matches!(t.data, Source::Inline)));
+        let allocation = if in_hand { allocate(&d) } else { None };
+        let mut allocation = match allocation {
+            None => {
+                side.early = Some(d);
+                return None;
+            }
+            Some(Err(e)) => return Some(Err(inner.fail(e))),
+            Some(Ok(a)) => a,
+        };
+        let descriptor = side.pending.take().expect("accepted above");
+        if let Err(why) = check_allocation(&descriptor, &allocation, side.rx.landing.is_some()) {
+            // As with `read`: the caller's mistake, and the message stays for the next read.
+            side.pending = Some(descriptor);
+            side.early = Some(d);
+            return Some(Err(PipeError::Misuse(why)));
+        }
+        let poison = |e: PipeError| inner.fail(e);
+        let link = inner.link(&poison);
+        let tail = &side.frame[side.packed_at..];
+        if let Err(e) = self.unpack(tail, &descriptor, &mut allocation, &link) {
+            return Some(Err(inner.fail(e)));
+        }
+        side.rx.finished();
+        side.seq += 1;
+        Some(Ok((d, allocation)))
+    }
+
+    /// Copies a packed message's payloads and inline tensors out of the rest of its
+    /// descriptor's frame, `tail`.
+    fn unpack(
+        &self,
+        mut tail: &[u8],
+        descriptor: &WireDescriptor,
+        allocation: &mut Allocation,
+        link: &Link<'_>,
+    ) -> Result<()> {
+        let inner = &self.inner;
+        let mut take = |n: u64| -> Result<&[u8]> {
+            let Some((head, rest)) = tail.split_at_checked(n as usize) else {
+                return Err(inner.protocol("packed bytes shorter than announced"));
+            };
+            tail = rest;
+            Ok(head)
+        };
+        for p in allocation.payloads.iter_mut() {
+            let n = p.len() as u64;
+            p.copy_from_slice(take(n)?);
+        }
+        for (t, buf) in descriptor.tensors.iter().zip(allocation.tensors.iter_mut()) {
+            if matches!(t.data, Source::Inline) {
+                let channel = self.channel_for(buf.device(), t.source)?;
+                path::recv_packed(channel, link, take(t.length)?, buf)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Decodes and checks the descriptor frame just read into `side.frame`; it becomes the
+    /// pending descriptor, and its public form is returned.
+    fn accept_descriptor(&self, side: &mut ReadSide) -> Result<Descriptor> {
         let (mut descriptor, packed_at) = match wire::decode_descriptor(&side.frame, &self.inner.info.peer) {
             Ok(d) => d,
             Err(e) => return Err(self.inner.fail(e)),
@@ -836,30 +944,20 @@ impl Pipe {
             ..
         } = side;
         // A packed message's payloads and inline tensors are in its descriptor's frame.
-        let mut tail: &[u8] = if descriptor.packed { &frame[*packed_at..] } else { &[] };
-        let mut unpack = |n: u64| -> Result<&[u8]> {
-            let Some((head, rest)) = tail.split_at_checked(n as usize) else {
-                return Err(inner.protocol("packed bytes shorter than announced"));
-            };
-            tail = rest;
-            Ok(head)
-        };
-        for p in allocation.payloads.iter_mut() {
-            if descriptor.packed {
-                let n = p.len() as u64;
-                p.copy_from_slice(unpack(n)?);
-            } else {
+        if descriptor.packed {
+            self.unpack(&frame[*packed_at..], descriptor, allocation, &link)?;
+        } else {
+            for p in allocation.payloads.iter_mut() {
                 path::recv_inline(&mut rx.control, &link, p).await?;
             }
         }
         let mut ack = false;
         let mut cuda = Vec::new();
         for (t, buf) in descriptor.tensors.iter().zip(allocation.tensors.iter_mut()) {
-            let channel = self.channel_for(buf.device(), t.source)?;
             if descriptor.packed && matches!(t.data, Source::Inline) {
-                path::recv_packed(channel, &link, unpack(t.length)?, buf)?;
                 continue;
             }
+            let channel = self.channel_for(buf.device(), t.source)?;
             match path::recv(channel, rx, &link, &t.data, t.length, t.source, buf).await? {
                 Received::Done => {}
                 Received::Ack => ack = true,

@@ -453,6 +453,74 @@ async fn immediate_writes_keep_order_and_never_overtake() {
     .await
 }
 
+/// `try_read_message` takes a message at once only when it is here whole with its contents in
+/// its descriptor's frame; otherwise (not here yet, a tensor on a channel, the allocation
+/// declined) it returns nothing and the usual read returns the message, intact and in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn immediate_reads_take_packed_messages_or_leave_them() {
+    watchdog("immediate reads", async {
+        for (transport, immediate) in [(TransportKind::Shm, true), (TransportKind::Tcp, false)] {
+            let (a, b) = pair_with(options(&[transport], &[ChannelKind::Basic])).await;
+            let alloc = |d: &sluice_channel::Descriptor| Some(Ok(Allocation::for_descriptor(d)));
+            assert!(b.try_read_message(alloc).is_none(), "nothing was sent yet");
+            // Packed (no tensor, a small one), a tensor too large to pack (on the channel), and
+            // one the allocator declines, in turn.
+            let shapes: [&[usize]; 4] = [&[], &[64], &[1 << 20], &[]];
+            let mut taken = 0;
+            for i in 0..12u64 {
+                let sizes = shapes[(i % 4) as usize];
+                let writer = {
+                    let (a, m) = (a.clone(), message(i, sizes));
+                    tokio::spawn(async move { a.write(&m).await })
+                };
+                b.readable().await.expect("readable");
+                let decline = i % 4 == 3;
+                let now = b.try_read_message(|d| {
+                    if decline {
+                        None
+                    } else {
+                        Some(Ok(Allocation::for_descriptor(d)))
+                    }
+                });
+                let got = match now {
+                    Some(r) => {
+                        assert!(
+                            sizes.iter().all(|&n| n < 16 << 10) && !decline,
+                            "message {i} taken at once"
+                        );
+                        taken += 1;
+                        r.expect("immediate read").1
+                    }
+                    None => {
+                        if immediate && sizes.len() == 1 && sizes[0] > 16 << 10 {
+                            assert!(b.has_input(), "a decoded descriptor still counts as input");
+                        }
+                        receive(&b).await
+                    }
+                };
+                check(i, sizes, &got);
+                writer.await.unwrap().expect("write");
+            }
+            assert_eq!(
+                taken,
+                if immediate { 6 } else { 0 },
+                "{transport:?}: messages taken at once"
+            );
+            // An allocation that does not fit is the caller's mistake: said so, and the message
+            // stays for the next read.
+            if immediate {
+                a.write(&message(12, &[])).await.expect("write");
+                b.readable().await.expect("readable");
+                let wrong = b.try_read_message(|_| Some(Ok(Allocation::default())));
+                assert!(matches!(wrong, Some(Err(PipeError::Misuse(_)))), "got {wrong:?}");
+                assert!(b.error().is_none(), "misuse leaves the pipe usable");
+                check(12, &[], &receive(&b).await);
+            }
+        }
+    })
+    .await
+}
+
 /// Many tasks writing to one pipe at once (their writes queue and coalesce): every message
 /// arrives once, intact, each task's in its order, with nothing left held when they stop.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

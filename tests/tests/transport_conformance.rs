@@ -21,7 +21,7 @@ struct Shm;
 impl Backend for Shm {
     type T = ShmTransport;
     const NAME: &'static str = "shm";
-    const IMMEDIATE_WRITES: bool = true;
+    const IMMEDIATE: bool = true;
     fn transport() -> ShmTransport {
         ShmTransport::default()
     }

@@ -124,6 +124,10 @@ impl FrameReader for AnyReader {
         delegate!(self, r => r.has_input())
     }
 
+    fn try_read_into_vec_now(&mut self, buf: &mut Vec<u8>, limit: usize) -> Option<Result<usize>> {
+        delegate!(self, r => r.try_read_into_vec_now(buf, limit))
+    }
+
     fn close(&self) {
         delegate!(self, r => r.close())
     }

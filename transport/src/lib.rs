@@ -130,6 +130,16 @@ pub trait FrameReader: Send + 'static {
         false
     }
 
+    /// Reads the next frame like [`read_into_vec`](Self::read_into_vec) if all of it is here
+    /// now; `None` means nothing was consumed (the frame has not arrived whole, or the backend
+    /// has no such path, which then always says `None`). A frame longer than `limit` is
+    /// refused as `read_into_vec` refuses it. Lets a reader take a small frame without
+    /// building a future.
+    fn try_read_into_vec_now(&mut self, buf: &mut Vec<u8>, limit: usize) -> Option<Result<usize>> {
+        let _ = (buf, limit);
+        None
+    }
+
     /// Closes the whole connection; pending operations on both halves fail promptly.
     fn close(&self);
 

@@ -14,8 +14,9 @@ pub trait Backend: Send + Sync + 'static {
     const NAME: &'static str;
     fn transport() -> Self::T;
     /// Whether the backend writes small frames at once when there is room
-    /// (`FrameWriter::try_write_now`); one that does must not decline them all.
-    const IMMEDIATE_WRITES: bool = false;
+    /// (`FrameWriter::try_write_now`) and reads frames here whole at once
+    /// (`FrameReader::try_read_into_vec_now`); one that does must not decline them all.
+    const IMMEDIATE: bool = false;
     /// `Err(why)` when the backend's hardware is missing here: its tests then skip (and fail
     /// under `SLUICE_REQUIRE_RDMA=1`).
     fn available() -> Result<(), String> {
@@ -203,7 +204,7 @@ pub async fn immediate_writes_keep_order_or_decline<B: Backend>() {
         // 50 rounds of two plain writes each, plus the immediate writes taken.
         let immediate = lens.len() - 100;
         assert!(
-            immediate > 0 || !B::IMMEDIATE_WRITES,
+            immediate > 0 || !B::IMMEDIATE,
             "{} declined every immediate write into an empty connection",
             B::NAME
         );
@@ -235,7 +236,7 @@ pub async fn immediate_writes_keep_order_or_decline<B: Backend>() {
             "640 MiB written with nobody reading: an immediate write waited"
         );
         assert!(
-            filled > 0 || !B::IMMEDIATE_WRITES,
+            filled > 0 || !B::IMMEDIATE,
             "{} declined an immediate write into an empty connection",
             B::NAME
         );
@@ -249,6 +250,66 @@ pub async fn immediate_writes_keep_order_or_decline<B: Backend>() {
             !matches!(aw.try_write_now(&[b"x"], true), Some(Ok(()))),
             "an immediate write succeeded on a closed connection"
         );
+    })
+    .await
+}
+
+/// Immediate reads (`try_read_into_vec_now`) take a frame only when it is here whole, and
+/// otherwise consume nothing: frames keep their order across immediate and plain reads, a
+/// frame too large to take at once is left for the plain read intact, and one over the limit
+/// is refused as a plain read refuses it. (Backends without the path decline every one.)
+pub async fn immediate_reads_take_whole_frames_or_nothing<B: Backend>() {
+    watchdog("immediate reads", async {
+        let (a, b) = pair::<B>().await;
+        let (_ar, mut aw) = a.split();
+        let (mut br, _bw) = b.split();
+        let mut buf = Vec::new();
+        assert!(
+            br.try_read_into_vec_now(&mut buf, 1 << 20).is_none(),
+            "nothing was sent yet"
+        );
+        // Small frames, and every fifth one larger than an immediate read takes (it streams,
+        // so it is written on another task), one at a time.
+        let len = |i: u64| if i % 5 == 4 { 3 << 20 } else { (i as usize * 31) % 2000 };
+        let (go, mut next) = tokio::sync::mpsc::channel::<u64>(1);
+        let writer = tokio::spawn(async move {
+            while let Some(i) = next.recv().await {
+                aw.write(&[&i.to_le_bytes(), &pattern(i, len(i))]).await.expect("write");
+            }
+            aw
+        });
+        let mut taken = 0;
+        for i in 0..40u64 {
+            go.send(i).await.expect("writer gone");
+            br.readable().await.expect("readable");
+            let got = match br.try_read_into_vec_now(&mut buf, 4 << 20) {
+                Some(r) => {
+                    taken += 1;
+                    r.expect("immediate read")
+                }
+                None => br.read_into_vec(&mut buf, 4 << 20).await.expect("read"),
+            };
+            assert_eq!(got, 8 + len(i), "frame {i}: length");
+            assert_eq!(u64::from_le_bytes(buf[..8].try_into().unwrap()), i, "frame {i}: order");
+            assert!(buf[8..got] == pattern(i, len(i))[..], "frame {i}: corrupted");
+        }
+        drop(go);
+        let mut aw = writer.await.expect("writer");
+        if B::IMMEDIATE {
+            // Small frames are published whole: every one was taken at once; large ones never.
+            assert_eq!(taken, 32, "{}: small frames taken at once", B::NAME);
+        } else {
+            assert_eq!(taken, 0, "{} has no immediate reads", B::NAME);
+        }
+        // Over the limit: refused, as a plain read refuses it (the connection is then unusable).
+        aw.write(&[&pattern(1, 100)]).await.expect("write");
+        if B::IMMEDIATE {
+            let refused = br.try_read_into_vec_now(&mut buf, 99).expect("the frame is here");
+            assert!(
+                matches!(refused, Err(TransportError::FrameTooLarge { .. })),
+                "expected FrameTooLarge, got {refused:?}"
+            );
+        }
     })
     .await
 }
@@ -539,6 +600,7 @@ macro_rules! transport_conformance {
                 zero_and_one_byte_writes,
                 deferred_writes_keep_order_and_flush,
                 immediate_writes_keep_order_or_decline,
+                immediate_reads_take_whole_frames_or_nothing,
                 writes_of_256_mib,
                 many_connections,
                 close_with_operations_pending,

@@ -846,6 +846,49 @@ impl FrameReader for ShmReader {
         self.consumer.available(1).map_or(true, |n| n > 0)
     }
 
+    fn try_read_into_vec_now(&mut self, out: &mut Vec<u8>, limit: usize) -> Option<Result<usize>> {
+        if let Err(e) = self.shared.stopped.check() {
+            return Some(Err(e));
+        }
+        let shared = &*self.shared;
+        let consumer = &mut self.consumer;
+        match consumer.available(HEADER_LEN) {
+            Ok(n) if n >= HEADER_LEN => {}
+            Ok(_) => return None,
+            Err(_) => return Some(Err(shared.fail(shared.corrupt()))),
+        }
+        // A frame left half-read by an earlier read (one abandoned closes the connection) is
+        // impossible here: frames are consumed whole, so the head is at a frame's start.
+        let mut header = [0u8; HEADER_LEN];
+        consumer.peek(&mut header);
+        let len = decode_header(header);
+        if len > limit as u64 {
+            return Some(Err(shared.fail(TransportError::FrameTooLarge {
+                peer: shared.peer.clone(),
+                len,
+                limit,
+            })));
+        }
+        let total = HEADER_LEN + len as usize;
+        // A frame that streams, or has not arrived whole, is read by the asynchronous path.
+        if total > stream_step(consumer.ring().capacity()) {
+            return None;
+        }
+        match consumer.available(total) {
+            Ok(n) if n >= total => {}
+            Ok(_) => return None,
+            Err(_) => return Some(Err(shared.fail(shared.corrupt()))),
+        }
+        consumer.pop(&mut header);
+        out.clear();
+        out.resize(len as usize, 0);
+        let popped = consumer.pop(out);
+        debug_assert_eq!(popped, out.len(), "the whole frame was checked to be here");
+        consumer.release();
+        shared.notify_writer();
+        Some(Ok(len as usize))
+    }
+
     async fn readable(&mut self) -> Result<()> {
         self.shared.stopped.check()?;
         // Nothing is consumed while waiting, so dropping this future changes nothing.

@@ -272,6 +272,14 @@ impl Consumer {
         n
     }
 
+    /// Copies readable bytes (by the cached view) into `dst` without consuming them; returns
+    /// how many.
+    pub(crate) fn peek(&self, dst: &mut [u8]) -> usize {
+        let n = dst.len().min(self.available_cached());
+        self.ring.copy_out(self.head, &mut dst[..n]);
+        n
+    }
+
     /// Bytes popped since the last release.
     pub(crate) fn unreleased(&self) -> u64 {
         self.head.wrapping_sub(self.released)
