@@ -472,7 +472,12 @@ impl AgentInner {
     /// Sends the reply to request `id` back on `pipe`.
     pub(crate) async fn reply(self: &Arc<Self>, pipe: &Pipe, caller: u32, id: u64, result: Result<Payload, WireError>) {
         let (message, forks) = self.reply_message(caller, id, result);
-        let written = pipe.write(&message).await;
+        // A small reply leaves at once; any other through the general write, boxed so that
+        // the futures of async handlers and fetches that await this one stay small.
+        let written = match pipe.try_write(&message) {
+            Some(written) => written,
+            None => Box::pin(pipe.write(&message)).await,
+        };
         self.reply_written(caller, written, &forks);
     }
 
