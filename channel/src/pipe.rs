@@ -411,6 +411,9 @@ impl Pipe {
     /// with its own in one transport write. A queued writer that gives up (its future dropped)
     /// and leaves frames held with nobody behind them sends them from a task of its own.
     pub async fn write(&self, message: &Message) -> Result<()> {
+        if let Some(written) = self.try_write(message) {
+            return written;
+        }
         let inner = &self.inner;
         inner.queued.fetch_add(1, Ordering::SeqCst);
         let queued = Queued(Some(self));
@@ -435,12 +438,29 @@ impl Pipe {
     }
 
     /// Sends a small message at once, with no future, if nothing stands in its way; `None`
-    /// (nothing sent) when it needs [`write`](Self::write): it has tensors or more than one
-    /// packed frame of payloads, another write holds or waits for the write side, or the
-    /// transport would have to wait (a full ring; TCP always). Sent, it keeps `write`'s order
-    /// and completion, and, while the pipe batches, stays in the transport like `write`'s.
+    /// (nothing sent) when it needs [`write`](Self::write): a tensor that does not travel
+    /// inline in the message's frame (on a GPU, or too large for its channel's inline path),
+    /// more than one packed frame of payloads and tensors, another write holding or waiting
+    /// for the write side, or a transport that would have to wait (a full ring; TCP always).
+    /// Sent, it keeps `write`'s order and completion, and, while the pipe batches, stays in the
+    /// transport like `write`'s.
     pub fn try_write(&self, message: &Message) -> Option<Result<()>> {
-        if !message.tensors.is_empty() || message.payloads.iter().map(|p| p.len()).sum::<usize>() > PACK_MAX {
+        // Every tensor must be one the message's frame carries (a small CPU tensor on a
+        // channel that sends it inline, or an empty one); anything else, or a tensor with no
+        // channel (reported by `write`), takes the general path.
+        let n = message.tensors.len();
+        let mut sources: SmallVec<[Source; 4]> = SmallVec::with_capacity(n);
+        let mut targets: SmallVec<[Option<Device>; 4]> = SmallVec::with_capacity(n);
+        let mut packed_len = message.payloads.iter().map(|p| p.len()).sum::<usize>();
+        for t in &message.tensors {
+            let source = t.buffer.device();
+            let target = t.target_device.or_else(|| self.default_target(source));
+            let channel = self.channel_for(source, target.unwrap_or(source)).ok()?;
+            sources.push(path::immediate(channel, &t.buffer)?);
+            targets.push(target);
+            packed_len += t.buffer.len();
+        }
+        if packed_len > PACK_MAX {
             return None;
         }
         let inner = &self.inner;
@@ -455,20 +475,40 @@ impl Pipe {
         let defer = inner.batching.load(Ordering::Acquire);
         let side = &mut *side;
         let mut encoded = std::mem::take(&mut side.encoded);
-        wire::encode_into(
-            &DescriptorOut {
-                seq: side.seq,
-                metadata: ByteSlice(&message.metadata),
-                payloads: Lengths(&message.payloads),
-                tensors: &[],
-                packed: true,
-            },
-            &mut encoded,
-        );
+        {
+            let tensors: SmallVec<[TensorOut<'_>; 4]> = message
+                .tensors
+                .iter()
+                .zip(&sources)
+                .zip(&targets)
+                .map(|((t, data), &target)| TensorOut {
+                    length: t.buffer.len() as u64,
+                    source: t.buffer.device(),
+                    target,
+                    metadata: ByteSlice(&t.metadata),
+                    data,
+                })
+                .collect();
+            wire::encode_into(
+                &DescriptorOut {
+                    seq: side.seq,
+                    metadata: ByteSlice(&message.metadata),
+                    payloads: Lengths(&message.payloads),
+                    tensors: &tensors,
+                    packed: true,
+                },
+                &mut encoded,
+            );
+        }
         let result = {
             let mut parts: SmallVec<[&[u8]; 8]> = SmallVec::new();
             parts.push(&encoded);
             parts.extend(message.payloads.iter().map(|p| &p[..]));
+            for (t, data) in message.tensors.iter().zip(&sources) {
+                if let (Source::Inline, SendBuffer::Cpu(b)) = (data, &t.buffer) {
+                    parts.push(b);
+                }
+            }
             side.tx.control.try_write_now(&parts, !defer)
         };
         side.encoded = encoded;
@@ -695,6 +735,17 @@ impl Pipe {
         &self,
         allocate: impl FnOnce(&Descriptor) -> Result<Allocation>,
     ) -> Result<(Descriptor, Allocation)> {
+        // A small message is taken at once once it is here (see `try_read_message`).
+        let mut allocate = Some(allocate);
+        let mut now = || self.try_read_message(|d| allocate.take().map(|f| f(d)));
+        if let Some(m) = now() {
+            return m;
+        }
+        self.readable().await?;
+        if let Some(m) = now() {
+            return m;
+        }
+        let allocate = allocate.expect("used only by a read that returned");
         let mut side = self.inner.reader.lock().await;
         self.inner.check()?;
         let d = self.next_descriptor(&mut side).await?;
@@ -757,10 +808,12 @@ impl Pipe {
             Ok(d) => d,
             Err(e) => return Some(Err(e)),
         };
-        let in_hand = side
-            .pending
-            .as_ref()
-            .is_some_and(|w| w.packed && w.tensors.iter().all(|t| matches!(t.data, Source::Inline)));
+        let in_hand = side.pending.as_ref().is_some_and(|w| {
+            w.packed
+                && w.tensors
+                    .iter()
+                    .all(|t| matches!(t.data, Source::Inline | Source::Empty))
+        });
         let allocation = if in_hand { allocate(&d) } else { None };
         let mut allocation = match allocation {
             None => {

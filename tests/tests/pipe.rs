@@ -394,12 +394,13 @@ async fn immediate_writes_keep_order_and_never_overtake() {
         for (transport, immediate) in [(TransportKind::Shm, true), (TransportKind::Tcp, false)] {
             let (a, b) = pair_with(options(&[transport], &[ChannelKind::Basic])).await;
             assert!(
-                a.try_write(&message(0, &[64])).is_none(),
-                "a message with a tensor is declined"
+                a.try_write(&message(0, &[64 << 10])).is_none(),
+                "a message larger than one packed frame is declined"
             );
             let mut taken = 0;
             for i in 0..60u64 {
-                let sizes: &[usize] = if i % 3 == 0 { &[64] } else { &[] };
+                // Small tensors travel inline in the frame: taken too; large ones are not.
+                let sizes: &[usize] = [&[64][..], &[], &[64 << 10]][(i % 3) as usize];
                 let m = message(i, sizes);
                 match a.try_write(&m) {
                     Some(r) => {
@@ -411,7 +412,7 @@ async fn immediate_writes_keep_order_and_never_overtake() {
             }
             assert_eq!(taken > 0, immediate, "{transport:?}: immediate writes taken: {taken}");
             for i in 0..60u64 {
-                let sizes: &[usize] = if i % 3 == 0 { &[64] } else { &[] };
+                let sizes: &[usize] = [&[64][..], &[], &[64 << 10]][(i % 3) as usize];
                 check(i, sizes, &receive(&b).await);
             }
             if !immediate {

@@ -203,6 +203,22 @@ pub(crate) fn prepare(
     }
 }
 
+/// Sender, for the immediate write path: the source [`prepare`] gives a CPU tensor that needs
+/// nothing of the pipe (sent inline in the message's frame, or empty); `None` for any other.
+pub(crate) fn immediate(channel: ChannelKind, buffer: &SendBuffer) -> Option<Source> {
+    let SendBuffer::Cpu(b) = buffer else { return None };
+    if b.is_empty() {
+        return Some(Source::Empty);
+    }
+    let inline = match channel {
+        ChannelKind::Basic => true,
+        ChannelKind::Cma => b.len() < cma::INLINE_MAX,
+        ChannelKind::MultiLane => b.len() < multilane::MIN_PIECE,
+        _ => false,
+    };
+    inline.then_some(Source::Inline)
+}
+
 /// Sender, after the descriptor and payloads: the tensor's bytes, where they travel on the
 /// pipe's connections.
 pub(crate) async fn send(
