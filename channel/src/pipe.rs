@@ -476,19 +476,7 @@ impl Pipe {
         let side = &mut *side;
         let mut encoded = std::mem::take(&mut side.encoded);
         {
-            let tensors: SmallVec<[TensorOut<'_>; 4]> = message
-                .tensors
-                .iter()
-                .zip(&sources)
-                .zip(&targets)
-                .map(|((t, data), &target)| TensorOut {
-                    length: t.buffer.len() as u64,
-                    source: t.buffer.device(),
-                    target,
-                    metadata: ByteSlice(&t.metadata),
-                    data,
-                })
-                .collect();
+            let tensors = tensors_out(message, sources.iter(), &targets);
             wire::encode_into(
                 &DescriptorOut {
                     seq: side.seq,
@@ -625,19 +613,7 @@ impl Pipe {
         let packed = packed_len <= PACK_MAX;
         let mut encoded = std::mem::take(&mut side.encoded);
         {
-            let tensors: SmallVec<[TensorOut<'_>; 4]> = message
-                .tensors
-                .iter()
-                .zip(&prepared)
-                .zip(&targets)
-                .map(|((t, p), &target)| TensorOut {
-                    length: t.buffer.len() as u64,
-                    source: t.buffer.device(),
-                    target,
-                    metadata: ByteSlice(&t.metadata),
-                    data: &p.source,
-                })
-                .collect();
+            let tensors = tensors_out(message, prepared.iter().map(|p| &p.source), &targets);
             let descriptor = DescriptorOut {
                 seq,
                 metadata: ByteSlice(&message.metadata),
@@ -1028,6 +1004,28 @@ impl Pipe {
         }
         Ok(())
     }
+}
+
+/// The descriptor's view of a message's tensors: each one's length, devices, metadata, and
+/// `sources` (where its bytes travel).
+fn tensors_out<'a>(
+    message: &'a Message,
+    sources: impl Iterator<Item = &'a Source>,
+    targets: &[Option<Device>],
+) -> SmallVec<[TensorOut<'a>; 4]> {
+    message
+        .tensors
+        .iter()
+        .zip(sources)
+        .zip(targets)
+        .map(|((t, data), &target)| TensorOut {
+            length: t.buffer.len() as u64,
+            source: t.buffer.device(),
+            target,
+            metadata: ByteSlice(&t.metadata),
+            data,
+        })
+        .collect()
 }
 
 /// Closes the pipe when dropped armed: a read given up between taking a message's descriptor
