@@ -268,12 +268,17 @@ mod pace_tests {
         assert!(!pace.inline(), "unknown handlers start on the pool");
         pace.run(|| ());
         assert!(pace.inline(), "one quick run lets it inline");
+        // Part-way through a cycle of untimed runs, so the slow runs below start untimed.
+        for _ in 0..5 {
+            pace.run(|| ());
+        }
         let mut runs = 0;
         while pace.inline() {
             pace.run(|| std::thread::sleep(INLINE_MAX * 2));
             runs += 1;
             assert!(runs <= TIMED_EVERY, "still inline after {runs} slow runs");
         }
+        assert!(runs > 1, "the first slow run was untimed, yet it left at once");
         pace.run(|| ());
         assert!(pace.inline(), "quick again: inline again after one run");
         pace.run(|| crate::pool::blocking(|| ()));

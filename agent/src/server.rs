@@ -622,7 +622,9 @@ async fn next_request(
     budget: &Budget,
 ) -> Result<(Descriptor, Allocation, u64), PipeError> {
     let now = || {
-        pipe.try_read_message(|d| {
+        // The bytes this attempt holds of the budget, given back if it fails after taking them.
+        let acquired = std::cell::Cell::new(0);
+        let read = pipe.try_read_message(|d| {
             let size = message_bytes(d);
             if let Err(e) = within_limit(pipe, inner, size) {
                 return Some(Err(e));
@@ -631,17 +633,15 @@ async fn next_request(
             if !budget.try_acquire(size) {
                 return None;
             }
-            let allocation = allocate(pipe, inner, d);
-            if allocation.is_err() {
-                budget.release(size);
+            acquired.set(size);
+            Some(allocate(pipe, inner, d))
+        })?;
+        Some(match read {
+            Ok((d, a)) => Ok((d, a, acquired.get())),
+            Err(e) => {
+                budget.release(acquired.get());
+                Err(e)
             }
-            Some(allocation)
-        })
-        .map(|m| {
-            m.map(|(d, a)| {
-                let size = message_bytes(&d);
-                (d, a, size)
-            })
         })
     };
     if let Some(m) = now() {
@@ -792,6 +792,9 @@ pub(crate) async fn serve_loop(served: Arc<Served>) {
             Ok(m) => m,
             Err(e) => {
                 tracing::debug!(worker = %inner.me, caller, error = %e, pipe = %pipe.debug_state(), "incoming pipe ended");
+                // Whatever ended the reading (a misuse leaves a pipe open), the caller learns
+                // of it now rather than by its calls' timeouts.
+                pipe.close();
                 return;
             }
         };
@@ -811,6 +814,12 @@ pub(crate) async fn serve_loop(served: Arc<Served>) {
                 // A call that carries user references runs only once their owners confirmed
                 // them (as PyTorch does), so a handler never sees a half-registered reference;
                 // meanwhile this pipe goes on serving.
+                // Held until the reply goes out (`reply` releases it), whenever it runs.
+                inner
+                    .held
+                    .lock()
+                    .unwrap()
+                    .insert((caller, request.id), (budget.clone(), size));
                 let waiting = inner.rrefs.unconfirmed(&payload.rrefs);
                 if !waiting.is_empty() {
                     let (inner, pipe) = (inner.clone(), pipe.clone());
@@ -822,12 +831,6 @@ pub(crate) async fn serve_loop(served: Arc<Served>) {
                     });
                     continue;
                 }
-                // Held until the reply goes out (`reply` releases it).
-                inner
-                    .held
-                    .lock()
-                    .unwrap()
-                    .insert((caller, request.id), (budget.clone(), size));
                 // Should a handler run here block, a new reader takes the pipe over first.
                 let hand_off: Arc<dyn crate::pool::HandOff> = served.clone();
                 let mut once = Some((hand_off, request, payload));

@@ -190,6 +190,9 @@ struct Inner {
     /// Whether this pipe is counted in the IPC caches (see `cuda::ipc`).
     ipc_counted: bool,
     max_descriptor: usize,
+    /// Whether the control connection has the immediate paths (`try_write`,
+    /// `try_read_message` are not even attempted otherwise).
+    immediate: bool,
     failed: AtomicBool,
     /// Writes may be held in the transport (see [`Pipe::set_batching`]).
     batching: AtomicBool,
@@ -290,6 +293,7 @@ impl Pipe {
         closers.extend(links.lanes.iter().map(|(r, _)| r.closer()));
         let (lane_readers, lane_writers): (Vec<_>, Vec<_>) = links.lanes.into_iter().unzip();
         let rdma = links.control.1.rdma();
+        let immediate = links.control.1.immediate();
         // Bounded: 256 registrations or 4 GiB of sent tensors kept registered (and alive).
         // Registrations pin memory: a quarter of the locked-memory limit at most.
         let pin_budget = |cap: usize| {
@@ -317,6 +321,7 @@ impl Pipe {
                 same_process: peer_process == crate::channel::cuda::process_token(),
                 ipc_counted,
                 max_descriptor,
+                immediate,
                 failed: AtomicBool::new(false),
                 batching: AtomicBool::new(false),
                 queued: AtomicUsize::new(0),
@@ -445,6 +450,9 @@ impl Pipe {
     /// Sent, it keeps `write`'s order and completion, and, while the pipe batches, stays in the
     /// transport like `write`'s.
     pub fn try_write(&self, message: &Message) -> Option<Result<()>> {
+        if !self.inner.immediate {
+            return None;
+        }
         // Every tensor must be one the message's frame carries (a small CPU tensor on a
         // channel that sends it inline, or an empty one); anything else, or a tensor with no
         // channel (reported by `write`), takes the general path.
@@ -548,8 +556,9 @@ impl Pipe {
         };
         let reader = match inner.reader.try_lock() {
             Ok(mut side) => format!(
-                "free (descriptor pending: {}, input waiting: {})",
+                "free (descriptor pending: {} (decoded early: {}), input waiting: {})",
                 side.pending.is_some(),
+                side.early.is_some(),
                 side.rx.control.has_input()
             ),
             Err(_) => "held".to_owned(),
@@ -705,21 +714,25 @@ impl Pipe {
 
     /// Receives the next message whole: its descriptor, and its contents in the allocation
     /// `allocate` makes for that descriptor. The same as [`read_descriptor`](Self::read_descriptor)
-    /// then [`read`](Self::read), under one hold of the read side. An allocation that fails
-    /// fails the pipe with its error (a message this receiver refuses, say, as too large).
+    /// then [`read`](Self::read), the message taken under one hold of the read side (at once,
+    /// by [`try_read_message`](Self::try_read_message), when it is here whole and small). An
+    /// allocation that fails fails the pipe with its error (a message this receiver refuses,
+    /// say, as too large).
     pub async fn read_message(
         &self,
         allocate: impl FnOnce(&Descriptor) -> Result<Allocation>,
     ) -> Result<(Descriptor, Allocation)> {
         // A small message is taken at once once it is here (see `try_read_message`).
         let mut allocate = Some(allocate);
-        let mut now = || self.try_read_message(|d| allocate.take().map(|f| f(d)));
-        if let Some(m) = now() {
-            return m;
-        }
-        self.readable().await?;
-        if let Some(m) = now() {
-            return m;
+        if self.inner.immediate {
+            let mut now = || self.try_read_message(|d| allocate.take().map(|f| f(d)));
+            if let Some(m) = now() {
+                return m;
+            }
+            self.readable().await?;
+            if let Some(m) = now() {
+                return m;
+            }
         }
         let allocate = allocate.expect("used only by a read that returned");
         let mut side = self.inner.reader.lock().await;
@@ -758,13 +771,16 @@ impl Pipe {
     /// the next [`read_message`](Self::read_message) or
     /// [`read_descriptor`](Self::read_descriptor) returns it as usual (its descriptor may be
     /// decoded already). An allocation that fails fails the pipe, as in `read_message`; one
-    /// that does not fit the descriptor is [`PipeError::Misuse`], and the message stays for
-    /// the next read, as with [`read`](Self::read).
+    /// that does not fit the descriptor is [`PipeError::Misuse`], and the message waits for
+    /// a [`read`](Self::read) with one that fits, as after `read_descriptor`.
     pub fn try_read_message(
         &self,
         allocate: impl FnOnce(&Descriptor) -> Option<Result<Allocation>>,
     ) -> Option<Result<(Descriptor, Allocation)>> {
         let inner = &self.inner;
+        if !inner.immediate {
+            return None;
+        }
         let mut side = inner.reader.try_lock().ok()?;
         if let Err(e) = inner.check() {
             return Some(Err(e));
@@ -784,12 +800,10 @@ impl Pipe {
             Ok(d) => d,
             Err(e) => return Some(Err(e)),
         };
-        let in_hand = side.pending.as_ref().is_some_and(|w| {
-            w.packed
-                && w.tensors
-                    .iter()
-                    .all(|t| matches!(t.data, Source::Inline | Source::Empty))
-        });
+        let in_hand = side
+            .pending
+            .as_ref()
+            .is_some_and(|w| w.packed && w.tensors.iter().all(|t| matches!(t.data, Source::Inline)));
         let allocation = if in_hand { allocate(&d) } else { None };
         let mut allocation = match allocation {
             None => {
@@ -801,9 +815,9 @@ impl Pipe {
         };
         let descriptor = side.pending.take().expect("accepted above");
         if let Err(why) = check_allocation(&descriptor, &allocation, side.rx.landing.is_some()) {
-            // As with `read`: the caller's mistake, and the message stays for the next read.
+            // As with `read`: the caller's mistake, and the message waits for a `read` with a
+            // fitting allocation.
             side.pending = Some(descriptor);
-            side.early = Some(d);
             return Some(Err(PipeError::Misuse(why)));
         }
         let poison = |e: PipeError| inner.fail(e);
@@ -925,6 +939,8 @@ impl Pipe {
 
     /// [`read`](Self::read) with the read side held.
     async fn read_pending(&self, side: &mut ReadSide, allocation: Allocation) -> Result<Allocation, ReadError> {
+        // A descriptor decoded early is this one: it is being read now.
+        side.early = None;
         let Some(descriptor) = side.pending.take() else {
             return Err(ReadError {
                 error: PipeError::Misuse("read() without a descriptor: call read_descriptor() first".into()),

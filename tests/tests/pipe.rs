@@ -507,15 +507,41 @@ async fn immediate_reads_take_packed_messages_or_leave_them() {
                 if immediate { 6 } else { 0 },
                 "{transport:?}: messages taken at once"
             );
-            // An allocation that does not fit is the caller's mistake: said so, and the message
-            // stays for the next read.
             if immediate {
+                // An allocation that does not fit is the caller's mistake: said so, and the
+                // message waits for a `read` with one that fits.
                 a.write(&message(12, &[])).await.expect("write");
                 b.readable().await.expect("readable");
-                let wrong = b.try_read_message(|_| Some(Ok(Allocation::default())));
+                let mut seen = None;
+                let wrong = b.try_read_message(|d| {
+                    seen = Some(d.clone());
+                    Some(Ok(Allocation::default()))
+                });
                 assert!(matches!(wrong, Some(Err(PipeError::Misuse(_)))), "got {wrong:?}");
                 assert!(b.error().is_none(), "misuse leaves the pipe usable");
-                check(12, &[], &receive(&b).await);
+                let d = seen.expect("the allocator saw the descriptor");
+                check(12, &[], &b.read(Allocation::for_descriptor(&d)).await.expect("read"));
+                // Declined, then read with `read` (its descriptor is pending), or after
+                // `read_descriptor`: either way the next message is the next one (nothing of
+                // the declined one is left behind).
+                for (i, two_step) in [(13u64, false), (15, true)] {
+                    a.write(&message(i, &[])).await.expect("write");
+                    a.write(&message(i + 1, &[64])).await.expect("write");
+                    b.readable().await.expect("readable");
+                    let mut seen = None;
+                    let declined = b.try_read_message(|d| {
+                        seen = Some(d.clone());
+                        None
+                    });
+                    assert!(declined.is_none(), "declined by the allocator");
+                    let d = match two_step {
+                        true => b.read_descriptor().await.expect("the declined message's descriptor"),
+                        false => seen.expect("the allocator saw the descriptor"),
+                    };
+                    check(i, &[], &b.read(Allocation::for_descriptor(&d)).await.expect("read"));
+                    check(i + 1, &[64], &receive(&b).await);
+                }
+                assert!(!b.has_input(), "nothing left over");
             }
         }
     })

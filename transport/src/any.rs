@@ -158,6 +158,10 @@ impl FrameWriter for AnyWriter {
         delegate!(self, w => w.try_write_now(parts, publish))
     }
 
+    fn immediate(&self) -> bool {
+        delegate!(self, w => w.immediate())
+    }
+
     fn close(&self) {
         delegate!(self, w => w.close())
     }

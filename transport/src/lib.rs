@@ -201,6 +201,13 @@ pub trait FrameWriter: Send + 'static {
         None
     }
 
+    /// Whether this connection has the immediate paths at all (`try_write_now` here and
+    /// `FrameReader::try_read_into_vec_now` on its reader): when not, callers skip preparing
+    /// an attempt that is always declined.
+    fn immediate(&self) -> bool {
+        false
+    }
+
     /// Closes the whole connection; pending operations on both halves fail promptly.
     fn close(&self);
 

@@ -395,6 +395,39 @@ mod tests {
         ]
     }
 
+    /// The immediate write path sends inline exactly what `prepare` would (the same
+    /// thresholds), and only what the receiver accepts; GPU buffers never.
+    #[test]
+    fn immediate_sources_match_prepare_and_are_accepted() {
+        let cpu = |n: usize| SendBuffer::Cpu(Bytes::from(vec![1u8; n]));
+        let cases = [
+            (ChannelKind::Basic, 1 << 20, true),
+            (ChannelKind::Cma, cma::INLINE_MAX - 1, true),
+            (ChannelKind::Cma, cma::INLINE_MAX, false),
+            (ChannelKind::MultiLane, multilane::MIN_PIECE - 1, true),
+            (ChannelKind::MultiLane, multilane::MIN_PIECE, false),
+            (ChannelKind::Rdma, 8, false),
+            (ChannelKind::CudaStaged, 8, false),
+        ];
+        for (channel, len, inline) in cases {
+            let got = immediate(channel, &cpu(len));
+            assert_eq!(got.is_some(), inline, "{channel} {len} B");
+            if let Some(source) = got {
+                assert!(matches!(source, Source::Inline));
+                for inbox in [false, true] {
+                    assert!(
+                        produces(channel, &source, len as u64, inbox, false),
+                        "{channel} {len} B"
+                    );
+                }
+            }
+            assert!(
+                matches!(immediate(channel, &cpu(0)), Some(Source::Empty)),
+                "{channel}: empty"
+            );
+        }
+    }
+
     /// Each channel accepts exactly the sources it produces; everything else a peer could
     /// announce is refused (and fails the pipe as a protocol error).
     #[test]

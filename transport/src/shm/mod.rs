@@ -869,11 +869,12 @@ impl FrameReader for ShmReader {
                 limit,
             })));
         }
-        let total = HEADER_LEN + len as usize;
         // A frame that streams, or has not arrived whole, is read by the asynchronous path.
-        if total > stream_step(consumer.ring().capacity()) {
+        let step = stream_step(consumer.ring().capacity());
+        if len > (step - HEADER_LEN.min(step)) as u64 {
             return None;
         }
+        let total = HEADER_LEN + len as usize;
         match consumer.available(total) {
             Ok(n) if n >= total => {}
             Ok(_) => return None,
@@ -986,6 +987,10 @@ impl FrameWriter for ShmWriter {
         self.shared.stopped.check()?;
         self.publish();
         Ok(())
+    }
+
+    fn immediate(&self) -> bool {
+        true
     }
 
     fn try_write_now(&mut self, parts: &[&[u8]], publish: bool) -> Option<Result<()>> {
