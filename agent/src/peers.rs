@@ -446,8 +446,8 @@ impl AgentInner {
     /// The pipe of `lane` to a peer already looked up, opened on first use.
     pub(crate) async fn pipe_for(self: &Arc<Self>, peer: &Arc<Peer>, lane: usize) -> Result<Pipe, RpcError> {
         let l = &peer.lanes[lane];
-        if let Some((_, p)) = l.pipe.lock().unwrap().as_ref() {
-            return Ok(p.clone());
+        if let Some(p) = l.open_pipe() {
+            return Ok(p);
         }
         let _connecting = l.connecting.lock().await;
         if let Some(detail) = peer.down.lock().unwrap().clone() {
@@ -456,8 +456,8 @@ impl AgentInner {
                 detail,
             });
         }
-        if let Some((_, p)) = l.pipe.lock().unwrap().as_ref() {
-            return Ok(p.clone());
+        if let Some(p) = l.open_pipe() {
+            return Ok(p);
         }
         // Boxed: opening is rare, and its future is large; a call's own future (moved on
         // every call) stays small.

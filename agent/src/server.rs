@@ -811,15 +811,15 @@ pub(crate) async fn serve_loop(served: Arc<Served>) {
                     let _ = pipe.set_batching(true).await;
                     batched += 1;
                 }
-                // A call that carries user references runs only once their owners confirmed
-                // them (as PyTorch does), so a handler never sees a half-registered reference;
-                // meanwhile this pipe goes on serving.
                 // Held until the reply goes out (`reply` releases it), whenever it runs.
                 inner
                     .held
                     .lock()
                     .unwrap()
                     .insert((caller, request.id), (budget.clone(), size));
+                // A call that carries user references runs only once their owners confirmed
+                // them (as PyTorch does), so a handler never sees a half-registered reference;
+                // meanwhile this pipe goes on serving.
                 let waiting = inner.rrefs.unconfirmed(&payload.rrefs);
                 if !waiting.is_empty() {
                     let (inner, pipe) = (inner.clone(), pipe.clone());

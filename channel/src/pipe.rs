@@ -752,10 +752,7 @@ impl Pipe {
                 "a descriptor is already waiting for its read()".into(),
             ));
         }
-        if side.frame.capacity() > FRAME_KEEP {
-            side.frame = Vec::new();
-        }
-        let limit = self.inner.max_descriptor.saturating_add(PACK_MAX);
+        let limit = self.frame_limit(side);
         let ReadSide { rx, frame, .. } = &mut *side;
         if let Err(e) = rx.control.read_into_vec(frame, limit).await {
             return Err(self.inner.fail(e.into()));
@@ -788,11 +785,8 @@ impl Pipe {
         if side.pending.is_some() {
             return None;
         }
-        if side.frame.capacity() > FRAME_KEEP {
-            side.frame = Vec::new();
-        }
-        let limit = inner.max_descriptor.saturating_add(PACK_MAX);
         let side = &mut *side;
+        let limit = self.frame_limit(side);
         if let Err(e) = side.rx.control.try_read_into_vec_now(&mut side.frame, limit)? {
             return Some(Err(inner.fail(e.into())));
         }
@@ -859,6 +853,15 @@ impl Pipe {
             }
         }
         Ok(())
+    }
+
+    /// Readies `side.frame` for the next descriptor frame (a buffer grown past `FRAME_KEEP` is
+    /// let go) and returns the longest such frame accepted: a descriptor and its packed bytes.
+    fn frame_limit(&self, side: &mut ReadSide) -> usize {
+        if side.frame.capacity() > FRAME_KEEP {
+            side.frame = Vec::new();
+        }
+        self.inner.max_descriptor.saturating_add(PACK_MAX)
     }
 
     /// Decodes and checks the descriptor frame just read into `side.frame`; it becomes the

@@ -997,9 +997,11 @@ impl FrameWriter for ShmWriter {
         if let Err(e) = self.shared.stopped.check() {
             return Some(Err(e));
         }
-        let total = HEADER_LEN + total_len(parts) as usize;
+        let len = total_len(parts);
+        let total = HEADER_LEN + len as usize;
+        let step = stream_step(self.producer.ring().capacity());
         // A frame that would stream, or wait for room, takes the asynchronous path.
-        if total > stream_step(self.producer.ring().capacity()) {
+        if total > step {
             return None;
         }
         match self.producer.free(total) {
@@ -1010,12 +1012,12 @@ impl FrameWriter for ShmWriter {
         if self.shared.peer_stopped(Side::Writer) {
             return Some(Err(self.shared.fail(self.shared.peer_lost(Side::Writer))));
         }
-        let header = encode_header(total_len(parts));
+        let header = encode_header(len);
         for part in std::iter::once(&header[..]).chain(parts.iter().copied()) {
             let pushed = self.producer.push(part);
             debug_assert_eq!(pushed, part.len(), "room was checked above");
         }
-        if publish || self.producer.unpublished() >= stream_step(self.producer.ring().capacity()) as u64 {
+        if publish || self.producer.unpublished() >= step as u64 {
             self.publish();
         }
         Some(Ok(()))
