@@ -433,7 +433,10 @@ async fn immediate_writes_keep_order_and_never_overtake() {
             // A write that waits for the reader (8 MiB through a 2 MiB ring) holds the write
             // side: an immediate write declines rather than overtake it.
             let big = a.clone();
-            let writer = tokio::spawn(async move { big.write(&message(61, &[8 << 20])).await });
+            // Built before the task starts, so the task is writing (not still filling 8 MiB, as
+            // an unoptimised build can take longer than the sleep below to do) when it is checked.
+            let big_message = message(61, &[8 << 20]);
+            let writer = tokio::spawn(async move { big.write(&big_message).await });
             tokio::time::sleep(Duration::from_millis(50)).await;
             assert!(!writer.is_finished(), "the 8 MiB write should wait for the reader");
             assert!(

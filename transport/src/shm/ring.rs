@@ -7,6 +7,14 @@
 //! when the cache says there is no room (or nothing to read), so a streaming side does not pull
 //! the other side's cache line on every frame.
 //!
+//! A ring found empty by its producer once the write position is past [`REWIND_AT`] bytes into
+//! the data area is *rewound*: the producer records where it stopped (`skip_from`, on the same
+//! cache line as `tail`) and carries on from the start of the data area, and the consumer, on
+//! reaching that position, jumps there too. The bytes skipped carry nothing. So a ring whose
+//! traffic is small messages (most pipes, most of the time) keeps reusing its first pages: they
+//! stay in cache, and the rest of the segment is never touched, so resident shared memory stays
+//! flat instead of growing to the whole ring over time.
+//!
 //! The peer process can scribble on the header at any time. Nothing read back from shared memory
 //! is trusted for memory safety: the capacity is validated once against the file size and kept
 //! locally, indices are masked, copy lengths are clamped, and a head/tail pair that claims more
@@ -24,15 +32,28 @@ use super::sys::{file_len, memfd, Mapping};
 
 /// Bytes reserved for the header; the data starts page-aligned after it.
 pub(crate) const HEADER_BYTES: usize = 4096;
-const MAGIC: u64 = u64::from_le_bytes(*b"SLCRING1");
+const MAGIC: u64 = u64::from_le_bytes(*b"SLCRING2");
 pub(crate) const MIN_CAPACITY: usize = 4096;
 pub(crate) const MAX_CAPACITY: usize = 1 << 30;
+/// Write position (bytes into the data area) past which an empty ring is rewound to its start.
+pub(crate) const REWIND_AT: usize = 16 << 10;
+/// Bytes written between two looks at whether a busy ring has emptied, once past `REWIND_AT`:
+/// each look reads the consumer's cache line.
+const REWIND_RECHECK: u64 = 1 << 10;
+
+/// The producer's counter and, on the same cache line (the consumer reads both together), the
+/// position at which it last rewound.
+#[repr(C)]
+struct TailLine {
+    tail: AtomicU64,
+    skip_from: AtomicU64,
+}
 
 #[repr(C)]
 struct RingHeader {
     magic: AtomicU64,
     capacity: AtomicU64,
-    tail: CachePadded<AtomicU64>,
+    tail: CachePadded<TailLine>,
     head: CachePadded<AtomicU64>,
     consumer_parked: CachePadded<AtomicU32>,
     producer_parked: CachePadded<AtomicU32>,
@@ -70,6 +91,8 @@ impl Ring {
         };
         let h = ring.header();
         h.capacity.store(capacity as u64, Ordering::Relaxed);
+        // No rewind yet: a position the consumer never holds (it holds 0 at the start).
+        h.tail.skip_from.store(u64::MAX, Ordering::Relaxed);
         h.magic.store(MAGIC, Ordering::Release);
         Ok((ring, fd))
     }
@@ -167,17 +190,33 @@ pub(crate) struct Producer {
     ring: Ring,
     tail: u64,
     head_cache: u64,
-    /// `tail` as last made visible to the consumer.
+    /// `tail` as last made visible to the consumer, plus any bytes skipped by a rewind since
+    /// (so `unpublished` counts only bytes written).
     published: u64,
+    /// The last rewind, from and to: a consumer that has not read past it yet still shows
+    /// `skipped_from` as its head, which then means `skipped_to`.
+    skipped_from: u64,
+    skipped_to: u64,
+    /// The write position at which to look next whether the ring can be rewound.
+    rewind_check: u64,
 }
 
 impl Producer {
     pub(crate) fn new(ring: Ring) -> Self {
+        // A ring too small to have pages worth sparing is never rewound.
+        let rewind_check = if ring.capacity >= 4 * REWIND_AT {
+            REWIND_AT as u64
+        } else {
+            u64::MAX
+        };
         Producer {
             ring,
             tail: 0,
             head_cache: 0,
             published: 0,
+            skipped_from: u64::MAX,
+            skipped_to: 0,
+            rewind_check,
         }
     }
 
@@ -189,17 +228,69 @@ impl Producer {
         self.ring.capacity - (self.tail.wrapping_sub(self.head_cache) as usize)
     }
 
+    /// Re-reads the consumer's head into the cache.
+    fn read_head(&mut self) -> Result<(), Corrupt> {
+        let mut head = self.ring.header().head.load(Ordering::Acquire);
+        if head == self.skipped_from {
+            head = self.skipped_to;
+        }
+        if self.tail.wrapping_sub(head) > self.ring.capacity as u64 {
+            return Err(Corrupt);
+        }
+        self.head_cache = head;
+        Ok(())
+    }
+
     /// Bytes free, re-reading the consumer's head when the cached view shows fewer than `want`.
+    ///
+    /// Between frames (nothing written and unpublished), also rewinds the ring if it is found
+    /// empty past [`REWIND_AT`]: whenever the head is re-read anyway, and every
+    /// [`REWIND_RECHECK`] bytes written past `REWIND_AT` otherwise.
     pub(crate) fn free(&mut self, want: usize) -> Result<usize, Corrupt> {
-        if self.free_cached() < want {
-            let head = self.ring.header().head.load(Ordering::Acquire);
-            let used = self.tail.wrapping_sub(head);
-            if used > self.ring.capacity as u64 {
-                return Err(Corrupt);
+        let between_frames = self.tail == self.published;
+        let mut look = between_frames && self.tail >= self.rewind_check;
+        if look {
+            let into_lap = self.tail & (self.ring.capacity as u64 - 1);
+            if into_lap < REWIND_AT as u64 {
+                // The ring wrapped on its own since the last look.
+                self.rewind_check = self.tail - into_lap + REWIND_AT as u64;
+                look = false;
             }
-            self.head_cache = head;
+        }
+        if look || self.free_cached() < want {
+            self.read_head()?;
+            if between_frames {
+                self.rewind_if_empty(look);
+            }
         }
         Ok(self.free_cached())
+    }
+
+    /// After a fresh read of the head: moves the write position to the start of the data area
+    /// if the consumer has read everything and the position is past `REWIND_AT`. A look that
+    /// finds bytes unread looks again `REWIND_RECHECK` bytes later.
+    fn rewind_if_empty(&mut self, looked: bool) {
+        let mask = self.ring.capacity as u64 - 1;
+        let rewinds = self.ring.capacity >= 4 * REWIND_AT;
+        if !rewinds || self.tail & mask < REWIND_AT as u64 {
+            return;
+        }
+        if self.head_cache != self.tail {
+            if looked {
+                self.rewind_check = self.tail.wrapping_add(REWIND_RECHECK);
+            }
+            return;
+        }
+        // Empty: every byte written was published and read. The consumer learns of the jump
+        // with the next publication of `tail` (a release store, ordered after this one).
+        let to = (self.tail | mask).wrapping_add(1);
+        self.ring.header().tail.skip_from.store(self.tail, Ordering::Relaxed);
+        self.published = self.published.wrapping_add(to.wrapping_sub(self.tail));
+        self.skipped_from = self.tail;
+        self.skipped_to = to;
+        self.tail = to;
+        self.head_cache = to;
+        self.rewind_check = to.wrapping_add(REWIND_AT as u64);
     }
 
     /// Copies as much of `src` as fits (by the cached view) and returns how much; the bytes
@@ -218,7 +309,7 @@ impl Producer {
 
     /// Makes every pushed byte visible to the consumer.
     pub(crate) fn publish(&mut self) {
-        self.ring.header().tail.store(self.tail, Ordering::Release);
+        self.ring.header().tail.tail.store(self.tail, Ordering::Release);
         self.published = self.tail;
     }
 }
@@ -228,7 +319,8 @@ pub(crate) struct Consumer {
     ring: Ring,
     head: u64,
     tail_cache: u64,
-    /// `head` as last handed back to the producer.
+    /// `head` as last handed back to the producer, plus any bytes skipped by a rewind since (so
+    /// `unreleased` counts only bytes read).
     released: u64,
 }
 
@@ -251,10 +343,23 @@ impl Consumer {
     }
 
     /// Bytes readable, re-reading the producer's tail when the cached view shows fewer than
-    /// `want`.
+    /// `want`. Follows the producer's rewind on reaching the position it rewound from.
     pub(crate) fn available(&mut self, want: usize) -> Result<usize, Corrupt> {
         if self.available_cached() < want {
-            let tail = self.ring.header().tail.load(Ordering::Acquire);
+            let line = &self.ring.header().tail;
+            let tail = line.tail.load(Ordering::Acquire);
+            let mask = self.ring.capacity as u64 - 1;
+            // `skip_from` was stored before the `tail` just acquired was published. After a
+            // rewind the producer may have filled the whole ring from its start, so the bytes in
+            // flight are counted from there.
+            if tail != self.head && self.head & mask != 0 && line.skip_from.load(Ordering::Relaxed) == self.head {
+                let to = (self.head | mask).wrapping_add(1);
+                if tail.wrapping_sub(to) > self.ring.capacity as u64 {
+                    return Err(Corrupt);
+                }
+                self.released = self.released.wrapping_add(to.wrapping_sub(self.head));
+                self.head = to;
+            }
             if tail.wrapping_sub(self.head) > self.ring.capacity as u64 {
                 return Err(Corrupt);
             }
@@ -333,7 +438,7 @@ mod tests {
         let peer = Ring::open(&fd).unwrap();
         let mut c = Consumer::new(peer);
         // The "peer" claims far more bytes than the ring holds.
-        ring.header().tail.store(u64::MAX / 2, Ordering::Release);
+        ring.header().tail.tail.store(u64::MAX / 2, Ordering::Release);
         assert!(c.available(1).is_err());
     }
 
@@ -343,5 +448,256 @@ mod tests {
         assert!(Ring::open(&fd).is_err());
         let fd = memfd("tiny", 10).unwrap();
         assert!(Ring::open(&fd).is_err());
+    }
+
+    /// A producer and a consumer of one new ring of `capacity` bytes, and its memory file.
+    fn pair(capacity: usize) -> (Producer, Consumer, OwnedFd) {
+        let (ring, fd) = Ring::create(capacity).unwrap();
+        let peer = Ring::open(&fd).unwrap();
+        (Producer::new(ring), Consumer::new(peer), fd)
+    }
+
+    /// Bytes of the memory file that hold pages (tmpfs allocates a page on its first write).
+    fn allocated(fd: &OwnedFd) -> u64 {
+        use nix::unistd::{lseek, Whence};
+        use std::os::fd::AsRawFd;
+        let len = file_len(fd).unwrap() as i64;
+        let (mut total, mut pos) = (0, 0);
+        while pos < len {
+            let Ok(start) = lseek(fd.as_raw_fd(), pos, Whence::SeekData) else {
+                break;
+            };
+            let end = lseek(fd.as_raw_fd(), start, Whence::SeekHole).unwrap();
+            total += (end - start) as u64;
+            pos = end;
+        }
+        total
+    }
+
+    /// Sends `msgs` through the pair one at a time, each read back whole before the next.
+    fn ping(p: &mut Producer, c: &mut Consumer, msgs: impl Iterator<Item = Vec<u8>>) {
+        for msg in msgs {
+            assert!(p.free(msg.len()).unwrap() >= msg.len());
+            assert_eq!(p.push(&msg), msg.len());
+            p.publish();
+            assert_eq!(c.available(msg.len()).unwrap(), msg.len());
+            let mut got = vec![0; msg.len()];
+            assert_eq!(c.pop(&mut got), msg.len());
+            c.release();
+            assert_eq!(got, msg);
+        }
+    }
+
+    #[test]
+    fn an_empty_ring_rewinds_so_small_messages_reuse_its_first_pages() {
+        let capacity = 1 << 20;
+        let (mut p, mut c, fd) = pair(capacity);
+        // 20,000 messages of 100 bytes: 2 MB, two laps of the ring without rewinding.
+        ping(&mut p, &mut c, (0..20_000u32).map(|i| vec![i as u8; 100]));
+        assert!(p.tail > capacity as u64, "the counters went past one lap");
+        let into_lap = (p.tail & (capacity as u64 - 1)) as usize;
+        assert!(
+            into_lap < REWIND_AT + 100,
+            "write position {into_lap} bytes into the ring"
+        );
+        let pages = allocated(&fd);
+        assert!(
+            pages <= (HEADER_BYTES + REWIND_AT + 4096) as u64,
+            "{pages} bytes of the ring's file allocated"
+        );
+        // Nothing counted as unpublished or unreleased but real bytes.
+        assert_eq!(p.unpublished(), 0);
+        assert_eq!(c.unreleased(), 0);
+    }
+
+    #[test]
+    fn a_busy_ring_is_not_rewound_and_a_late_reader_follows_the_rewind() {
+        let capacity = 1 << 17;
+        let (mut p, mut c, _fd) = pair(capacity);
+        let mut sent = Vec::new();
+        let mut got = Vec::new();
+        let mut next = 0u32;
+        let mut push = |p: &mut Producer, n: usize, sent: &mut Vec<u8>| {
+            let chunk: Vec<u8> = (0..n).map(|i| (next as usize * 31 + i) as u8).collect();
+            next += 1;
+            assert!(p.free(n).unwrap() >= n);
+            assert_eq!(p.push(&chunk), n);
+            p.publish();
+            sent.extend_from_slice(&chunk);
+        };
+        // Past REWIND_AT with one byte always left unread: no rewind.
+        for _ in 0..40 {
+            push(&mut p, 1000, &mut sent);
+            let n = c.available(1).unwrap() - 1;
+            let mut buf = vec![0; n];
+            c.pop(&mut buf);
+            c.release();
+            got.extend_from_slice(&buf);
+        }
+        assert_eq!(p.tail, 40_000, "a ring with unread bytes kept its position");
+        // Drained, the next write rewinds; the reader, not having looked yet, follows.
+        let mut buf = vec![0; c.available(1).unwrap()];
+        c.pop(&mut buf);
+        c.release();
+        got.extend_from_slice(&buf);
+        // Kept drained, the ring rewinds at the next look (REWIND_RECHECK bytes after the last);
+        // the message written after the rewind is left for a reader that has not looked yet.
+        for _ in 0..10 {
+            push(&mut p, 1000, &mut sent);
+            if p.tail > capacity as u64 {
+                break;
+            }
+            let mut buf = vec![0; c.available(1).unwrap()];
+            c.pop(&mut buf);
+            c.release();
+            got.extend_from_slice(&buf);
+        }
+        assert_eq!(p.tail, capacity as u64 + 1000, "rewound within REWIND_RECHECK bytes");
+        // The producer fills the rest of the ring from its start before the reader looks.
+        push(&mut p, capacity - 1000, &mut sent);
+        assert_eq!(p.free(1).unwrap(), 0, "full");
+        let mut buf = vec![0; c.available(capacity).unwrap()];
+        assert_eq!(buf.len(), capacity, "the skipped bytes are not offered");
+        c.pop(&mut buf);
+        c.release();
+        got.extend_from_slice(&buf);
+        assert_eq!(got, sent);
+        // The producer reads the consumer's head as the rewound position.
+        assert_eq!(p.free(capacity).unwrap(), capacity);
+    }
+
+    #[test]
+    fn random_traffic_survives_rewinds() {
+        let capacity = 1 << 16;
+        let (mut p, mut c, _fd) = pair(capacity);
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut rand = move |n: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % n
+        };
+        let (mut sent, mut got) = (Vec::new(), Vec::new());
+        let mut rewinds = 0;
+        for round in 0..20_000u64 {
+            let n = rand(3000) as usize;
+            let before = p.tail;
+            let free = p.free(n).unwrap();
+            let chunk: Vec<u8> = (0..n.min(free)).map(|i| (round as usize + i * 3) as u8).collect();
+            if p.tail != before {
+                rewinds += 1;
+            }
+            assert_eq!(p.push(&chunk), chunk.len());
+            sent.extend_from_slice(&chunk);
+            if rand(4) != 0 {
+                p.publish();
+            }
+            let want = rand(4000) as usize;
+            let n = c.available(want).unwrap().min(want);
+            let mut buf = vec![0; n];
+            c.pop(&mut buf);
+            if rand(2) == 0 {
+                c.release();
+            }
+            got.extend_from_slice(&buf);
+        }
+        p.publish();
+        let mut buf = vec![0; c.available(capacity).unwrap()];
+        c.pop(&mut buf);
+        got.extend_from_slice(&buf);
+        let differ = got.iter().zip(&sent).position(|(a, b)| a != b);
+        assert!(
+            got.len() == sent.len() && differ.is_none(),
+            "{} bytes read of {} sent, first difference at {differ:?}",
+            got.len(),
+            sent.len()
+        );
+        assert!(rewinds > 10, "only {rewinds} rewinds");
+    }
+
+    #[test]
+    fn a_rewind_claiming_more_than_was_published_is_corruption() {
+        let capacity = 1 << 17;
+        let (ring, fd) = Ring::create(capacity).unwrap();
+        let peer = Ring::open(&fd).unwrap();
+        let mut p = Producer::new(ring.clone());
+        let mut c = Consumer::new(peer);
+        ping(&mut p, &mut c, std::iter::once(vec![7; 100]));
+        // The "peer" says it rewound at our position but published only 10 bytes more.
+        ring.header().tail.skip_from.store(100, Ordering::Relaxed);
+        ring.header().tail.tail.store(110, Ordering::Release);
+        assert!(c.available(1).is_err());
+    }
+
+    #[test]
+    fn two_threads_stream_through_rewinds() {
+        let capacity = 1 << 16;
+        let (ring, fd) = Ring::create(capacity).unwrap();
+        let peer = Ring::open(&fd).unwrap();
+        let total: u64 = 64 << 20;
+        let byte = |pos: u64| (pos ^ (pos >> 11)) as u8;
+        let producer = std::thread::spawn(move || {
+            let mut p = Producer::new(ring);
+            let (mut sent, mut size, mut rewinds, mut chunks) = (0u64, 1usize, 0, 0u32);
+            let mut chunk = Vec::new();
+            while sent < total {
+                // Sizes from 1 byte to 8 KiB, so the ring is sometimes empty and sometimes full.
+                size = (size * 5 + 3) % 8192 + 1;
+                let n = size.min((total - sent) as usize);
+                chunk.clear();
+                chunk.extend((0..n as u64).map(|i| byte(sent + i)));
+                let mut off = 0;
+                while off < n {
+                    let before = p.tail;
+                    if p.free(1).unwrap() == 0 {
+                        std::thread::yield_now();
+                        continue;
+                    }
+                    if p.tail != before {
+                        rewinds += 1;
+                    }
+                    off += p.push(&chunk[off..]);
+                    p.publish();
+                }
+                sent += n as u64;
+                chunks += 1;
+                if chunks % 8 == 0 {
+                    // Now and then wait for the reader to drain the ring, as a sender that
+                    // waits for replies does.
+                    let before = p.tail;
+                    while p.free(capacity).unwrap() < capacity {
+                        std::thread::yield_now();
+                    }
+                    if p.tail != before {
+                        rewinds += 1;
+                    }
+                }
+            }
+            rewinds
+        });
+        let mut c = Consumer::new(peer);
+        let mut buf = vec![0; 5000];
+        let mut got = 0u64;
+        while got < total {
+            let n = c.available(1).unwrap().min(buf.len());
+            if n == 0 {
+                c.release();
+                std::thread::yield_now();
+                continue;
+            }
+            // Reads of every size, on every alignment.
+            let n = n.min(got as usize % 4999 + 1);
+            c.pop(&mut buf[..n]);
+            for (i, b) in buf[..n].iter().enumerate() {
+                assert_eq!(*b, byte(got + i as u64), "byte {}", got + i as u64);
+            }
+            got += n as u64;
+            if c.unreleased() > 4096 {
+                c.release();
+            }
+        }
+        c.release();
+        let rewinds = producer.join().unwrap();
+        assert!(rewinds > 0, "the ring never rewound");
     }
 }
