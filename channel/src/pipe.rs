@@ -456,9 +456,10 @@ impl Pipe {
         // Every tensor must be one the message's frame carries (a small CPU tensor on a
         // channel that sends it inline, or an empty one); anything else, or a tensor with no
         // channel (reported by `write`), takes the general path.
-        let n = message.tensors.len();
-        let mut sources: SmallVec<[Source; 4]> = SmallVec::with_capacity(n);
-        let mut targets: SmallVec<[Option<Device>; 4]> = SmallVec::with_capacity(n);
+        // `new` (not `with_capacity`, an out-of-line call whose result is moved: a copy of
+        // the whole inline array, hundreds of bytes, on every message) builds them in place.
+        let mut sources: SmallVec<[Source; 4]> = SmallVec::new();
+        let mut targets: SmallVec<[Option<Device>; 4]> = SmallVec::new();
         let mut packed_len = message.payloads.iter().map(|p| p.len()).sum::<usize>();
         for t in &message.tensors {
             let source = t.buffer.device();
@@ -484,7 +485,8 @@ impl Pipe {
         let side = &mut *side;
         let mut encoded = std::mem::take(&mut side.encoded);
         {
-            let tensors = tensors_out(message, sources.iter(), &targets);
+            let mut tensors = SmallVec::new();
+            tensors_out(&mut tensors, message, sources.iter(), &targets);
             wire::encode_into(
                 &DescriptorOut {
                     seq: side.seq,
@@ -591,10 +593,9 @@ impl Pipe {
         let poison = |e: PipeError| inner.fail(e);
         let link = inner.link(&poison);
         let seq = side.seq;
-        let n = message.tensors.len();
-        let mut channels: SmallVec<[ChannelKind; 4]> = SmallVec::with_capacity(n);
-        let mut targets: SmallVec<[Option<Device>; 4]> = SmallVec::with_capacity(n);
-        let mut prepared: SmallVec<[path::Prepared; 4]> = SmallVec::with_capacity(n);
+        let mut channels: SmallVec<[ChannelKind; 4]> = SmallVec::new();
+        let mut targets: SmallVec<[Option<Device>; 4]> = SmallVec::new();
+        let mut prepared: SmallVec<[path::Prepared; 4]> = SmallVec::new();
         let mut staging = Staging::default();
         for t in &message.tensors {
             let source = t.buffer.device();
@@ -622,7 +623,8 @@ impl Pipe {
         let packed = packed_len <= PACK_MAX;
         let mut encoded = std::mem::take(&mut side.encoded);
         {
-            let tensors = tensors_out(message, prepared.iter().map(|p| &p.source), &targets);
+            let mut tensors = SmallVec::new();
+            tensors_out(&mut tensors, message, prepared.iter().map(|p| &p.source), &targets);
             let descriptor = DescriptorOut {
                 seq,
                 metadata: ByteSlice(&message.metadata),
@@ -1028,23 +1030,26 @@ impl Pipe {
 /// The descriptor's view of a message's tensors: each one's length, devices, metadata, and
 /// `sources` (where its bytes travel).
 fn tensors_out<'a>(
+    out: &mut SmallVec<[TensorOut<'a>; 4]>,
     message: &'a Message,
     sources: impl Iterator<Item = &'a Source>,
     targets: &[Option<Device>],
-) -> SmallVec<[TensorOut<'a>; 4]> {
-    message
-        .tensors
-        .iter()
-        .zip(sources)
-        .zip(targets)
-        .map(|((t, data), &target)| TensorOut {
-            length: t.buffer.len() as u64,
-            source: t.buffer.device(),
-            target,
-            metadata: ByteSlice(&t.metadata),
-            data,
-        })
-        .collect()
+) {
+    // Filled in place: a returned SmallVec would be copied whole into the caller's frame.
+    out.extend(
+        message
+            .tensors
+            .iter()
+            .zip(sources)
+            .zip(targets)
+            .map(|((t, data), &target)| TensorOut {
+                length: t.buffer.len() as u64,
+                source: t.buffer.device(),
+                target,
+                metadata: ByteSlice(&t.metadata),
+                data,
+            }),
+    );
 }
 
 /// Closes the pipe when dropped armed: a read given up between taking a message's descriptor
