@@ -165,22 +165,38 @@ impl Ring {
         // exclusive use of these bytes until it publishes them.
         unsafe {
             std::ptr::copy_nonoverlapping(src.as_ptr(), self.data().add(idx), first);
-            std::ptr::copy_nonoverlapping(src.as_ptr().add(first), self.data(), len - first);
+            // Most copies do not wrap: no second call for nothing.
+            if first < len {
+                std::ptr::copy_nonoverlapping(src.as_ptr().add(first), self.data(), len - first);
+            }
         }
     }
 
     /// Copies from the data area at byte count `pos` into `dst`, wrapping at the end.
     fn copy_out(&self, pos: u64, dst: &mut [u8]) {
-        let len = dst.len().min(self.capacity);
+        // SAFETY: a `&mut [u8]` is valid for writes of its length.
+        unsafe { self.copy_out_raw(pos, dst.as_mut_ptr(), dst.len()) }
+    }
+
+    /// [`copy_out`](Self::copy_out) into raw memory: `len` (clamped to the capacity) bytes at
+    /// `dst`.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writes of `len` bytes and not overlap the ring.
+    unsafe fn copy_out_raw(&self, pos: u64, dst: *mut u8, len: usize) {
+        let len = len.min(self.capacity);
         let idx = (pos as usize) & (self.capacity - 1);
         let first = len.min(self.capacity - idx);
         // SAFETY: bounds as in `copy_in`. The bytes were published by the producer (a release
         // store of `tail` we acquired), and it will not touch them until we advance `head`. A
         // misbehaving peer could write them concurrently; that can only garble its own data,
-        // as both sides treat the area as plain bytes.
+        // as both sides treat the area as plain bytes. The caller guarantees `dst` is writable
+        // for `len` bytes (the length before clamping, so also after) outside the ring.
         unsafe {
-            std::ptr::copy_nonoverlapping(self.data().add(idx), dst.as_mut_ptr(), first);
-            std::ptr::copy_nonoverlapping(self.data(), dst.as_mut_ptr().add(first), len - first);
+            std::ptr::copy_nonoverlapping(self.data().add(idx), dst, first);
+            if first < len {
+                std::ptr::copy_nonoverlapping(self.data(), dst.add(first), len - first);
+            }
         }
     }
 }
@@ -377,6 +393,30 @@ impl Consumer {
         self.ring.copy_out(self.head, &mut dst[..n]);
         self.head = self.head.wrapping_add(n as u64);
         n
+    }
+
+    /// Replaces `out`'s contents with the next `n` readable bytes (by the cached view), which
+    /// must be there (checked), without zero-filling `out` first.
+    pub(crate) fn pop_to_vec(&mut self, out: &mut Vec<u8>, n: usize) {
+        assert!(n <= self.available_cached(), "pop_to_vec of bytes not yet available");
+        out.clear();
+        out.reserve(n);
+        // SAFETY: `reserve` made `out` valid for writes of `n` bytes past its (zero) length, in
+        // its own allocation (not the ring); `copy_out_raw` writes exactly `n` bytes there
+        // (`n` is at most the bytes in flight, so at most the capacity, so not clamped), after
+        // which they are initialised and `set_len` exposes them.
+        unsafe {
+            self.ring.copy_out_raw(self.head, out.as_mut_ptr(), n);
+            out.set_len(n);
+        }
+        self.head = self.head.wrapping_add(n as u64);
+    }
+
+    /// Consumes `n` readable bytes (by the cached view, checked) without copying them: for
+    /// bytes already seen with [`peek`](Self::peek).
+    pub(crate) fn discard(&mut self, n: usize) {
+        assert!(n <= self.available_cached(), "discard of bytes not yet available");
+        self.head = self.head.wrapping_add(n as u64);
     }
 
     /// Copies readable bytes (by the cached view) into `dst` without consuming them; returns
