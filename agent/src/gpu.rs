@@ -78,6 +78,10 @@ impl StreamPool {
 /// Records an event on each stream of the payload's CUDA tensors (after everything queued
 /// on them so far) and keeps them in the payload.
 pub(crate) fn record_events(payload: &mut Payload) -> Result<(), CudaError> {
+    if payload.tensors.is_empty() {
+        // Most calls: nothing to look at (and no vectors to build and drop).
+        return Ok(());
+    }
     let events = payload
         .streams()
         .iter()
