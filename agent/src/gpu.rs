@@ -79,7 +79,9 @@ impl StreamPool {
 /// on them so far) and keeps them in the payload.
 pub(crate) fn record_events(payload: &mut Payload) -> Result<(), CudaError> {
     if payload.tensors.is_empty() {
-        // Most calls: nothing to look at (and no vectors to build and drop).
+        // Most calls: nothing to look at (and no vectors to build and drop). Events a handler
+        // left on a payload whose tensors it took are dropped, as before.
+        payload.events.clear();
         return Ok(());
     }
     let events = payload

@@ -174,24 +174,27 @@ impl Ring {
 
     /// Copies from the data area at byte count `pos` into `dst`, wrapping at the end.
     fn copy_out(&self, pos: u64, dst: &mut [u8]) {
-        // SAFETY: a `&mut [u8]` is valid for writes of its length.
-        unsafe { self.copy_out_raw(pos, dst.as_mut_ptr(), dst.len()) }
+        let len = dst.len().min(self.capacity);
+        // SAFETY: a `&mut [u8]` is valid for writes of its length, and cannot point into the
+        // ring, which is only ever reached through raw pointers.
+        unsafe { self.copy_out_raw(pos, dst.as_mut_ptr(), len) }
     }
 
-    /// [`copy_out`](Self::copy_out) into raw memory: `len` (clamped to the capacity) bytes at
-    /// `dst`.
+    /// [`copy_out`](Self::copy_out) into raw memory: exactly `len` bytes at `dst` (at most the
+    /// capacity: checked, so a caller that exposes `len` bytes afterwards never exposes
+    /// unwritten ones).
     ///
     /// # Safety
     /// `dst` must be valid for writes of `len` bytes and not overlap the ring.
     unsafe fn copy_out_raw(&self, pos: u64, dst: *mut u8, len: usize) {
-        let len = len.min(self.capacity);
+        assert!(len <= self.capacity, "a copy out of the ring larger than the ring");
         let idx = (pos as usize) & (self.capacity - 1);
         let first = len.min(self.capacity - idx);
         // SAFETY: bounds as in `copy_in`. The bytes were published by the producer (a release
         // store of `tail` we acquired), and it will not touch them until we advance `head`. A
         // misbehaving peer could write them concurrently; that can only garble its own data,
         // as both sides treat the area as plain bytes. The caller guarantees `dst` is writable
-        // for `len` bytes (the length before clamping, so also after) outside the ring.
+        // for `len` bytes outside the ring.
         unsafe {
             std::ptr::copy_nonoverlapping(self.data().add(idx), dst, first);
             if first < len {
@@ -402,9 +405,8 @@ impl Consumer {
         out.clear();
         out.reserve(n);
         // SAFETY: `reserve` made `out` valid for writes of `n` bytes past its (zero) length, in
-        // its own allocation (not the ring); `copy_out_raw` writes exactly `n` bytes there
-        // (`n` is at most the bytes in flight, so at most the capacity, so not clamped), after
-        // which they are initialised and `set_len` exposes them.
+        // its own allocation (not the ring); `copy_out_raw` writes exactly `n` bytes there (or
+        // panics first), after which they are initialised and `set_len` exposes them.
         unsafe {
             self.ring.copy_out_raw(self.head, out.as_mut_ptr(), n);
             out.set_len(n);
