@@ -708,6 +708,9 @@ mod tests {
         let (ring, fd) = Ring::create(capacity).unwrap();
         let peer = Ring::open(&fd).unwrap();
         let total: u64 = 64 << 20;
+        // A watchdog: a lost byte or a missed wake-up must fail the test, not hang it.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let alive = move |what: &str| assert!(std::time::Instant::now() < deadline, "stuck {what}");
         let byte = |pos: u64| (pos ^ (pos >> 11)) as u8;
         let producer = std::thread::spawn(move || {
             let mut p = Producer::new(ring);
@@ -723,6 +726,7 @@ mod tests {
                 while off < n {
                     let before = p.tail;
                     if p.free(1).unwrap() == 0 {
+                        alive("writing");
                         std::thread::yield_now();
                         continue;
                     }
@@ -739,6 +743,7 @@ mod tests {
                     // waits for replies does.
                     let before = p.tail;
                     while p.free(capacity).unwrap() < capacity {
+                        alive("waiting for the reader to drain the ring");
                         std::thread::yield_now();
                     }
                     if p.tail != before {
@@ -755,6 +760,7 @@ mod tests {
             let n = c.available(1).unwrap().min(buf.len());
             if n == 0 {
                 c.release();
+                alive("reading");
                 std::thread::yield_now();
                 continue;
             }
