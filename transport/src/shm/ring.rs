@@ -41,6 +41,12 @@ pub(crate) const REWIND_AT: usize = 16 << 10;
 /// each look reads the consumer's cache line.
 const REWIND_RECHECK: u64 = 1 << 10;
 
+/// Whether a ring of `capacity` bytes is ever rewound: one too small to have pages worth
+/// sparing is not.
+const fn rewinds(capacity: usize) -> bool {
+    capacity >= 4 * REWIND_AT
+}
+
 /// The producer's counter and, on the same cache line (the consumer reads both together), the
 /// position at which it last rewound.
 #[repr(C)]
@@ -222,8 +228,7 @@ pub(crate) struct Producer {
 
 impl Producer {
     pub(crate) fn new(ring: Ring) -> Self {
-        // A ring too small to have pages worth sparing is never rewound.
-        let rewind_check = if ring.capacity >= 4 * REWIND_AT {
+        let rewind_check = if rewinds(ring.capacity) {
             REWIND_AT as u64
         } else {
             u64::MAX
@@ -292,8 +297,7 @@ impl Producer {
     /// finds bytes unread looks again `REWIND_RECHECK` bytes later.
     fn rewind_if_empty(&mut self, looked: bool) {
         let mask = self.ring.capacity as u64 - 1;
-        let rewinds = self.ring.capacity >= 4 * REWIND_AT;
-        if !rewinds || self.tail & mask < REWIND_AT as u64 {
+        if !rewinds(self.ring.capacity) || self.tail & mask < REWIND_AT as u64 {
             return;
         }
         if self.head_cache != self.tail {
