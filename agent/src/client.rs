@@ -90,7 +90,7 @@ impl AgentInner {
         if let (Some(pipe), true, false) = (&open, may_block, duplicate) {
             if let Some(written) = pipe.try_write(&message) {
                 match written {
-                    Ok(()) => peer.lanes[lane].last_sent.store(self.now_ms(), Ordering::Relaxed),
+                    Ok(()) => peer.lanes[lane].sent.mark(),
                     Err(e) => {
                         self.rrefs.undo_forks(&self.host(), &forks);
                         self.calls.finish(id, Err(RpcError::from_pipe(&peer.info.name, e)));
@@ -109,7 +109,7 @@ impl AgentInner {
                     .await
                     .map_err(|e| RpcError::from_pipe(&peer.info.name, e))?;
                 // The heartbeat pings only pipes quiet both ways.
-                peer.lanes[lane].last_sent.store(inner.now_ms(), Ordering::Relaxed);
+                peer.lanes[lane].sent.mark();
                 if duplicate {
                     // Same id: the second reply finds no pending call and is dropped.
                     pipe.write(&message)

@@ -6,6 +6,7 @@
 //! Both clocks are `CLOCK_MONOTONIC`, one read at tick granularity, so a coarse reading
 //! converts to an [`Instant`] through one pair of readings taken together at the start.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use nix::time::{clock_getres, clock_gettime, ClockId};
@@ -89,6 +90,37 @@ impl Clock {
     }
 }
 
+/// Whether a pipe saw traffic since its watcher last looked. The per-message side is a plain
+/// flag (no clock read, and no store at all while the flag is already up, so the threads that
+/// mark it do not take its cache line from each other); the watcher, which wakes a few times
+/// an interval anyway, turns it into a time with its own clock reads. A time taken that way is
+/// never earlier than the traffic, so silence is under-counted by at most one watch period:
+/// a ping or a loss comes that much later, never sooner.
+#[derive(Debug, Default)]
+pub(crate) struct Activity {
+    seen: AtomicBool,
+}
+
+impl Activity {
+    /// Something was sent or received now.
+    #[inline]
+    pub(crate) fn mark(&self) {
+        if !self.seen.load(Ordering::Relaxed) {
+            self.seen.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// The watcher's look at `now_ms`: moves `last` (the watcher's own record of the last
+    /// traffic, in ms) to now if there was traffic since the previous look, and returns how
+    /// long it has been quiet.
+    pub(crate) fn quiet_for(&self, last: &mut u64, now_ms: u64) -> Duration {
+        if self.seen.swap(false, Ordering::Relaxed) {
+            *last = now_ms;
+        }
+        Duration::from_millis(now_ms.saturating_sub(*last))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -140,5 +172,21 @@ mod tests {
             coarse + 2 * tick >= precise,
             "coarse {coarse:?} behind precise {precise:?}"
         );
+    }
+
+    #[test]
+    fn activity_counts_quiet_from_the_last_look_that_saw_traffic() {
+        let a = Activity::default();
+        let mut last = 100;
+        assert_eq!(a.quiet_for(&mut last, 150), Duration::from_millis(50));
+        a.mark();
+        a.mark();
+        // Traffic since the last look: quiet from this look on.
+        assert_eq!(a.quiet_for(&mut last, 400), Duration::ZERO);
+        assert_eq!(last, 400);
+        // None since: quiet grows again.
+        assert_eq!(a.quiet_for(&mut last, 1_400), Duration::from_millis(1_000));
+        // A clock read older than the record never counts as negative quiet.
+        assert_eq!(a.quiet_for(&mut last, 300), Duration::ZERO);
     }
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 use sluice_channel::{Allocation, Descriptor, Message, Pipe, PipeError};
 
 use crate::agent::AgentInner;
+use crate::clock::Activity;
 use crate::completion::Driver;
 use crate::device_map::DeviceMap;
 use crate::error::RpcError;
@@ -51,11 +52,11 @@ pub(crate) struct Lane {
     pub(crate) reader: Mutex<Option<Arc<dyn Driver>>>,
     /// Serializes opening a pipe.
     pub(crate) connecting: tokio::sync::Mutex<()>,
-    /// When a message last arrived on this pipe, and when we last wrote one (ms on the
-    /// agent's clock). Either silent for an interval sends a ping: the callee judges us by
-    /// what we send, we judge it by what it answers.
-    pub(crate) last_heard: AtomicU64,
-    pub(crate) last_sent: AtomicU64,
+    /// Whether a message arrived on this pipe, and whether we wrote one, since the heartbeat
+    /// last looked. Either silent for an interval sends a ping: the callee judges us by what
+    /// we send, we judge it by what it answers.
+    pub(crate) heard: Activity,
+    pub(crate) sent: Activity,
 }
 
 /// The lane for calls at `priority`.
@@ -489,8 +490,7 @@ impl AgentInner {
         pipe.write(&hello).await.map_err(|e| RpcError::from_pipe(&name, e))?;
         let generation = peer.generation.fetch_add(1, Ordering::AcqRel) + 1;
         let l = &peer.lanes[lane];
-        l.last_heard.store(self.now_ms(), Ordering::Release);
-        l.last_sent.store(self.now_ms(), Ordering::Release);
+        // The heartbeat counts silence from its own start, so a stale mark does no harm.
         *l.pipe.lock().unwrap() = Some((generation, pipe.clone()));
         let replies = PeerReplies {
             inner: Arc::downgrade(self),
@@ -529,6 +529,10 @@ pub(crate) async fn heartbeat(
         None => return,
     };
     let limit = interval * misses;
+    let (mut heard_at, mut sent_at) = match weak.upgrade() {
+        Some(inner) => (inner.now_ms(), inner.now_ms()),
+        None => return,
+    };
     loop {
         tokio::time::sleep(interval / 2).await;
         let Some(inner) = weak.upgrade() else { return };
@@ -537,8 +541,8 @@ pub(crate) async fn heartbeat(
         }
         let now = inner.now_ms();
         let l = &peer.lanes[lane];
-        let silent = Duration::from_millis(now.saturating_sub(l.last_heard.load(Ordering::Acquire)));
-        let quiet = Duration::from_millis(now.saturating_sub(l.last_sent.load(Ordering::Acquire)));
+        let silent = l.heard.quiet_for(&mut heard_at, now);
+        let quiet = l.sent.quiet_for(&mut sent_at, now);
         if silent >= limit {
             // What the pipe and its read role looked like, for whoever finds this in a log.
             let role = l.reader.lock().unwrap().as_ref().map(|r| r.debug_state());
@@ -557,7 +561,7 @@ pub(crate) async fn heartbeat(
             return;
         }
         if silent >= interval || quiet >= interval {
-            l.last_sent.store(now, Ordering::Release);
+            sent_at = now;
             let ping = Message {
                 metadata: wire::encode(&Envelope::Request(Request {
                     id: inner.next_id(),
@@ -626,9 +630,7 @@ impl PeerReplies {
     ) -> Result<(), String> {
         let id = self.peer.info.id;
         let (d, allocation) = message.map_err(|e| e.to_string())?;
-        self.peer.lanes[self.lane]
-            .last_heard
-            .store(inner.now_ms(), Ordering::Release);
+        self.peer.lanes[self.lane].heard.mark();
         match inner.receive(id, &d, allocation) {
             Ok((Envelope::Response(Response { id: call, result }), payload)) => {
                 let result = match result {

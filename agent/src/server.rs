@@ -1,7 +1,7 @@
 //! The server side: requests read from incoming pipes, dispatched to handlers (inline, pool or
 //! async), and answered on the same pipe.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
@@ -11,6 +11,7 @@ use sluice_channel::{Allocation, Descriptor, Device, Message, Pipe, PipeError, R
 
 use crate::agent::{Agent, AgentInner, POOL_KEEP, POOL_MIN};
 use crate::budget::Budget;
+use crate::clock::Activity;
 use crate::error::{HandlerError, RpcError};
 use crate::gpu::{self};
 use crate::handler::{BoxFuture, Handler};
@@ -692,7 +693,7 @@ pub(crate) async fn serve_pipe(inner: Arc<AgentInner>, pipe: Pipe) {
     };
     let budget = Arc::new(Budget::new(inner.options.max_in_flight_bytes));
     // Silence is watched by a separate task, so reading costs no timer per message.
-    let heard = Arc::new(AtomicU64::new(inner.now_ms()));
+    let heard = Arc::new(Activity::default());
     if let Some(limit) = silence {
         tokio::spawn(watch_silence(
             Arc::downgrade(&inner),
@@ -718,7 +719,7 @@ pub(crate) struct Served {
     pub(crate) pipe: Pipe,
     pub(crate) caller: u32,
     pub(crate) budget: Arc<Budget>,
-    pub(crate) heard: Arc<AtomicU64>,
+    pub(crate) heard: Arc<Activity>,
 }
 
 /// Declares the caller of an incoming pipe lost once the pipe has heard nothing for `limit`;
@@ -727,16 +728,19 @@ pub(crate) async fn watch_silence(
     weak: std::sync::Weak<AgentInner>,
     pipe: Pipe,
     caller: u32,
-    heard: Arc<AtomicU64>,
+    heard: Arc<Activity>,
     limit: Duration,
 ) {
+    let Some(mut heard_at) = weak.upgrade().map(|inner| inner.now_ms()) else {
+        return;
+    };
     loop {
         tokio::time::sleep(limit / 4).await;
         let Some(inner) = weak.upgrade() else { return };
         if inner.is_down() || pipe.error().is_some() {
             return;
         }
-        let silent = Duration::from_millis(inner.now_ms().saturating_sub(heard.load(Ordering::Relaxed)));
+        let silent = heard.quiet_for(&mut heard_at, inner.now_ms());
         if silent >= limit {
             pipe.close();
             inner.declare_lost(
@@ -787,7 +791,7 @@ pub(crate) async fn serve_loop(served: Arc<Served>) {
             let _ = pipe.set_batching(false).await;
         }
         let message = next_request(pipe, inner, budget).await;
-        heard.store(inner.now_ms(), Ordering::Relaxed);
+        heard.mark();
         let (d, allocation, size) = match message {
             Ok(m) => m,
             Err(e) => {
