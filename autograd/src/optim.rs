@@ -28,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use sluice_agent::{Agent, HandlerError, RRef, Registry, RpcError};
 
 use crate::cpu::dispatch;
+use crate::dist::Context;
 use crate::dtype::Float;
 use crate::error::{Error, Result};
 use crate::graph::LeafState;
@@ -428,6 +429,23 @@ fn create_local(kind: OptimizerKind, mode: UpdateMode, params: &[RRef<Parameter>
     Ok(id)
 }
 
+/// Steps run here inside a backward's answer (see [`DistributedOptimizer::backward_and_step`]).
+static STEPS_IN_BACKWARD: AtomicU64 = AtomicU64::new(0);
+
+/// How many optimizer steps this process ran inside a distributed backward's answer instead
+/// of on a call of their own (see [`DistributedOptimizer::backward_and_step`]); for tests and
+/// diagnostics.
+pub fn steps_in_backward() -> u64 {
+    STEPS_IN_BACKWARD.load(Ordering::Relaxed)
+}
+
+/// Steps optimizer `id` with context `context`'s gradients, for the backward's handler.
+pub(crate) fn step_in_backward(id: u64, context: u64) -> Result<()> {
+    step_local(id, context)?;
+    STEPS_IN_BACKWARD.fetch_add(1, Ordering::Relaxed);
+    Ok(())
+}
+
 fn step_local(id: u64, context: u64) -> Result<()> {
     let opt = optimizers()
         .lock()
@@ -492,16 +510,34 @@ impl DistributedOptimizer {
     /// Every owner steps with context `context`'s gradients; the first failure is returned
     /// after all have finished.
     pub fn step(&self, context: u64) -> Result<()> {
+        self.step_except(context, &[])
+    }
+
+    /// `context.backward(roots, false)` and then [`step`](Self::step), in fewer round trips:
+    /// the backward's message to an owner asks it to step before it answers, which it does
+    /// when that message is the only way gradients reach it in the context (the usual case:
+    /// one forward call to each owner). Owners that could not tell, and this worker's own
+    /// parameters, step after the backward as `step` does. On an error nothing more steps,
+    /// but an owner that stepped before the error was known stays stepped.
+    pub fn backward_and_step(&self, context: &Context, roots: &[Tensor]) -> Result<()> {
+        let me = self.agent.info().id;
+        let remote: Vec<(u32, u64)> = self.remotes.iter().copied().filter(|(owner, _)| *owner != me).collect();
+        let stepped = context.backward_stepping(roots, &remote)?;
+        self.step_except(context.id(), &stepped)
+    }
+
+    /// `step`, except on the owners in `done`.
+    fn step_except(&self, context: u64, done: &[u32]) -> Result<()> {
         let me = self.agent.info().id;
         let pending: Vec<_> = self
             .remotes
             .iter()
-            .filter(|(owner, _)| *owner != me)
+            .filter(|(owner, _)| *owner != me && !done.contains(owner))
             .map(|&(owner, id)| self.agent.call_async(owner, H_STEP, &(id, context)))
             .collect();
         let mut first = None;
         for &(owner, id) in &self.remotes {
-            if owner == me {
+            if owner == me && !done.contains(&owner) {
                 if let Err(e) = step_local(id, context) {
                     first.get_or_insert(Error::OnWorker {
                         worker: me,

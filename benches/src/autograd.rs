@@ -190,10 +190,21 @@ pub fn run(
     })?;
     let mut r = Record::rtt("autograd", "dist-step-linear1024-b32", 0, dist_samples);
     r.against(&base);
+    // The same step with the optimizer's step taken in the backward's answer.
+    let fused_samples = samples(budget, || {
+        let ctx = Context::new(&agent)?;
+        let y: Tensor = dist::rpc_sync(&agent, 1u32, "bench.linear", &x)?;
+        dopt.backward_and_step(&ctx, &[loss(&y)?])?;
+        drop(ctx);
+        Ok(())
+    })?;
+    let mut fused = Record::rtt("autograd", "dist-step-fused-linear1024-b32", 0, fused_samples);
+    fused.against(&base);
     drop(dopt);
     let remote = remote_rows(&agent, &x, &base, budget)?;
     out.push(base);
     out.push(r);
+    out.push(fused);
     out.extend(remote);
     if crate::rpc::gpu().is_some() {
         match sluice_autograd::cuda::available() {

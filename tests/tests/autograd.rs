@@ -92,7 +92,10 @@ fn registry() -> Registry {
             .map(|p| cx.agent.rref(p.clone()))
             .collect::<Vec<RRef<Parameter>>>())
     })
-    .handler("live", |_cx, (): ()| Ok(dist::live_contexts()));
+    .handler("live", |_cx, (): ()| Ok(dist::live_contexts()))
+    .handler("steps_in_backward", |_cx, (): ()| {
+        Ok(sluice_autograd::optim::steps_in_backward())
+    });
     r
 }
 
@@ -188,6 +191,72 @@ worker_test!(distributed_gradients_and_updates_match_local, 4, |env: WorkerEnv| 
                 "worker {w}"
             );
         }
+    }
+    agent.shutdown().unwrap();
+});
+
+worker_test!(backward_and_step_matches_backward_then_step, 4, |env: WorkerEnv| {
+    let agent = env.agent(registry());
+    if env.rank == 0 {
+        let mut rrefs = Vec::new();
+        for w in 1..4u32 {
+            rrefs.extend(agent.call::<_, Vec<RRef<Parameter>>>(w, "param_rrefs", &()).unwrap());
+        }
+        // Adam, so a step taken twice or skipped shows in the second iteration's values.
+        let kind = OptimizerKind::adam(0.05);
+        let opt = DistributedOptimizer::new(&agent, kind, &rrefs, UpdateMode::Locked).unwrap();
+        let local: Vec<Vec<Parameter>> = (0..4).map(seeded).collect();
+        let local_opt = Optimizer::new(kind, local[1..].iter().flatten().cloned().collect(), UpdateMode::Locked);
+        let fused = |w: u32| agent.call::<_, u64>(w, "steps_in_backward", &()).unwrap();
+        for iteration in 0..3 {
+            // Worker 1 and worker 3 answer one call each (one way in for their gradients: they
+            // step in the backward's answer); worker 2 answers two (it cannot tell, so it
+            // steps on a call of its own). The third time, this worker sends worker 1's
+            // result on to worker 2: a gradient coming back for it runs a pass of its own here,
+            // which reaches worker 1 a second time, so nobody may step early.
+            let resend = iteration == 2;
+            let x = input();
+            // The same model, each layer run by `layer(worker, input)`.
+            let model = |layer: &dyn Fn(u32, &Tensor) -> Tensor| {
+                let a = layer(1, &x);
+                let c = layer(2, &if resend { a.clone() } else { x.mul_scalar(3.0).unwrap() });
+                let (b, d) = (layer(2, &x), layer(3, &x.mul_scalar(2.0).unwrap()));
+                let ab = a.mul(&b).unwrap().sum().unwrap();
+                ab.add(&c.mean().unwrap()).unwrap().add(&d.sum().unwrap()).unwrap()
+            };
+            let ctx = Context::new(&agent).unwrap();
+            let loss = model(&|w, t| dist::rpc_sync(&agent, w, "layer", t).unwrap());
+            opt.backward_and_step(&ctx, &[loss]).unwrap();
+            let l = model(&|w, t| layer_with(t, &local[w as usize]).unwrap());
+            local[1..].iter().flatten().for_each(Parameter::zero_grad);
+            l.backward().unwrap();
+            local_opt.step().unwrap();
+            for w in 1..4u32 {
+                let v: Vec<Tensor> = dist::rpc_sync(&agent, w, "values", &()).unwrap();
+                for (i, p) in local[w as usize].iter().enumerate() {
+                    assert_close(&format!("param {i} on {w} after step {iteration}"), &v[i], &p.data());
+                }
+            }
+            let n = (iteration + 1).min(2);
+            assert_eq!(
+                (fused(1), fused(2), fused(3)),
+                (n, 0, n),
+                "steps taken in the backward's answer"
+            );
+            ctx.release().unwrap();
+        }
+
+        // A backward that fails steps nothing: the error names the worker, values stay.
+        let before: Vec<Tensor> = dist::rpc_sync(&agent, 1u32, "values", &()).unwrap();
+        let ctx = Context::new(&agent).unwrap();
+        let y: Tensor = dist::rpc_sync(&agent, 1u32, "fail_deep", &(input(), Vec::<u32>::new())).unwrap();
+        let e = opt.backward_and_step(&ctx, &[y.sum().unwrap()]).unwrap_err();
+        assert!(matches!(&e, Error::OnWorker { worker: 1, .. }), "{e:?}");
+        let after: Vec<Tensor> = dist::rpc_sync(&agent, 1u32, "values", &()).unwrap();
+        for (i, (b, a)) in before.iter().zip(&after).enumerate() {
+            assert_close(&format!("param {i} on 1 after a failed backward"), a, b);
+        }
+        assert_eq!(fused(1), 2, "no step in a failed backward's answer");
     }
     agent.shutdown().unwrap();
 });

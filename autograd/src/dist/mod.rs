@@ -371,7 +371,14 @@ impl Context {
 
     /// Runs the distributed backward from one-element `roots` (see [`backward`]).
     pub fn backward(&self, roots: &[Tensor], retain_graph: bool) -> Result<()> {
-        backward_in(&self.agent, &self.state, roots, retain_graph)
+        backward_in(&self.agent, &self.state, roots, retain_graph, &[]).map(drop)
+    }
+
+    /// The backward (graph freed), asking each worker in `steps` (worker, optimizer id on it)
+    /// that the backward reaches to step that optimizer before it answers, where it can tell
+    /// that its gradients are final by then; returns the workers that did.
+    pub(crate) fn backward_stepping(&self, roots: &[Tensor], steps: &[(u32, u64)]) -> Result<Vec<u32>> {
+        backward_in(&self.agent, &self.state, roots, false, steps)
     }
 
     /// The gradients accumulated in this context on this worker, by leaf.
@@ -449,10 +456,18 @@ pub fn get_gradients(id: u64) -> Result<HashMap<LeafId, Tensor>> {
 /// Runs the distributed backward of context `id` (which must be live on this worker).
 pub fn backward(agent: &Agent, id: u64, roots: &[Tensor], retain_graph: bool) -> Result<()> {
     let state = container().get(id)?;
-    backward_in(agent, &state, roots, retain_graph)
+    backward_in(agent, &state, roots, retain_graph, &[]).map(drop)
 }
 
-fn backward_in(agent: &Agent, state: &Arc<ContextState>, roots: &[Tensor], retain_graph: bool) -> Result<()> {
+/// The backward of `state` from `roots`; `steps` as in [`Context::backward_stepping`], whose
+/// result this is.
+fn backward_in(
+    agent: &Agent,
+    state: &Arc<ContextState>,
+    roots: &[Tensor],
+    retain_graph: bool,
+    steps: &[(u32, u64)],
+) -> Result<Vec<u32>> {
     if roots.is_empty() {
         return Err(Error::Backward("no tensors provided for gradient computation".into()));
     }
@@ -468,7 +483,17 @@ fn backward_in(agent: &Agent, state: &Arc<ContextState>, roots: &[Tensor], retai
         .collect::<Result<Vec<_>>>()?;
     state.touch();
     let me = container().bind(agent);
-    let result = run_pass(agent, state, starts, retain_graph).map_err(|e| on_worker(me, e));
+    // A receive function here sends on one message per pass that reaches it; but a send
+    // function here (a tensor this worker sent on that needs its gradient) starts a pass of
+    // its own when that gradient comes back, and it may reach the same receive function
+    // again: the worker behind it gets a second message. Only with no send functions here is
+    // this pass the only one.
+    let steps = if state.sends.lock().unwrap().is_empty() {
+        steps
+    } else {
+        &[]
+    };
+    let result = run_pass(agent, state, starts, retain_graph, steps).map_err(|e| on_worker(me, e));
     if result.is_ok() && !retain_graph {
         state.graph_freed.store(true, Ordering::Release);
     }
@@ -490,6 +515,8 @@ struct DistSink<'a> {
     agent: &'a Agent,
     state: &'a Arc<ContextState>,
     retain: bool,
+    /// Optimizers to step where the gradients go (worker, optimizer id there).
+    steps: &'a [(u32, u64)],
     pending: Mutex<Vec<(u32, RpcFuture)>>,
 }
 
@@ -523,6 +550,7 @@ impl Sink for DistSink<'_> {
             message: info.message,
             retain_graph: self.retain,
             grads: metas,
+            step: self.steps.iter().find(|(w, _)| *w == info.from).map(|&(_, id)| id),
         };
         let payload = Payload::encode(&header)?.with_tensors(tensors);
         let fut = self.agent.rpc_async(info.from, H_BACKWARD, payload);
@@ -531,17 +559,21 @@ impl Sink for DistSink<'_> {
     }
 }
 
-/// Runs a local pass and waits for every gradient it sent on to be processed downstream.
+/// Runs a local pass and waits for every gradient it sent on to be processed downstream;
+/// returns the workers that answered that they stepped their optimizer (see `steps` in
+/// [`Context::backward_stepping`]).
 fn run_pass(
     agent: &Agent,
     state: &Arc<ContextState>,
     starts: Vec<(Arc<Node>, Vec<Option<Tensor>>)>,
     retain: bool,
-) -> Result<()> {
+    steps: &[(u32, u64)],
+) -> Result<Vec<u32>> {
     let sink = DistSink {
         agent,
         state,
         retain,
+        steps,
         pending: Mutex::new(Vec::new()),
     };
     let started = Instant::now();
@@ -549,13 +581,21 @@ fn run_pass(
     BACKWARD_BUSY_NS.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
     // Wait for everything sent, even after a local error, so no part is left running unseen.
     let mut first: Option<Error> = local.err();
-    for (_, fut) in sink.pending.into_inner().unwrap() {
-        if let Err(e) = fut.wait() {
-            let e = remote_error(e);
-            first.get_or_insert(e);
+    let mut stepped = Vec::new();
+    for (worker, fut) in sink.pending.into_inner().unwrap() {
+        match fut.wait() {
+            // An answer that is not `true` (an empty one included) did not step.
+            Ok(reply) => {
+                if reply.decode::<bool>().unwrap_or(false) {
+                    stepped.push(worker);
+                }
+            }
+            Err(e) => {
+                first.get_or_insert(remote_error(e));
+            }
         }
     }
-    first.map_or(Ok(()), Err)
+    first.map_or(Ok(stepped), Err)
 }
 
 /// An RPC failure as an error: a worker's own "error on worker N: …" report keeps its number.
@@ -587,6 +627,9 @@ struct BackwardHeader {
     message: u64,
     retain_graph: bool,
     grads: Vec<Option<WireTensor>>,
+    /// An optimizer (its id on the receiver) to step once this message's pass is done, if
+    /// the receiver can tell its gradients are final then; the answer says whether it did.
+    step: Option<u64>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -1001,7 +1044,7 @@ pub fn install(registry: &mut Registry) {
             .decode()
             .map_err(|e| HandlerError::new("DecodeError", e.to_string()))?;
         let buffers = payload.take_tensors();
-        let run = || -> Result<()> {
+        let run = || -> Result<bool> {
             let ctx = c.get(header.context)?;
             ctx.touch();
             let node = ctx.sends.lock().unwrap().get(&header.message).cloned().ok_or_else(|| {
@@ -1032,10 +1075,25 @@ pub fn install(registry: &mut Registry) {
                     node.outputs
                 )));
             }
-            run_pass(&cx.agent, &ctx, vec![(node, grads)], header.retain_graph)
+            run_pass(&cx.agent, &ctx, vec![(node, grads)], header.retain_graph, &[])?;
+            // Gradients reach this worker only through the send functions its context
+            // recorded. With one, its messages come from one receive function on the caller,
+            // which asks for a step only when its pass is the only one there (see
+            // `backward_in`): this message is the only one, and the pass above (downstream
+            // included) has finished. This worker's gradients are final, so its optimizer
+            // steps now instead of on a call of its own. With more, another message may
+            // still bring some: the caller steps it.
+            let step = match header.step {
+                Some(optimizer) if ctx.sends.lock().unwrap().len() == 1 => {
+                    crate::optim::step_in_backward(optimizer, header.context)?;
+                    true
+                }
+                _ => false,
+            };
+            Ok(step)
         };
-        run().map_err(|e| to_handler_error(me, e))?;
-        Ok(Payload::empty())
+        let stepped = run().map_err(|e| to_handler_error(me, e))?;
+        Payload::encode(&stepped).map_err(|e| HandlerError::new("EncodeError", e.to_string()))
     });
     registry.handler(H_RELEASE, |cx, context: u64| {
         let c = container();
