@@ -1,7 +1,8 @@
 //! Where a distributed training step's time goes beyond the local step: the step of `sluice
 //! bench autograd` (Linear 1024², batch 32, SGD, the layer on a second process), timed phase by
 //! phase (forward call, distributed backward, optimizer step, context release), next to the
-//! local step's phases, medians over a fixed time.
+//! local step's phases, medians over a fixed time; then the same step with the optimizer's
+//! step taken in the backward's answer (`DistributedOptimizer::backward_and_step`).
 //!
 //! `cargo run --release -p sluice-benches --example autograd_phases -- [SECONDS]`
 use std::process::{Command, Stdio};
@@ -109,6 +110,34 @@ fn main() -> anyhow::Result<()> {
             drop(ctx);
             m[4] = Instant::now();
         },
+    );
+    // The same step with the optimizer's step in the backward's answer, in turns with the
+    // two-call step, so that a slow spell of the host falls on both alike.
+    let step = |fused: bool| {
+        let t0 = Instant::now();
+        let ctx = Context::new(&agent).unwrap();
+        let y: Tensor = dist::rpc_sync(&agent, 1u32, "bench.linear", &x).unwrap();
+        let l = loss(&y).unwrap();
+        if fused {
+            dopt.backward_and_step(&ctx, &[l]).unwrap();
+        } else {
+            ctx.backward(&[l], false).unwrap();
+            dopt.step(ctx.id()).unwrap();
+        }
+        drop(ctx);
+        t0.elapsed().as_secs_f64() * 1e6
+    };
+    let (mut apart, mut fused) = (Vec::new(), Vec::new());
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs_f64(seconds) {
+        apart.push(step(false));
+        fused.push(step(true));
+    }
+    println!(
+        "in turns: backward then step {:.1} µs, step in the backward's answer {:.1} µs ({} each)",
+        median(&mut apart),
+        median(&mut fused),
+        fused.len()
     );
     drop(dopt);
     agent.shutdown()?;
