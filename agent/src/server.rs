@@ -425,6 +425,9 @@ impl AgentInner {
             }
             Handler::Sync(f, pace) => {
                 self.pool.submit_at(priority, move || {
+                    // A handler that ran long last time claims a core from this host's
+                    // spinners while it runs (see `occupy_core`).
+                    let _core = (!pace.inline()).then(sluice_transport::shm::occupy_core).flatten();
                     let result = with_priority(priority, || pace.run(|| f(&ctx, payload)));
                     let reply = finish(&inner, result);
                     inner.reply_from_pool(pipe, caller, id, reply);

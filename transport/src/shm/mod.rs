@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 use tokio::io::unix::AsyncFd;
 
 pub use shared::SharedFile;
+pub use spin::{occupy_core, CoreClaim};
 pub use sys::page_size;
 use tokio::io::Interest;
 use tokio::net::UnixStream;

@@ -65,6 +65,21 @@ pub(crate) fn try_spin() -> Option<SpinSlot> {
     None
 }
 
+/// One of the host's spin slots held by a thread that computes rather than waits (see
+/// [`occupy_core`]); given back on drop.
+pub struct CoreClaim(#[allow(dead_code)] SpinSlot);
+
+/// Claims a free spin slot for a thread about to compute for long (a slow handler), if one is
+/// free; never waits. While the claim lives, waiters on this host see one core fewer to spin
+/// on, so they park rather than spin on the core the work runs on: on a two-core host, a
+/// caller spinning for a reply and a callee's reader spinning for the next request would
+/// otherwise leave the callee's handler one core to share with a spinner. Where the slots
+/// cannot be mapped, claims nothing.
+pub fn occupy_core() -> Option<CoreClaim> {
+    let slots = sys::host_spin_slots()?;
+    take(&slots[..cores()], pid()).map(CoreClaim)
+}
+
 fn take(slots: &'static [AtomicU32], me: u32) -> Option<SpinSlot> {
     slots.iter().find_map(|s| {
         (s.load(Ordering::Relaxed) == 0 && s.compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed).is_ok())
