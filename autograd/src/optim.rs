@@ -520,10 +520,16 @@ impl DistributedOptimizer {
     /// parameters, step after the backward as `step` does. On an error nothing more steps,
     /// but an owner that stepped before the error was known stays stepped.
     pub fn backward_and_step(&self, context: &Context, roots: &[Tensor]) -> Result<()> {
+        self.backward_and_step_by_id(context.id(), roots)
+    }
+
+    /// [`backward_and_step`](Self::backward_and_step) in context `context` by id (live on this
+    /// worker), as [`crate::dist::backward`] is to `Context::backward`.
+    pub fn backward_and_step_by_id(&self, context: u64, roots: &[Tensor]) -> Result<()> {
         let me = self.agent.info().id;
         let remote: Vec<(u32, u64)> = self.remotes.iter().copied().filter(|(owner, _)| *owner != me).collect();
-        let stepped = context.backward_stepping(roots, &remote)?;
-        self.step_except(context.id(), &stepped)
+        let stepped = crate::dist::backward_stepping(&self.agent, context, roots, &remote)?;
+        self.step_except(context, &stepped)
     }
 
     /// `step`, except on the owners in `done`.

@@ -374,13 +374,6 @@ impl Context {
         backward_in(&self.agent, &self.state, roots, retain_graph, &[]).map(drop)
     }
 
-    /// The backward (graph freed), asking each worker in `steps` (worker, optimizer id on it)
-    /// that the backward reaches to step that optimizer before it answers, where it can tell
-    /// that its gradients are final by then; returns the workers that did.
-    pub(crate) fn backward_stepping(&self, roots: &[Tensor], steps: &[(u32, u64)]) -> Result<Vec<u32>> {
-        backward_in(&self.agent, &self.state, roots, false, steps)
-    }
-
     /// The gradients accumulated in this context on this worker, by leaf.
     pub fn gradients(&self) -> HashMap<LeafId, Tensor> {
         self.state.grads.lock().unwrap().clone()
@@ -459,8 +452,17 @@ pub fn backward(agent: &Agent, id: u64, roots: &[Tensor], retain_graph: bool) ->
     backward_in(agent, &state, roots, retain_graph, &[]).map(drop)
 }
 
-/// The backward of `state` from `roots`; `steps` as in [`Context::backward_stepping`], whose
-/// result this is.
+/// The backward of context `id` (live on this worker; graph freed), asking each worker in
+/// `steps` (worker, optimizer id on it) that the backward reaches to step that optimizer before
+/// it answers, where it can tell that its gradients are final by then; returns the workers that
+/// did.
+pub(crate) fn backward_stepping(agent: &Agent, id: u64, roots: &[Tensor], steps: &[(u32, u64)]) -> Result<Vec<u32>> {
+    let state = container().get(id)?;
+    backward_in(agent, &state, roots, false, steps)
+}
+
+/// The backward of `state` from `roots`; `steps` as in [`backward_stepping`], whose result
+/// this is.
 fn backward_in(
     agent: &Agent,
     state: &Arc<ContextState>,
@@ -561,7 +563,7 @@ impl Sink for DistSink<'_> {
 
 /// Runs a local pass and waits for every gradient it sent on to be processed downstream;
 /// returns the workers that answered that they stepped their optimizer (see `steps` in
-/// [`Context::backward_stepping`]).
+/// [`backward_stepping`]).
 fn run_pass(
     agent: &Agent,
     state: &Arc<ContextState>,
