@@ -6,8 +6,19 @@ tensors of one owner are *recorded*, with shapes and dtypes checked where they a
 (a mistake raises ``ValueError`` on that line); the owner runs them as one call when a value is
 needed (``to_here()``, ``item()``, ``str()``), when an operation mixes owners, on ``sync()``,
 or at the recording's size bound. A tensor moved to another owner (``.to("worker2/cpu")``)
-travels owner to owner. This is the Rust ``RemoteTensor`` (README, "Remote tensors"); from
-Python it computes forward only: gradients do not flow back into Python.
+travels owner to owner. This is the Rust ``RemoteTensor`` (README, "Remote tensors").
+
+Training runs on the owners, under distributed autograd::
+
+    w = remote.parameter(w0, "worker1/cpu", "w")
+    opt = remote.DistributedOptimizer([w], "sgd", lr=0.1)
+    with remote.context() as ctx:
+        y = remote.to(x, "worker1/cpu").linear(w)
+        loss = (y * y).mean()
+        opt.backward_and_step(ctx, loss)     # or: ctx.backward(loss); opt.step(ctx)
+
+Gradients accumulate in the context on the parameters' owners and the optimizer applies them
+there; they do not come back into Python.
 
 Any worker started with ``sluice.rpc.init_rpc`` can own remote tensors, Python or Rust.
 """
@@ -18,7 +29,7 @@ import numpy as np
 
 from . import _sluice, rpc
 
-__all__ = ["RemoteTensor", "cat", "to"]
+__all__ = ["DistributedOptimizer", "RemoteTensor", "cat", "context", "parameter", "to"]
 
 _DTYPES = {np.dtype("float32"), np.dtype("float64"), np.dtype("int64")}
 
@@ -26,6 +37,84 @@ _DTYPES = {np.dtype("float32"), np.dtype("float64"), np.dtype("int64")}
 def to(array, placement):
     """``array`` placed on ``placement`` (``"worker1/cpu"``): a :class:`RemoteTensor`."""
     return RemoteTensor.place(array, placement)
+
+
+def _array(array):
+    """``array`` as a C-contiguous NumPy array of a dtype remote tensors hold."""
+    if hasattr(array, "detach"):  # a torch tensor
+        array = array.detach().cpu().numpy()
+    a = np.asarray(array)
+    if not a.flags.c_contiguous:  # ascontiguousarray would make a 0-d array 1-d
+        a = a.copy(order="C")
+    if a.dtype not in _DTYPES:
+        raise ValueError(f"remote tensors from Python hold float32, float64 or int64, not {a.dtype}")
+    return a
+
+
+def parameter(array, placement, name):
+    """A trainable parameter named ``name``, made on ``placement`` from ``array`` (float32 or
+    float64): its gradients accumulate on its owner, where :class:`DistributedOptimizer`
+    updates it. ``to_here()`` reads its current value."""
+    a = _array(array)
+    native = _sluice._remote_tensor(
+        rpc._require_agent(), a.tobytes(), list(a.shape), a.dtype.newbyteorder("<").str, placement, name
+    )
+    return RemoteTensor(native)
+
+
+class context:
+    """A distributed autograd context (PyTorch's ``dist_autograd.context()``), entered on this
+    thread: remote tensors flushed inside it are recorded in it. Leaving it releases it on
+    every worker it reached."""
+
+    __slots__ = ("_c",)
+
+    def __init__(self):
+        self._c = None
+
+    def __enter__(self):
+        self._c = _sluice._DistContext(rpc._require_agent())
+        return self
+
+    def __exit__(self, *exc):
+        self._c.leave()
+        return False
+
+    def _entered(self):
+        if self._c is None:
+            raise RuntimeError("this autograd context was never entered: use `with sluice.remote.context() as ctx:`")
+        return self._c
+
+    @property
+    def id(self):
+        return self._entered().id
+
+    def backward(self, *losses):
+        """The distributed backward from one-element remote ``losses``: gradients accumulate
+        in this context on the parameters' owners."""
+        self._entered().backward(rpc._require_agent(), [loss._t for loss in losses])
+
+
+class DistributedOptimizer:
+    """An optimizer on every owner of ``params`` (remote parameters from :func:`parameter`):
+    ``optimizer`` ``"sgd"`` (with ``momentum``) or ``"adam"``; ``mode`` ``"locked"`` or
+    ``"hogwild"``."""
+
+    __slots__ = ("_o",)
+
+    def __init__(self, params, optimizer="sgd", lr=0.01, momentum=0.0, mode="locked"):
+        self._o = _sluice._DistributedOptimizer(
+            rpc._require_agent(), [p._t for p in params], optimizer, float(lr), float(momentum), mode
+        )
+
+    def step(self, ctx):
+        """Every owner steps with the gradients of context ``ctx``."""
+        self._o.step(ctx._entered())
+
+    def backward_and_step(self, ctx, *losses):
+        """``ctx.backward(*losses)`` then ``step(ctx)``, with owners stepping before they
+        answer the backward where they can tell their gradients are final (one call fewer)."""
+        self._o.backward_and_step(ctx._entered(), [loss._t for loss in losses])
 
 
 def cat(tensors, dim=0):
@@ -43,13 +132,7 @@ class RemoteTensor:
 
     @staticmethod
     def place(array, placement):
-        if hasattr(array, "detach"):  # a torch tensor
-            array = array.detach().cpu().numpy()
-        a = np.asarray(array)
-        if not a.flags.c_contiguous:  # ascontiguousarray would make a 0-d array 1-d
-            a = a.copy(order="C")
-        if a.dtype not in _DTYPES:
-            raise ValueError(f"remote tensors from Python hold float32, float64 or int64, not {a.dtype}")
+        a = _array(array)
         native = _sluice._remote_tensor(
             rpc._require_agent(), a.tobytes(), list(a.shape), a.dtype.newbyteorder("<").str, placement
         )

@@ -56,6 +56,8 @@ fn _sluice(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<rpc::PyRRef>()?;
     m.add_class::<remote::PyRemoteTensor>()?;
     m.add_function(wrap_pyfunction!(remote::_remote_tensor, m)?)?;
+    m.add_class::<remote::PyDistContext>()?;
+    m.add_class::<remote::PyDistributedOptimizer>()?;
     m.add_function(wrap_pyfunction!(tensor::_send_view, m)?)?;
     m.add_function(wrap_pyfunction!(rpc::_set_priority, m)?)?;
     m.add_function(wrap_pyfunction!(rpc::_current_priority, m)?)?;

@@ -1,12 +1,15 @@
 //! Remote tensors from Python (`sluice.remote`): the Rust [`RemoteTensor`] of sluice-autograd,
 //! recorded, fused and flushed exactly as from Rust. Values cross the binding as bytes with a
-//! shape and a NumPy dtype string (the Python layer makes and reads the arrays). Python has no
-//! autograd tensors here, so gradients do not flow from Python: forward work only.
+//! shape and a NumPy dtype string (the Python layer makes and reads the arrays). Training runs
+//! on the owners: remote parameters, a distributed autograd context entered on the Python
+//! thread, a backward from remote losses and the distributed optimizer; gradients stay on the
+//! owners (Python has no autograd tensors of its own here).
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use sluice_autograd::{DType, Error, RemoteTensor, Tensor};
+use sluice_autograd::dist::Context;
+use sluice_autograd::{DType, DistributedOptimizer, Error, OptimizerKind, RemoteTensor, Tensor, UpdateMode};
 
 use crate::rpc::PyAgent;
 use crate::RpcErrorPy;
@@ -55,8 +58,11 @@ pub struct PyRemoteTensor {
 }
 
 /// `data` (row-major, `shape`, NumPy dtype string `dtype`) placed on `placement`
-/// (`"worker1/cpu"`): recorded there, sent with that owner's next flush.
+/// (`"worker1/cpu"`): recorded there, sent with that owner's next flush. With `parameter` (a
+/// name), a trainable parameter made there at once instead (float32 or float64): its gradients
+/// accumulate on its owner, where a `_DistributedOptimizer` updates it.
 #[pyfunction]
+#[pyo3(signature = (agent, data, shape, dtype, placement, parameter=None))]
 pub fn _remote_tensor(
     py: Python<'_>,
     agent: &PyAgent,
@@ -64,6 +70,7 @@ pub fn _remote_tensor(
     shape: Vec<usize>,
     dtype: &str,
     placement: &str,
+    parameter: Option<&str>,
 ) -> PyResult<PyRemoteTensor> {
     let dtype = dtype_of(dtype)?;
     let mut strides = vec![1usize; shape.len()];
@@ -72,7 +79,140 @@ pub fn _remote_tensor(
     }
     let t = Tensor::from_bytes(bytes::Bytes::copy_from_slice(data), dtype, &shape, &strides, 0).map_err(err)?;
     let agent = agent.agent().clone();
-    py.detach(|| wrap(t.to_remote(&agent, placement)))
+    match parameter {
+        None => py.detach(|| wrap(t.to_remote(&agent, placement))),
+        Some(_) if !matches!(dtype, DType::F32 | DType::F64) => {
+            Err(PyValueError::new_err("a parameter holds float32 or float64"))
+        }
+        Some(name) => py.detach(|| wrap(RemoteTensor::parameter(&agent, placement, name, &t))),
+    }
+}
+
+/// A distributed autograd context, entered on the thread that made it (PyTorch's
+/// `dist_autograd.context()`); what remote tensors flush meanwhile is recorded in it.
+#[pyclass(module = "sluice._sluice", name = "_DistContext", unsendable)]
+pub struct PyDistContext {
+    inner: Option<Context>,
+}
+
+impl PyDistContext {
+    fn context(&self) -> PyResult<&Context> {
+        self.inner
+            .as_ref()
+            .ok_or_else(|| PyRuntimeError::new_err("this autograd context was already left"))
+    }
+}
+
+fn roots_of(roots: &[PyRef<'_, PyRemoteTensor>]) -> Vec<RemoteTensor> {
+    roots.iter().map(|r| r.inner.clone()).collect()
+}
+
+/// The values of `roots` here, fetched on this thread inside its context (recorded, so the
+/// backward reaches their owners), as the backward's roots.
+fn roots_here(roots: &[RemoteTensor]) -> sluice_autograd::Result<Vec<Tensor>> {
+    roots.iter().map(RemoteTensor::to_here).collect()
+}
+
+#[pymethods]
+impl PyDistContext {
+    /// Enters a new context on this thread.
+    #[new]
+    fn new(agent: &PyAgent) -> PyResult<PyDistContext> {
+        Ok(PyDistContext {
+            inner: Some(Context::new(agent.agent()).map_err(err)?),
+        })
+    }
+
+    #[getter]
+    fn id(&self) -> PyResult<u64> {
+        Ok(self.context()?.id())
+    }
+
+    /// The distributed backward from one-element remote `roots` (the graph is freed).
+    fn backward(&self, py: Python<'_>, agent: &PyAgent, roots: Vec<PyRef<'_, PyRemoteTensor>>) -> PyResult<()> {
+        let id = self.context()?.id();
+        let (agent, roots) = (agent.agent().clone(), roots_of(&roots));
+        py.detach(|| sluice_autograd::dist::backward(&agent, id, &roots_here(&roots)?, false))
+            .map_err(err)
+    }
+
+    /// Leaves the context: released here and on every worker it reached (not waited for).
+    fn leave(&mut self) {
+        self.inner = None;
+    }
+}
+
+/// The distributed optimizer over remote parameters (`_remote_parameter`): `kind` `"sgd"` or
+/// `"adam"`, `mode` `"locked"` or `"hogwild"`.
+#[pyclass(module = "sluice._sluice", name = "_DistributedOptimizer", unsendable)]
+pub struct PyDistributedOptimizer {
+    inner: DistributedOptimizer,
+}
+
+#[pymethods]
+impl PyDistributedOptimizer {
+    #[new]
+    #[pyo3(signature = (agent, params, kind, lr, momentum=0.0, mode="locked"))]
+    fn new(
+        py: Python<'_>,
+        agent: &PyAgent,
+        params: Vec<PyRef<'_, PyRemoteTensor>>,
+        kind: &str,
+        lr: f64,
+        momentum: f64,
+        mode: &str,
+    ) -> PyResult<PyDistributedOptimizer> {
+        let kind = match kind {
+            "sgd" => OptimizerKind::Sgd { lr, momentum },
+            "adam" => OptimizerKind::adam(lr),
+            other => return Err(PyValueError::new_err(format!("no optimizer {other:?} (sgd or adam)"))),
+        };
+        let mode = match mode {
+            "locked" => UpdateMode::Locked,
+            "hogwild" => UpdateMode::Hogwild,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "no update mode {other:?} (locked or hogwild)"
+                )))
+            }
+        };
+        let rrefs = params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                p.inner.param_rref().ok_or_else(|| {
+                    PyValueError::new_err(format!(
+                        "parameter {i} is not a remote parameter (sluice.remote.parameter)"
+                    ))
+                })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let agent = agent.agent().clone();
+        let inner = py
+            .detach(|| DistributedOptimizer::new(&agent, kind, &rrefs, mode))
+            .map_err(err)?;
+        Ok(PyDistributedOptimizer { inner })
+    }
+
+    /// Every owner steps with the context's gradients.
+    fn step(&self, py: Python<'_>, context: &PyDistContext) -> PyResult<()> {
+        let id = context.context()?.id();
+        py.detach(|| self.inner.step(id)).map_err(err)
+    }
+
+    /// The backward from `roots`, and the step, with owners stepping before they answer the
+    /// backward where they can (one call fewer each; see the Rust `backward_and_step`).
+    fn backward_and_step(
+        &self,
+        py: Python<'_>,
+        context: &PyDistContext,
+        roots: Vec<PyRef<'_, PyRemoteTensor>>,
+    ) -> PyResult<()> {
+        let id = context.context()?.id();
+        let roots = roots_of(&roots);
+        py.detach(|| self.inner.backward_and_step_by_id(id, &roots_here(&roots)?))
+            .map_err(err)
+    }
 }
 
 macro_rules! unary {

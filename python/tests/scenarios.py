@@ -344,6 +344,70 @@ def remote_tensors(rank, world):
     rpc.shutdown()
 
 
+
+def remote_training(rank, world):
+    """Training from Python on remote parameters: a linear layer on worker1, trained two steps
+    with SGD (once as backward then step, once with the step in the backward's answer), equal
+    to the same steps in NumPy; an optimizer over a tensor that is not a parameter, an integer
+    parameter, and a backward or step in a context not entered or already left are clear
+    errors."""
+    _init(rank)
+    if rank == 0:
+        from sluice import remote
+
+        rng = np.random.default_rng(3)
+        x, w, b = rng.normal(size=(6, 4)), rng.normal(size=(3, 4)), rng.normal(size=3)
+        wr, br = remote.parameter(w, "worker1/cpu", "w"), remote.parameter(b, "worker1/cpu", "b")
+        np.testing.assert_array_equal(wr.to_here(), w)
+        lr = 0.1
+        opt = remote.DistributedOptimizer([wr, br], "sgd", lr=lr)
+        ids = set()
+        for fused in (False, True):
+            with remote.context() as ctx:
+                ids.add(ctx.id)
+                y = remote.to(x, "worker1/cpu").linear(wr, br)
+                loss = (y * y).mean()
+                if fused:
+                    opt.backward_and_step(ctx, loss)
+                else:
+                    ctx.backward(loss)
+                    opt.step(ctx)
+            # The same step in NumPy: loss = mean(y²), dL/dy = 2y / y.size.
+            yl = x @ w.T + b
+            dy = 2 * yl / yl.size
+            w, b = w - lr * dy.T @ x, b - lr * dy.sum(0)
+            np.testing.assert_allclose(wr.to_here(), w, rtol=1e-12, atol=1e-14)
+            np.testing.assert_allclose(br.to_here(), b, rtol=1e-12, atol=1e-14)
+        assert len(ids) == 2, ids
+        # Mistakes: a plain remote tensor is no parameter; a backward needs a context.
+        try:
+            remote.DistributedOptimizer([remote.to(x, "worker1/cpu")])
+        except ValueError as e:
+            assert "not a remote parameter" in str(e), e
+        else:
+            raise AssertionError("an optimizer over a plain tensor was accepted")
+        try:
+            remote.parameter(np.ones(2, dtype=np.int64), "worker1/cpu", "i")
+        except ValueError as e:
+            assert "float" in str(e), e
+        else:
+            raise AssertionError("an integer parameter was accepted")
+        # A context never entered, and one already left, say so.
+        for what, ctx in (("never entered", remote.context()), ("already left", ctx)):
+            try:
+                ctx.backward(wr.sum())
+            except RuntimeError as e:
+                assert what in str(e), e
+            else:
+                raise AssertionError(f"a backward in a context {what} ran")
+        try:
+            opt.step(ctx)
+        except RuntimeError as e:
+            assert "already left" in str(e), e
+        else:
+            raise AssertionError("a step in a context already left ran")
+    rpc.shutdown()
+
 def priorities(rank, world):
     """Call priorities from Python: every call form carries the level given by the keyword or
     the ``priority()`` block; functions run by a callee (and the calls they make) inherit it;

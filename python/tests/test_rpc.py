@@ -35,6 +35,10 @@ def test_remote_tensors_run_on_their_owners(group):
     group("remote_tensors", world=3)
 
 
+def test_training_on_remote_parameters(group):
+    group("remote_training")
+
+
 def test_call_priorities_from_python(group):
     group("priorities")
 
