@@ -56,9 +56,9 @@ pub struct ShmOptions {
     pub ring_capacity: usize,
     /// How long a side spins on an empty or full ring before parking on its eventfd. Zero parks
     /// at once (lowest CPU, highest latency); longer keeps wake-ups (tens of µs) off busy
-    /// connections. A side whose recent waits typically lasted longer than this but at most a
-    /// millisecond (a caller waiting on a handler that computes) spins up to twice that typical
-    /// wait instead, yielding its core to any thread ready to run on it.
+    /// connections. A side whose recent waits typically lasted longer than this but at most
+    /// 2.5 ms (a caller waiting on a handler that computes) spins up to twice that typical wait
+    /// instead, yielding its core to any thread ready to run on it.
     pub spin: Duration,
     /// How long an accepted socket may take to complete the descriptor exchange.
     pub handshake_timeout: Duration,
@@ -403,7 +403,7 @@ struct Shared {
 
 /// A side whose waits typically end within this long learns to spin through them (see
 /// [`Shared::spin_limit`]).
-const ADAPT_MAX: Duration = Duration::from_millis(1);
+const ADAPT_MAX: Duration = Duration::from_micros(2_500);
 
 /// The spin before parking for a side configured to spin `spin` whose waits typically last
 /// `typical_ns`: twice the typical wait where that is longer than `spin` but within
@@ -1043,7 +1043,7 @@ mod tests {
     const SPIN: Duration = Duration::from_micros(50);
     const US: u64 = 1_000;
 
-    /// Waits a millisecond long (a caller waiting on a handler that computes) teach a side to
+    /// Waits of a millisecond or two (a caller waiting on a handler that computes) teach a side to
     /// spin through them; short waits (a busy ping-pong) and long ones (an idle pipe,
     /// heartbeats) leave the configured spin; an unknown side spins as configured.
     #[test]
@@ -1051,8 +1051,8 @@ mod tests {
         assert_eq!(adaptive_spin(SPIN, 0), SPIN);
         assert_eq!(adaptive_spin(SPIN, 3 * US), SPIN);
         assert_eq!(adaptive_spin(SPIN, 800 * US), Duration::from_micros(1_600));
-        assert_eq!(adaptive_spin(SPIN, 1_000 * US), Duration::from_micros(2_000));
-        assert_eq!(adaptive_spin(SPIN, 1_001 * US), SPIN);
+        assert_eq!(adaptive_spin(SPIN, 2_500 * US), Duration::from_micros(5_000));
+        assert_eq!(adaptive_spin(SPIN, 2_501 * US), SPIN);
         assert_eq!(adaptive_spin(SPIN, 5_000_000 * US), SPIN);
         // A side configured not to spin learns nothing to spin for: `wait` takes no spin slot
         // when `spin` is zero.
