@@ -246,6 +246,32 @@ worker_test!(backward_and_step_matches_backward_then_step, 4, |env: WorkerEnv| {
             ctx.release().unwrap();
         }
 
+        // One `remote` result fetched twice: two receive functions here for one send function
+        // on worker 1, so the pass sends worker 1 two messages and it must not step early.
+        // (An optimizer over worker 1's parameters only: this context reaches no other.)
+        let opt1 = DistributedOptimizer::new(&agent, kind, &rrefs[..3], UpdateMode::Locked).unwrap();
+        let local_opt1 = Optimizer::new(kind, local[1].clone(), UpdateMode::Locked);
+        let x = input();
+        let ctx = Context::new(&agent).unwrap();
+        let r = dist::remote::<_, Tensor>(&agent, 1u32, "layer", &x).unwrap();
+        let (a1, a2) = (r.to_here().unwrap(), r.to_here().unwrap());
+        opt1.backward_and_step(&ctx, &[a1.mul(&a2).unwrap().sum().unwrap()])
+            .unwrap();
+        ctx.release().unwrap();
+        let al = layer_with(&x, &local[1]).unwrap();
+        local[1..].iter().flatten().for_each(Parameter::zero_grad);
+        al.mul(&al).unwrap().sum().unwrap().backward().unwrap();
+        local_opt1.step().unwrap();
+        let v: Vec<Tensor> = dist::rpc_sync(&agent, 1u32, "values", &()).unwrap();
+        for (i, p) in local[1].iter().enumerate() {
+            assert_close(
+                &format!("param {i} on 1 after a result fetched twice"),
+                &v[i],
+                &p.data(),
+            );
+        }
+        assert_eq!(fused(1), 2, "a worker sent two messages does not step in its answer");
+
         // A backward that fails steps nothing: the error names the worker, values stay.
         let before: Vec<Tensor> = dist::rpc_sync(&agent, 1u32, "values", &()).unwrap();
         let ctx = Context::new(&agent).unwrap();

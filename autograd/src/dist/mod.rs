@@ -485,17 +485,27 @@ fn backward_in(
         .collect::<Result<Vec<_>>>()?;
     state.touch();
     let me = container().bind(agent);
-    // A receive function here sends on one message per pass that reaches it; but a send
-    // function here (a tensor this worker sent on that needs its gradient) starts a pass of
-    // its own when that gradient comes back, and it may reach the same receive function
-    // again: the worker behind it gets a second message. Only with no send functions here is
-    // this pass the only one.
-    let steps = if state.sends.lock().unwrap().is_empty() {
-        steps
+    // A worker may step in its answer only if this pass sends it one message. A receive
+    // function here sends on one message per pass that reaches it, but:
+    // - a send function here (a tensor this worker sent on that needs its gradient) starts a
+    //   pass of its own when that gradient comes back, and it may reach the same receive
+    //   function again: only with no send functions here is this pass the only one;
+    // - several receive functions may stand for one send function there (every `to_here` of
+    //   one `remote` result is a receive function of its own): only a worker this context
+    //   received from once gets the request.
+    let steps: Vec<(u32, u64)> = if state.sends.lock().unwrap().is_empty() {
+        let points = state.points.lock().unwrap();
+        let received_from = |w: u32| {
+            points
+                .iter()
+                .filter(|p| p.kind == PointKind::Recv && p.peer == w)
+                .count()
+        };
+        steps.iter().copied().filter(|&(w, _)| received_from(w) == 1).collect()
     } else {
-        &[]
+        Vec::new()
     };
-    let result = run_pass(agent, state, starts, retain_graph, steps).map_err(|e| on_worker(me, e));
+    let result = run_pass(agent, state, starts, retain_graph, &steps).map_err(|e| on_worker(me, e));
     if result.is_ok() && !retain_graph {
         state.graph_freed.store(true, Ordering::Release);
     }
@@ -586,12 +596,17 @@ fn run_pass(
     let mut stepped = Vec::new();
     for (worker, fut) in sink.pending.into_inner().unwrap() {
         match fut.wait() {
-            // An answer that is not `true` (an empty one included) did not step.
-            Ok(reply) => {
-                if reply.decode::<bool>().unwrap_or(false) {
-                    stepped.push(worker);
+            // The answer says whether the worker stepped; one that cannot be read is an error
+            // (counting it as "did not step" could step that worker twice).
+            Ok(reply) => match reply.decode::<bool>() {
+                Ok(true) => stepped.push(worker),
+                Ok(false) => {}
+                Err(e) => {
+                    first.get_or_insert(Error::Wire(format!(
+                        "worker {worker}'s answer to a backward message: {e}"
+                    )));
                 }
-            }
+            },
             Err(e) => {
                 first.get_or_insert(remote_error(e));
             }
