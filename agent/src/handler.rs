@@ -51,16 +51,35 @@ const INLINE_MAX: std::time::Duration = std::time::Duration::from_micros(200);
 const TIMED_EVERY: u32 = 16;
 
 /// How a synchronous handler behaved when it last ran: whether it may run inline.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Pace {
     inline: std::sync::atomic::AtomicBool,
+    /// Its last run blocked (a nested call, a wait); true before the first run.
+    blocked: std::sync::atomic::AtomicBool,
     /// Runs while inline, for choosing the ones timed.
     runs: std::sync::atomic::AtomicU32,
+}
+
+impl Default for Pace {
+    fn default() -> Pace {
+        Pace {
+            inline: false.into(),
+            blocked: true.into(),
+            runs: 0.into(),
+        }
+    }
 }
 
 impl Pace {
     pub(crate) fn inline(&self) -> bool {
         self.inline.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether its last run computed for long without blocking: it will likely keep a core
+    /// busy (see `sluice_transport::shm::occupy_core`).
+    pub(crate) fn computes(&self) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        !self.inline.load(Relaxed) && !self.blocked.load(Relaxed)
     }
 
     /// Runs the handler's `job` and records how it went: quick (when timed) and never blocked
@@ -73,12 +92,14 @@ impl Pace {
             let (r, blocked) = crate::pool::measured(job);
             if blocked {
                 self.inline.store(false, Relaxed);
+                self.blocked.store(true, Relaxed);
             }
             return r;
         }
         let start = std::time::Instant::now();
         let (r, blocked) = crate::pool::measured(job);
         self.inline.store(!blocked && start.elapsed() < INLINE_MAX, Relaxed);
+        self.blocked.store(blocked, Relaxed);
         r
     }
 }
@@ -262,6 +283,18 @@ mod pace_tests {
 
     /// A quick handler goes inline after one run; once it turns slow it leaves within
     /// `TIMED_EVERY` runs, and one that blocks leaves at once.
+    #[test]
+    fn only_a_handler_that_computed_long_without_blocking_claims_a_core() {
+        let pace = Pace::default();
+        assert!(!pace.computes(), "nothing known before the first run");
+        pace.run(|| std::thread::sleep(INLINE_MAX * 2));
+        assert!(pace.computes(), "slow, never blocked");
+        pace.run(|| crate::pool::blocking(|| std::thread::sleep(INLINE_MAX * 2)));
+        assert!(!pace.computes(), "slow because it waited");
+        pace.run(|| ());
+        assert!(!pace.computes(), "quick: runs inline, claims nothing");
+    }
+
     #[test]
     fn a_handler_leaves_the_reading_thread_once_slow_or_blocking() {
         let pace = Pace::default();

@@ -425,10 +425,13 @@ impl AgentInner {
             }
             Handler::Sync(f, pace) => {
                 self.pool.submit_at(priority, move || {
-                    // A handler that ran long last time claims a core from this host's
-                    // spinners while it runs (see `occupy_core`).
-                    let _core = (!pace.inline()).then(sluice_transport::shm::occupy_core).flatten();
-                    let result = with_priority(priority, || pace.run(|| f(&ctx, payload)));
+                    // A handler that computed for long last time (without blocking) claims
+                    // a core from this host's spinners while it runs (see `occupy_core`),
+                    // given back before the reply.
+                    let result = {
+                        let _core = pace.computes().then(sluice_transport::shm::occupy_core).flatten();
+                        with_priority(priority, || pace.run(|| f(&ctx, payload)))
+                    };
                     let reply = finish(&inner, result);
                     inner.reply_from_pool(pipe, caller, id, reply);
                 });
