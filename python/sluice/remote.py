@@ -65,7 +65,8 @@ def parameter(array, placement, name):
 class context:
     """A distributed autograd context (PyTorch's ``dist_autograd.context()``), entered on this
     thread: remote tensors flushed inside it are recorded in it. Leaving it releases it on
-    every worker it reached."""
+    every worker it reached. It belongs to the thread that entered it: use and leave it there
+    (PyO3 refuses it on another thread)."""
 
     __slots__ = ("_c",)
 

@@ -144,7 +144,7 @@ impl PyDistContext {
 
 /// The distributed optimizer over remote parameters (`_remote_parameter`): `kind` `"sgd"` or
 /// `"adam"`, `mode` `"locked"` or `"hogwild"`.
-#[pyclass(module = "sluice._sluice", name = "_DistributedOptimizer", unsendable)]
+#[pyclass(module = "sluice._sluice", name = "_DistributedOptimizer")]
 pub struct PyDistributedOptimizer {
     inner: DistributedOptimizer,
 }
