@@ -281,8 +281,6 @@ impl<C: Send + 'static> Handlers<C> {
 mod pace_tests {
     use super::*;
 
-    /// A quick handler goes inline after one run; once it turns slow it leaves within
-    /// `TIMED_EVERY` runs, and one that blocks leaves at once.
     #[test]
     fn only_a_handler_that_computed_long_without_blocking_claims_a_core() {
         let pace = Pace::default();
@@ -295,6 +293,8 @@ mod pace_tests {
         assert!(!pace.computes(), "quick: runs inline, claims nothing");
     }
 
+    /// A quick handler goes inline after one run; once it turns slow it leaves within
+    /// `TIMED_EVERY` runs, and one that blocks leaves at once.
     #[test]
     fn a_handler_leaves_the_reading_thread_once_slow_or_blocking() {
         let pace = Pace::default();

@@ -93,7 +93,7 @@ class context:
     def backward(self, *losses):
         """The distributed backward from one-element remote ``losses``: gradients accumulate
         in this context on the parameters' owners."""
-        self._entered().backward(rpc._require_agent(), [loss._t for loss in losses])
+        self._entered().backward([loss._t for loss in losses])
 
 
 class DistributedOptimizer:

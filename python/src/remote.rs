@@ -93,6 +93,7 @@ pub fn _remote_tensor(
 #[pyclass(module = "sluice._sluice", name = "_DistContext", unsendable)]
 pub struct PyDistContext {
     inner: Option<Context>,
+    agent: sluice_agent::Agent,
 }
 
 impl PyDistContext {
@@ -120,6 +121,7 @@ impl PyDistContext {
     fn new(agent: &PyAgent) -> PyResult<PyDistContext> {
         Ok(PyDistContext {
             inner: Some(Context::new(agent.agent()).map_err(err)?),
+            agent: agent.agent().clone(),
         })
     }
 
@@ -129,10 +131,10 @@ impl PyDistContext {
     }
 
     /// The distributed backward from one-element remote `roots` (the graph is freed).
-    fn backward(&self, py: Python<'_>, agent: &PyAgent, roots: Vec<PyRef<'_, PyRemoteTensor>>) -> PyResult<()> {
+    fn backward(&self, py: Python<'_>, roots: Vec<PyRef<'_, PyRemoteTensor>>) -> PyResult<()> {
         let id = self.context()?.id();
-        let (agent, roots) = (agent.agent().clone(), roots_of(&roots));
-        py.detach(|| sluice_autograd::dist::backward(&agent, id, &roots_here(&roots)?, false))
+        let (agent, roots) = (&self.agent, roots_of(&roots));
+        py.detach(|| sluice_autograd::dist::backward(agent, id, &roots_here(&roots)?, false))
             .map_err(err)
     }
 
@@ -142,7 +144,8 @@ impl PyDistContext {
     }
 }
 
-/// The distributed optimizer over remote parameters (`_remote_parameter`): `kind` `"sgd"` or
+/// The distributed optimizer over remote parameters (`_remote_tensor(..., parameter=name)`):
+/// `kind` `"sgd"` or
 /// `"adam"`, `mode` `"locked"` or `"hogwild"`.
 #[pyclass(module = "sluice._sluice", name = "_DistributedOptimizer")]
 pub struct PyDistributedOptimizer {
