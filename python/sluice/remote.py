@@ -18,7 +18,7 @@ Training runs on the owners, under distributed autograd::
         opt.backward_and_step(ctx, loss)     # or: ctx.backward(loss); opt.step(ctx)
 
 Gradients accumulate in the context on the parameters' owners and the optimizer applies them
-there; they do not come back into Python.
+there; ``ctx.gradient(w)`` reads one back (a NumPy array, one call to ``w``'s owner).
 
 Any worker started with ``sluice.rpc.init_rpc`` can own remote tensors, Python or Rust.
 """
@@ -49,6 +49,11 @@ def _array(array):
     if a.dtype not in _DTYPES:
         raise ValueError(f"remote tensors from Python hold float32, float64 or int64, not {a.dtype}")
     return a
+
+
+def _numpy(data, shape, dtype):
+    """Bytes from the native side as a NumPy array (a copy that owns its memory)."""
+    return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape).copy()
 
 
 def parameter(array, placement, name):
@@ -94,6 +99,15 @@ class context:
         """The distributed backward from one-element remote ``losses``: gradients accumulate
         in this context on the parameters' owners."""
         self._entered().backward([loss._t for loss in losses])
+
+
+    def gradient(self, param):
+        """The gradient remote parameter ``param`` accumulated in this context on its owner,
+        read from there as a NumPy array (one call), or ``None`` when the backwards in this
+        context reached no use of it. Only a parameter keeps a gradient: any other remote
+        tensor raises ``ValueError``."""
+        g = self._entered().gradient(param._t)
+        return None if g is None else _numpy(*g)
 
 
 class DistributedOptimizer:
@@ -166,8 +180,7 @@ class RemoteTensor:
     # Flush points.
     def to_here(self):
         """The value here, as a NumPy array."""
-        data, shape, dtype = self._t.to_here()
-        return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape).copy()
+        return _numpy(*self._t.to_here())
 
     numpy = to_here
 

@@ -104,6 +104,30 @@ impl PyDistContext {
     }
 }
 
+/// A tensor's value as little-endian bytes here, with its shape and dtype (half precision
+/// widened to f32, which NumPy reads).
+struct HostBytes(Vec<u8>, Vec<usize>, DType);
+
+impl HostBytes {
+    fn into_py(self, py: Python<'_>) -> (Bound<'_, PyBytes>, Vec<usize>, &'static str) {
+        (PyBytes::new(py, &self.0), self.1, dtype_str(self.2))
+    }
+}
+
+fn host_bytes(t: Tensor) -> sluice_autograd::Result<HostBytes> {
+    let t = t.to_device(sluice_channel::Device::Cpu)?;
+    let t = match t.dtype() {
+        DType::F16 | DType::BF16 => t.to_dtype(DType::F32)?,
+        _ => t,
+    };
+    let bytes: Vec<u8> = match t.dtype() {
+        DType::F64 => t.to_vec::<f64>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        DType::I64 => t.to_vec::<i64>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        _ => t.to_vec::<f32>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    };
+    Ok(HostBytes(bytes, t.shape().to_vec(), t.dtype()))
+}
+
 fn roots_of(roots: &[PyRef<'_, PyRemoteTensor>]) -> Vec<RemoteTensor> {
     roots.iter().map(|r| r.inner.clone()).collect()
 }
@@ -136,6 +160,27 @@ impl PyDistContext {
         let (agent, roots) = (&self.agent, roots_of(&roots));
         py.detach(|| sluice_autograd::dist::backward(agent, id, &roots_here(&roots)?, false))
             .map_err(err)
+    }
+
+    /// The gradient remote parameter `param` accumulated in this context on its owner, read
+    /// from there as `(bytes, shape, dtype string)`, or `None` when it has none.
+    #[allow(clippy::type_complexity)]
+    fn gradient<'py>(
+        &self,
+        py: Python<'py>,
+        param: PyRef<'_, PyRemoteTensor>,
+    ) -> PyResult<Option<(Bound<'py, PyBytes>, Vec<usize>, &'static str)>> {
+        let id = self.context()?.id();
+        let param = param.inner.clone();
+        if param.param_rref().is_none() {
+            return Err(PyValueError::new_err(
+                "only a parameter (sluice.remote.parameter) keeps a gradient on its owner",
+            ));
+        }
+        let host = py
+            .detach(|| param.gradient(id)?.map(host_bytes).transpose())
+            .map_err(err)?;
+        Ok(host.map(|h| h.into_py(py)))
     }
 
     /// Leaves the context: released here and on every worker it reached (not waited for).
@@ -329,29 +374,8 @@ impl PyRemoteTensor {
 
     /// The value here: `(bytes, shape, dtype string)` (a flush point).
     fn to_here<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyBytes>, Vec<usize>, &'static str)> {
-        let (bytes, shape, dtype) = py
-            .detach(|| -> sluice_autograd::Result<_> {
-                let t = self.inner.to_here()?.to_device(sluice_channel::Device::Cpu)?;
-                let bytes: Vec<u8> = match t.dtype() {
-                    DType::F32 => t.to_vec::<f32>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                    DType::F64 => t.to_vec::<f64>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                    DType::I64 => t.to_vec::<i64>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                    DType::F16 | DType::BF16 => t
-                        .to_dtype(DType::F32)?
-                        .to_vec::<f32>()?
-                        .iter()
-                        .flat_map(|v| v.to_le_bytes())
-                        .collect(),
-                };
-                let dtype = match t.dtype() {
-                    DType::F16 | DType::BF16 => DType::F32,
-                    d => d,
-                };
-                let t_shape = t.shape().to_vec();
-                Ok((bytes, t_shape, dtype))
-            })
-            .map_err(err)?;
-        Ok((PyBytes::new(py, &bytes), shape, dtype_str(dtype)))
+        let host = py.detach(|| host_bytes(self.inner.to_here()?)).map_err(err)?;
+        Ok(host.into_py(py))
     }
 
     /// The single value of a one-element tensor (a flush point).

@@ -348,7 +348,7 @@ def remote_tensors(rank, world):
 def remote_training(rank, world):
     """Training from Python on remote parameters: a linear layer on worker1, trained two steps
     with SGD (once as backward then step, once with the step in the backward's answer), equal
-    to the same steps in NumPy; an optimizer over a tensor that is not a parameter, an integer
+    to the same steps in NumPy, its gradients read back from worker1; an optimizer over a tensor that is not a parameter, an integer
     parameter, and a backward or step in a context not entered or already left are clear
     errors."""
     _init(rank)
@@ -372,9 +372,20 @@ def remote_training(rank, world):
                 else:
                     ctx.backward(loss)
                     opt.step(ctx)
-            # The same step in NumPy: loss = mean(y²), dL/dy = 2y / y.size.
-            yl = x @ w.T + b
-            dy = 2 * yl / yl.size
+                # The same step in NumPy: loss = mean(y²), dL/dy = 2y / y.size. The gradients
+                # stay on worker1 and are read back from there.
+                yl = x @ w.T + b
+                dy = 2 * yl / yl.size
+                np.testing.assert_allclose(ctx.gradient(wr), dy.T @ x, rtol=1e-12, atol=1e-14)
+                np.testing.assert_allclose(ctx.gradient(br), dy.sum(0), rtol=1e-12, atol=1e-14)
+                try:
+                    ctx.gradient(y)
+                except ValueError as e:
+                    assert "only a parameter" in str(e), e
+                else:
+                    raise AssertionError("a gradient of a tensor that is no parameter was read")
+            with remote.context() as other:
+                assert other.gradient(wr) is None, "a context that ran no backward"
             w, b = w - lr * dy.T @ x, b - lr * dy.sum(0)
             np.testing.assert_allclose(wr.to_here(), w, rtol=1e-12, atol=1e-14)
             np.testing.assert_allclose(br.to_here(), b, rtol=1e-12, atol=1e-14)

@@ -113,7 +113,21 @@ worker_test!(remote_results_and_gradients_equal_local, 2, |env: WorkerEnv| {
         ctx.backward(&[loss], false).unwrap();
         let g = ctx.gradient(&x).expect("x's gradient came back from worker 1");
         close(&g, &gx, "x's gradient");
-        // The parameters' gradients are on worker 1: one SGD step there, then read back.
+        // The parameters' gradients stay on worker 1, read from there one call each.
+        close(
+            &w.gradient(ctx.id()).unwrap().expect("W's gradient"),
+            &gw,
+            "W's gradient, read",
+        );
+        close(
+            &b.gradient(ctx.id()).unwrap().expect("b's gradient"),
+            &gb,
+            "b's gradient, read",
+        );
+        // A tensor that is no parameter keeps none.
+        let not_param = w.mul_scalar(2.0).unwrap();
+        assert!(matches!(not_param.gradient(ctx.id()), Err(Error::Remote(_))));
+        // One SGD step there, then the parameters read back.
         opt.step(ctx.id()).unwrap();
         let w1 = w.to_here().unwrap();
         let b1 = b.to_here().unwrap();
@@ -121,6 +135,10 @@ worker_test!(remote_results_and_gradients_equal_local, 2, |env: WorkerEnv| {
         close(&w1, &expect(&w0, &gw), "W after the remote step");
         close(&b1, &expect(&b0, &gb), "b after the remote step");
         ctx.release().unwrap();
+        // A context worker 1 never saw holds none.
+        let other = Context::new(&agent).unwrap();
+        assert!(w.gradient(other.id()).unwrap().is_none());
+        other.release().unwrap();
     }
     agent.shutdown().unwrap();
 });

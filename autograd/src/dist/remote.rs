@@ -54,6 +54,7 @@ use crate::tensor::{numel, Tensor};
 const H_RUN: &str = "sluice.remote.run";
 const H_PARAM: &str = "sluice.remote.param";
 const H_FETCH: &str = "sluice.remote.fetch";
+const H_GRAD: &str = "sluice.remote.grad";
 
 /// An owner's open recording is flushed when it holds this many operations.
 pub const FLUSH_OPS: usize = 1024;
@@ -1089,6 +1090,30 @@ impl RemoteTensor {
         flush_locked(&mut map, &self.node.agent, self.node.owner.id, node)
     }
 
+    /// The gradient a remote parameter accumulated in distributed autograd context
+    /// `context` on its owner, read from there (`None` when the backwards run in that context
+    /// reached no use of it, or the context is unknown to the owner). One call; not recorded.
+    /// Only a parameter has one: any other remote tensor is an error, as its gradient is
+    /// never kept.
+    pub fn gradient(&self, context: u64) -> Result<Option<Tensor>> {
+        let Some(rref) = self.param_rref() else {
+            return Err(remote_err(
+                "only a parameter (RemoteTensor::parameter) keeps a gradient on its owner",
+            ));
+        };
+        let payload = Payload::encode(&context)?;
+        let reply = rref
+            .rpc_async_raw(H_GRAD, payload, rref.default_timeout()?)
+            .wait()
+            .map_err(remote_error)?;
+        let mut values = receive_values(reply, None, self.node.owner.id)?;
+        match values.len() {
+            0 => Ok(None),
+            1 => Ok(values.pop()),
+            n => Err(remote_err(format!("the owner sent {n} gradients for one parameter"))),
+        }
+    }
+
     /// The single value of a one-element tensor.
     pub fn item(&self) -> Result<f64> {
         self.to_here()?.item()
@@ -1460,6 +1485,17 @@ pub(crate) fn install(registry: &mut Registry) {
         let value = value.to_device(device).map_err(|e| to_handler_error(me, e))?;
         let name = header.name.rsplit_once('@').map_or(header.name.as_str(), |(n, _)| n);
         Ok(Value::object(Parameter::new(name, value)))
+    });
+    registry.value_method(H_GRAD, |cx: &CallContext, value: &Value, payload: Payload| {
+        let context: u64 = payload
+            .decode()
+            .map_err(|e| HandlerError::new("DecodeError", e.to_string()))?;
+        let Some(p) = value.object_ref::<Parameter>() else {
+            return Err(HandlerError::new("TypeError", "not a remote parameter"));
+        };
+        // A context the owner never saw (or already released) holds no gradient of it.
+        let grad = super::get_gradients(context).ok().and_then(|g| g.get(&p.id()).cloned());
+        serve_reply(cx, &grad.into_iter().collect::<Vec<Tensor>>(), None).map(Value::Payload)
     });
     registry.value_method(H_FETCH, |cx: &CallContext, value: &Value, payload: Payload| {
         let header: FetchHeader = payload
