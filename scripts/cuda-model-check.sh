@@ -68,6 +68,7 @@ for seed in "" 1 2; do
     run -p sluice-autograd --lib -- --skip kernels_compile_and_take_the_arguments_launch_passes
     run -p sluice-tests --test cuda_rpc --test pipeline
     run -p sluice-tests --test cuda_autograd -- --skip without
+    run -p sluice-capi --test gpu_tensors -- --skip without
     if [ -s "$skips" ]; then
         echo "== the CUDA driver model: tests skipped in this pass:" >&2
         cat "$skips" >&2

@@ -19,7 +19,8 @@
 #      cuda_gdr skips with its reason without an RDMA NIC. Then tests/tests/cuda.rs: offsets
 #      inside allocations, default negotiation;
 #   3. tests/tests/pipe.rs: the CPU pipe suite, now on a machine where the CUDA channels are
-#      offered too;
+#      offered too; capi/tests/gpu_tensors.rs: GPU tensors through the C API (sent with
+#      sluice_message_add_cuda_tensor, received into the caller's allocator's memory);
 #   4. `sluice bench cuda`, writing its JSON lines to $OUT/cuda.jsonl (or gpu-bin/cuda.jsonl);
 #   5. the autograd crate's unit tests (the NVRTC compile of every kernel, with its parameters
 #      checked against the launches);
@@ -45,7 +46,8 @@ build() {
     # Test executables, by target name, from cargo's own report.
     cargo build --release --example parameter_server
     cargo test --release --no-run --message-format=json -p sluice-cuda -p sluice-channel -p sluice-autograd -p sluice-tests \
-        --lib --test cuda --test channel_conformance --test pipe --test cuda_autograd --test cuda_rpc --test pipeline 2>/dev/null |
+        -p sluice-capi --lib --test cuda --test channel_conformance --test pipe --test cuda_autograd --test cuda_rpc \
+        --test pipeline --test gpu_tensors 2>/dev/null |
         python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -112,6 +114,8 @@ run() {
     "$bin/test-cuda" --test-threads=1 --nocapture
     echo "== [${SECONDS}s] pipe suite with CUDA present (tests/tests/pipe.rs)"
     "$bin/test-pipe" --test-threads=1
+    echo "== [${SECONDS}s] GPU tensors through the C API (capi/tests/gpu_tensors.rs)"
+    "$bin/test-gpu_tensors" --test-threads=1 --nocapture
     local out="${OUT:-$bin}"
     bench "sluice bench cuda" "$bin/sluice" bench cuda --json "$out/cuda.jsonl"
     echo "== [${SECONDS}s] autograd unit tests (kernels compiled by NVRTC, parameters checked)"

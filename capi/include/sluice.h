@@ -240,6 +240,31 @@ typedef void (*sluice_read_fn)(int status,
                                sluice_received *received,
                                void *user);
 
+/**
+ * Gives device memory for one received tensor bound for a GPU (`sluice_pipe_read_then_with`):
+ * `len` bytes on CUDA device `device` (an index in this process), in `*data`, and in `*stream`
+ * a stream of that device (`cudaStream_t` as an integer; 0: the legacy default stream) that
+ * the incoming copy is queued on: work queued on it after the read completes sees the data.
+ * `*handle` is the caller's own token for this memory, handed back to `release` and readable
+ * with `sluice_received_tensor_device`. Returns 0, or a nonzero status to refuse (the read
+ * then fails with `SLUICE_UNSUPPORTED` and the pipe is closed: the message cannot be
+ * skipped). Called on a library thread, during the read; it must not block on the pipe.
+ */
+typedef int (*SluiceDeviceAllocFn)(void *user,
+                                   int32_t device,
+                                   size_t len,
+                                   void **data,
+                                   size_t *stream,
+                                   void **handle);
+
+/**
+ * Gives back memory a `SluiceDeviceAllocFn` gave (`handle`), once, from any thread, when the
+ * library holds no more references to it: when the received message is freed, or when the
+ * read failed after allocating.
+ */
+typedef void (*SluiceDeviceReleaseFn)(void *user,
+                                      void *handle);
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -577,6 +602,32 @@ int sluice_message_add_tensor(sluice_message *message,
                               void *user);
 
 /**
+ * Appends a CUDA tensor, NOT copied: the message borrows the tensor's device memory.
+ *
+ * `tensor` is described as for `sluice_message_add_tensor`, on device `kDLCUDA` (its
+ * `device_id` the GPU's index in this process). `stream` is a CUDA stream of that GPU
+ * (`cudaStream_t`/`CUstream` as an integer; 0: the legacy default stream) that orders the
+ * work producing the data: the pipe reads the tensor after the work queued on `stream` by the
+ * time of the write, never before. `target_device` is where the receiver gets it: a GPU index
+ * in the *receiving* process (0 and up; a device map's answer), or -1 for the receiver's CPU
+ * memory. The pipe picks a CUDA channel for that pair of devices (CUDA IPC or NVLink on one
+ * host, staged through host memory otherwise); a pair no channel connects fails the write.
+ *
+ * The memory must stay allocated and unchanged until `release(user)` is called: once, from
+ * any thread, when the library holds no more references to it (after the write has
+ * completed, or when the message is freed unsent). `release` may be NULL. If this call
+ * fails, the tensor was not taken and `release` is not called. Without a usable CUDA driver,
+ * or with memory that is not device memory of that GPU, the call fails (`SLUICE_UNSUPPORTED`
+ * or `SLUICE_INVALID_ARGUMENT`).
+ */
+int sluice_message_add_cuda_tensor(sluice_message *message,
+                                   const DLTensor *tensor,
+                                   size_t stream,
+                                   int32_t target_device,
+                                   sluice_release_fn release,
+                                   void *user);
+
+/**
  * Frees a message that was not written (NULL: nothing), releasing its tensors.
  */
 void sluice_message_free(sluice_message *message);
@@ -676,6 +727,25 @@ int sluice_pipe_read_then(sluice_pipe *pipe,
                           void *user);
 
 /**
+ * `sluice_pipe_read_then`, for messages that may carry tensors bound for this process's GPUs:
+ * each such tensor goes into device memory `alloc(alloc_user, device, len, ...)` gives (see
+ * `SluiceDeviceAllocFn`; called during the read, one tensor at a time, in order), and the
+ * incoming copy is queued on the stream it names. The received message then describes the
+ * tensor as `kDLCUDA` memory (`sluice_received_tensor`), and
+ * `sluice_received_tensor_device` gives the stream and the caller's handle. Each handle goes
+ * back through `release(alloc_user, handle)` once the library holds no reference to its
+ * memory (when the received message is freed, or when the read fails). Tensors bound for the
+ * CPU arrive as with `sluice_pipe_read_then`. If this function returns an error, neither
+ * `done` nor the allocator is called.
+ */
+int sluice_pipe_read_then_with(sluice_pipe *pipe,
+                               SluiceDeviceAllocFn alloc,
+                               SluiceDeviceReleaseFn release,
+                               void *alloc_user,
+                               sluice_read_fn done,
+                               void *user);
+
+/**
  * Starts receiving the next message and returns at once with an op handle in `*out` (NULL on
  * error). Once the op has finished, `sluice_op_take_received` hands out the message. Reads a
  * thread starts on a pipe take messages in that order.
@@ -742,7 +812,9 @@ size_t sluice_received_tensor_count(const sluice_received *received);
 /**
  * Fills `*out` with tensor `index` as a `DLTensor` viewing the received memory (device
  * `kDLCPU`, `byte_offset` 0, strides always set). The data and the shape and strides arrays
- * are owned by `received` and valid as long as it; treat the data as read-only. The tensor's
+ * are owned by `received` and valid as long as it; treat the data as read-only. A tensor
+ * received into GPU memory (`sluice_pipe_read_then_with`) is `kDLCUDA` with its GPU's index,
+ * its data the allocator's memory (see `sluice_received_tensor_device` for its stream). The tensor's
  * description is checked against its bytes: a bad one (from a buggy or hostile peer, or a
  * peer that sent its own metadata) is `SLUICE_PEER` with the reason, and `*out` is zeroed.
  */
@@ -751,8 +823,20 @@ int sluice_received_tensor(const sluice_received *received,
                            DLTensor *out);
 
 /**
+ * For tensor `index` received into GPU memory (`sluice_pipe_read_then_with`): `*stream`, the
+ * stream its copy was queued on (work queued there afterwards sees the data; make any other
+ * stream wait on it first), and `*handle`, the allocator's handle for its memory. For a
+ * tensor in CPU memory both are 0 (NULL). An index out of range is `SLUICE_INVALID_ARGUMENT`.
+ */
+int sluice_received_tensor_device(const sluice_received *received,
+                                  size_t index,
+                                  size_t *stream,
+                                  void **handle_out);
+
+/**
  * Tensor `index`'s bytes as they arrived (its span), whatever its metadata: `*data` (valid as
- * long as `received`, read-only) and `*len`.
+ * long as `received`, read-only) and `*len`. A tensor in GPU memory has no bytes here
+ * (`SLUICE_INVALID_ARGUMENT`): `sluice_received_tensor` gives its device pointer.
  */
 int sluice_received_tensor_data(const sluice_received *received,
                                 size_t index,

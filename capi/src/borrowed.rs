@@ -167,3 +167,140 @@ impl Region {
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
 }
+
+/// The caller's release callback for memory it lent, as a value that calls it (once, from
+/// whatever thread drops the last reference). What keeps a lent GPU tensor's memory alive for
+/// the pipe ([`sluice_channel::CudaBuffer::from_raw`]'s `keep`).
+pub(crate) struct Released {
+    release: SluiceReleaseFn,
+    user: *mut c_void,
+}
+
+// SAFETY: the value is never read; its only use is the drop, which calls the caller's callback
+// as its contract allows (once, from any thread).
+unsafe impl Send for Released {}
+// SAFETY: as above: no method reads it through a shared reference.
+unsafe impl Sync for Released {}
+
+impl Released {
+    /// # Safety
+    /// `release`, when not NULL, must be callable once with `user` from any thread.
+    pub(crate) unsafe fn new(release: SluiceReleaseFn, user: *mut c_void) -> Released {
+        Released { release, user }
+    }
+
+    /// Forgets the callback: for memory that was not taken after all.
+    pub(crate) fn disarm(&mut self) {
+        self.release = None;
+    }
+}
+
+impl Drop for Released {
+    fn drop(&mut self) {
+        if let Some(release) = self.release {
+            // SAFETY: `new`'s contract; drop runs once.
+            unsafe { release(self.user) }
+        }
+    }
+}
+
+/// The caller's allocator for received tensors bound for a GPU (`sluice_device_allocator`).
+#[derive(Clone, Copy)]
+pub(crate) struct DeviceAllocator {
+    alloc: crate::api::SluiceDeviceAllocFn,
+    release: crate::api::SluiceDeviceReleaseFn,
+    user: *mut c_void,
+}
+
+// SAFETY: the C API documents that the allocator's functions are called on library threads,
+// any of them, and the caller made them and `user` fit for that.
+unsafe impl Send for DeviceAllocator {}
+// SAFETY: as above; the fields are only copied and passed back to the caller's functions.
+unsafe impl Sync for DeviceAllocator {}
+
+/// Device memory the caller's allocator gave for one received tensor.
+pub(crate) struct DeviceGrant {
+    pub(crate) data: u64,
+    pub(crate) stream: usize,
+    /// Gives the memory back through the caller's `release` when the last reference drops.
+    pub(crate) keep: std::sync::Arc<dyn std::any::Any + Send + Sync>,
+    pub(crate) handle: *mut c_void,
+}
+
+impl DeviceGrant {
+    /// The granted memory as a buffer for `len` bytes on `device`, its copy queued on the
+    /// granted stream; the caller's `release` runs when the buffer's last clone drops.
+    pub(crate) fn buffer(
+        &self,
+        device: u32,
+        len: usize,
+    ) -> Result<sluice_channel::CudaBuffer, sluice_channel::CudaError> {
+        // SAFETY: the allocator's contract: a live stream of `device` (or 0) and `len` bytes
+        // of its device memory, both kept until `release(handle)`, which `keep` calls once
+        // the last reference drops; `from_raw` checks the stream's and the memory's device and
+        // that the memory lies inside one allocation.
+        unsafe {
+            let stream = sluice_channel::Stream::from_raw(device, self.stream)?;
+            sluice_channel::CudaBuffer::from_raw(self.data, len, &stream, self.keep.clone())
+        }
+    }
+}
+
+/// Calls the caller's `release(user, handle)` once, when dropped.
+struct GrantGuard {
+    allocator: DeviceAllocator,
+    handle: *mut c_void,
+}
+
+// SAFETY: never read through a shared reference; the drop calls the caller's release, which
+// its contract makes callable from any thread.
+unsafe impl Send for GrantGuard {}
+// SAFETY: as above.
+unsafe impl Sync for GrantGuard {}
+
+impl Drop for GrantGuard {
+    fn drop(&mut self) {
+        if let Some(release) = self.allocator.release {
+            // SAFETY: the allocator's contract: `release` takes each handle `alloc` gave once,
+            // from any thread; drop runs once.
+            unsafe { release(self.allocator.user, self.handle) }
+        }
+    }
+}
+
+impl DeviceAllocator {
+    /// # Safety
+    /// `alloc` and `release`, when not NULL, must be callable with `user` from any library
+    /// thread, as `sluice_device_allocator` documents.
+    pub(crate) unsafe fn new(
+        alloc: crate::api::SluiceDeviceAllocFn,
+        release: crate::api::SluiceDeviceReleaseFn,
+        user: *mut c_void,
+    ) -> DeviceAllocator {
+        DeviceAllocator { alloc, release, user }
+    }
+
+    /// `len` bytes on CUDA device `device` from the caller, with the stream the incoming copy
+    /// goes on; `Err(status)` with the caller's nonzero status when it refused.
+    pub(crate) fn grant(&self, device: u32, len: usize) -> Result<DeviceGrant, c_int> {
+        let Some(alloc) = self.alloc else {
+            return Err(crate::status::SLUICE_UNSUPPORTED);
+        };
+        let (mut data, mut stream, mut handle) = (std::ptr::null_mut(), 0usize, std::ptr::null_mut());
+        // SAFETY: `new`'s contract; the out-pointers are live locals.
+        let status = unsafe { alloc(self.user, device as i32, len, &mut data, &mut stream, &mut handle) };
+        if status != 0 {
+            return Err(status);
+        }
+        let guard = GrantGuard {
+            allocator: *self,
+            handle,
+        };
+        Ok(DeviceGrant {
+            data: data as u64,
+            stream,
+            keep: std::sync::Arc::new(guard),
+            handle,
+        })
+    }
+}

@@ -3,7 +3,7 @@
 //! bytes, exactly as the Python binding encodes it.
 
 use bytes::Bytes;
-use sluice_channel::{Message, SendBuffer, Tensor};
+use sluice_channel::{CudaBuffer, Device, Message, SendBuffer, Tensor};
 use sluice_dlpack::ffi::{DLDataType, DLDevice, DL_CPU, DL_CUDA, DL_CUDA_HOST};
 use sluice_dlpack::{DType, Meta, MAX_RANK};
 
@@ -41,6 +41,16 @@ impl SluiceMessage {
         });
     }
 
+    /// Appends a GPU tensor: `buffer` is its span on its device, read after the work queued
+    /// on the buffer's stream, for the receiver's `target` device.
+    pub fn add_cuda_tensor(&mut self, meta: &Meta, buffer: CudaBuffer, target: Device) {
+        self.inner.tensors.push(Tensor {
+            buffer: SendBuffer::Cuda(buffer),
+            metadata: Bytes::from(meta.encode()),
+            target_device: Some(target),
+        });
+    }
+
     pub fn tensor_count(&self) -> usize {
         self.inner.tensors.len()
     }
@@ -61,11 +71,28 @@ impl TensorSpec {
     /// Checks that the C API can send this tensor, and returns its description and span (in
     /// bytes, from the first element to the end of the last).
     pub fn check(&self) -> Result<(Meta, usize)> {
-        if self.device.device_type != DL_CPU {
+        self.check_on(DL_CPU)
+    }
+
+    /// [`check`](Self::check) for a tensor that must be on device type `device_type`
+    /// (`kDLCPU`, or `kDLCUDA` for `sluice_message_add_cuda_tensor`).
+    pub fn check_on(&self, device_type: i32) -> Result<(Meta, usize)> {
+        if self.device.device_type != device_type {
+            let hint = if device_type == DL_CPU {
+                "sluice_message_add_tensor sends CPU tensors (kDLCPU); GPU ones go with sluice_message_add_cuda_tensor"
+            } else {
+                "sluice_message_add_cuda_tensor sends CUDA tensors (kDLCUDA)"
+            };
             return Err(Error::unsupported(format!(
-                "tensor on device type {} ({}): the C API sends CPU tensors only (kDLCPU)",
+                "tensor on device type {} ({}): {hint}",
                 self.device.device_type,
                 device_name(self.device.device_type)
+            )));
+        }
+        if device_type == DL_CUDA && self.device.device_id < 0 {
+            return Err(Error::invalid(format!(
+                "bad tensor: CUDA device {}",
+                self.device.device_id
             )));
         }
         if self.shape.len() > MAX_RANK {
@@ -141,6 +168,10 @@ mod tests {
         let e = cuda.check().unwrap_err();
         assert_eq!(e.code, SLUICE_UNSUPPORTED);
         assert!(e.message.contains("kDLCUDA"), "{}", e.message);
+        assert!(cuda.check_on(DL_CUDA).is_ok());
+        cuda.device.device_id = -1;
+        assert_eq!(cuda.check_on(DL_CUDA).unwrap_err().code, SLUICE_INVALID_ARGUMENT);
+        assert_eq!(spec(&[2], None).check_on(DL_CUDA).unwrap_err().code, SLUICE_UNSUPPORTED);
         let mut vec4 = spec(&[2], None);
         vec4.dtype.lanes = 4;
         assert_eq!(vec4.check().unwrap_err().code, SLUICE_UNSUPPORTED);

@@ -9,9 +9,10 @@
 use std::ffi::{CStr, CString};
 use std::sync::Arc;
 
-use sluice_channel::{Allocation, Device, Pipe, RecvBuffer};
+use sluice_channel::{Allocation, CudaBuffer, Device, Pipe, RecvBuffer, TensorDescriptor};
 use tokio::sync::Mutex;
 
+use crate::borrowed::DeviceAllocator;
 use crate::message::SluiceMessage;
 use crate::received::SluiceReceived;
 use crate::runtime;
@@ -91,12 +92,17 @@ impl SluicePipe {
 
     /// Receives the next message (blocking).
     pub fn read_sync(&self) -> Result<SluiceReceived> {
-        runtime::block_on(read(self.pipe.clone(), self.reads.clone()))?
+        runtime::block_on(read(self.pipe.clone(), self.reads.clone(), None))?
     }
 
-    /// Starts receiving the next message; `done` gets it on a library thread.
-    pub fn read_then(&self, done: impl FnOnce(Result<SluiceReceived>) + Send + 'static) -> Result<()> {
-        runtime::start(read(self.pipe.clone(), self.reads.clone()), move |r| {
+    /// Starts receiving the next message; `done` gets it on a library thread. Tensors bound
+    /// for a GPU go into memory `devices` gives (without one, such a message is refused).
+    pub(crate) fn read_then(
+        &self,
+        devices: Option<DeviceAllocator>,
+        done: impl FnOnce(Result<SluiceReceived>) + Send + 'static,
+    ) -> Result<()> {
+        runtime::start(read(self.pipe.clone(), self.reads.clone(), devices), move |r| {
             done(r.and_then(|r| r))
         })
     }
@@ -109,35 +115,74 @@ impl Drop for SluicePipe {
 }
 
 /// The two steps of a read, under the pipe's read lock.
-async fn read(pipe: Pipe, reads: Arc<Mutex<()>>) -> Result<SluiceReceived> {
+async fn read(pipe: Pipe, reads: Arc<Mutex<()>>, devices: Option<DeviceAllocator>) -> Result<SluiceReceived> {
     let _turn = reads.lock_owned().await;
     let descriptor = pipe.read_descriptor().await?;
+    // Large CPU tensors go into kept memory of the same length where there is some (see
+    // `crate::pool`); tensors arriving shared need none; GPU ones go where `devices` says.
+    let mut tensors = Vec::with_capacity(descriptor.tensors.len());
+    let mut handles = Vec::with_capacity(descriptor.tensors.len());
     for (i, t) in descriptor.tensors.iter().enumerate() {
-        let target = t.target_device.unwrap_or(t.source_device);
-        if target != Device::Cpu {
-            // The message cannot be taken into CPU memory, and it cannot be skipped.
-            let e = Error::unsupported(format!(
-                "{} sent tensor {i} for {target}; the C API receives CPU tensors only (pipe closed)",
-                pipe.info().peer
-            ));
-            pipe.close();
-            return Err(e);
+        match gpu_buffer(&pipe, devices.as_ref(), i, t) {
+            Ok(Some((b, handle))) => {
+                tensors.push(RecvBuffer::Cuda(b));
+                handles.push(handle);
+            }
+            Ok(None) => {
+                tensors.push(RecvBuffer::Cpu(crate::pool::take(t.buffer_len())));
+                handles.push(0);
+            }
+            Err(e) => {
+                // The message cannot be taken, and it cannot be skipped.
+                pipe.close();
+                return Err(e);
+            }
         }
     }
-    // Large tensors go into kept memory of the same length where there is some (see
-    // `crate::pool`); tensors arriving shared need none.
     let allocation = Allocation {
         payloads: descriptor
             .payload_lengths
             .iter()
             .map(|&l| bytes::BytesMut::zeroed(l as usize))
             .collect(),
-        tensors: descriptor
-            .tensors
-            .iter()
-            .map(|t| RecvBuffer::Cpu(crate::pool::take(t.buffer_len())))
-            .collect(),
+        tensors,
     };
     let allocation = pipe.read(allocation).await.map_err(|e| e.error)?;
-    SluiceReceived::new(descriptor, allocation)
+    SluiceReceived::new(descriptor, allocation, &handles)
+}
+
+/// The memory for tensor `i` (described by `t`) when it is bound for a GPU: the caller's, from
+/// `devices`, with the caller's handle for it (as an address); `None` for a tensor bound for
+/// the CPU.
+fn gpu_buffer(
+    pipe: &Pipe,
+    devices: Option<&DeviceAllocator>,
+    i: usize,
+    t: &TensorDescriptor,
+) -> Result<Option<(CudaBuffer, usize)>> {
+    let Device::Cuda(device) = t.target_device.unwrap_or(t.source_device) else {
+        return Ok(None);
+    };
+    let peer = &pipe.info().peer;
+    let Some(devices) = devices else {
+        return Err(Error::unsupported(format!(
+            "{peer} sent tensor {i} for cuda:{device}; receiving GPU tensors takes a device allocator \
+             (sluice_pipe_read_then_with) (pipe closed)"
+        )));
+    };
+    let len = t.length as usize;
+    let grant = devices.grant(device, len).map_err(|status| {
+        Error::unsupported(format!(
+            "{peer} sent tensor {i} ({len} bytes) for cuda:{device}; the device allocator refused it \
+             with status {status} (pipe closed)"
+        ))
+    })?;
+    let wrong = |e: sluice_channel::CudaError| {
+        Error::invalid(format!(
+            "the device allocator's memory for tensor {i} ({len} bytes on cuda:{device}, handle {:?}): {e} (pipe closed)",
+            grant.handle
+        ))
+    };
+    let buffer = grant.buffer(device, len).map_err(wrong)?;
+    Ok(Some((buffer, grant.handle as usize)))
 }

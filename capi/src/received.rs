@@ -1,12 +1,13 @@
-//! A received message (`sluice_received`): metadata, payloads and CPU tensors, each tensor's
+//! A received message (`sluice_received`): metadata, payloads and tensors (in CPU memory, or in
+//! GPU memory the caller's allocator gave), each tensor's
 //! description parsed and checked against its bytes on arrival (never trusted). A tensor whose
 //! description is bad still arrives; asking for it as a `DLTensor` is the error.
 
 use std::ffi::c_void;
 
 use bytes::Bytes;
-use sluice_channel::{Allocation, Descriptor};
-use sluice_dlpack::ffi::{DLDevice, DLTensor, DL_CPU};
+use sluice_channel::{Allocation, CudaBuffer, Descriptor, RecvBuffer};
+use sluice_dlpack::ffi::{DLDevice, DLTensor, DL_CPU, DL_CUDA};
 use sluice_dlpack::{Meta, MetaError};
 
 use crate::status::{meta_error, Error, Result};
@@ -27,6 +28,9 @@ struct ReceivedTensor {
     /// Whether `data` is this process's own memory (filled by a copy), rather than memory the
     /// pipe lends (a shared segment, read-only, going back to the sender when dropped).
     private: bool,
+    /// A tensor received into GPU memory: the caller's memory (its allocator's), with the
+    /// stream its copy was queued on, and the caller's handle for it (`data` is empty then).
+    gpu: Option<(CudaBuffer, usize)>,
 }
 
 /// A tensor's bytes taken out of a received message (`sluice_received_tensor_take`): this
@@ -57,21 +61,29 @@ impl Drop for SluiceReceived {
 }
 
 impl SluiceReceived {
-    /// The message `descriptor` announced, filled into `allocation` (CPU memory only).
-    pub(crate) fn new(descriptor: Descriptor, allocation: Allocation) -> Result<SluiceReceived> {
+    /// The message `descriptor` announced, filled into `allocation`; `handles[i]` is the
+    /// caller's handle (an address) for tensor `i` when it arrived in GPU memory.
+    pub(crate) fn new(descriptor: Descriptor, allocation: Allocation, handles: &[usize]) -> Result<SluiceReceived> {
         let payloads = allocation.payloads.into_iter().map(|p| p.freeze()).collect();
         let mut tensors = Vec::with_capacity(allocation.tensors.len());
         for (i, (buffer, d)) in allocation.tensors.into_iter().zip(descriptor.tensors).enumerate() {
-            let private = matches!(buffer, sluice_channel::RecvBuffer::Cpu(_));
-            let data = buffer
-                .into_cpu()
-                .ok_or_else(|| Error::unsupported(format!("tensor {i} arrived in GPU memory")))?;
-            let meta = Meta::decode(&d.metadata, data.len());
+            let private = matches!(buffer, RecvBuffer::Cpu(_));
+            let (data, gpu) = match buffer {
+                RecvBuffer::Cuda(b) => (Bytes::new(), Some((b, handles.get(i).copied().unwrap_or(0)))),
+                cpu => (
+                    cpu.into_cpu()
+                        .ok_or_else(|| Error::unsupported(format!("tensor {i} arrived on no device")))?,
+                    None,
+                ),
+            };
+            let len = gpu.as_ref().map_or(data.len(), |(b, _)| b.len());
+            let meta = Meta::decode(&d.metadata, len);
             tensors.push(ReceivedTensor {
                 data,
                 metadata: d.metadata,
                 meta,
                 private,
+                gpu,
             });
         }
         Ok(SluiceReceived {
@@ -111,9 +123,22 @@ impl SluiceReceived {
         })
     }
 
-    /// Tensor `index`'s bytes as they arrived (its span).
+    /// Tensor `index`'s bytes as they arrived (its span), for a tensor in CPU memory.
     pub fn tensor_data(&self, index: usize) -> Result<&[u8]> {
-        Ok(&self.get(index)?.data)
+        let t = self.get(index)?;
+        if let Some((b, _)) = &t.gpu {
+            return Err(Error::invalid(format!(
+                "tensor {index} is in GPU memory (cuda:{}): sluice_received_tensor gives its device pointer",
+                b.device()
+            )));
+        }
+        Ok(&t.data)
+    }
+
+    /// For tensor `index` in GPU memory: the stream its copy was queued on (as an integer)
+    /// and the caller's handle for the memory; `None` for a tensor in CPU memory.
+    pub fn tensor_gpu(&self, index: usize) -> Result<Option<(usize, usize)>> {
+        Ok(self.get(index)?.gpu.as_ref().map(|(b, h)| (b.stream().raw(), *h)))
     }
 
     /// Takes tensor `index`'s bytes out of the message when they are this process's own memory
@@ -155,16 +180,30 @@ impl SluiceReceived {
     }
 
     /// Tensor `index` as a `DLTensor` viewing this message's memory: the data and the shape
-    /// and strides arrays stay valid as long as `self` does. The memory is read-only.
+    /// and strides arrays stay valid as long as `self` does. CPU memory is read-only; a
+    /// tensor received into GPU memory is the caller's allocation (`kDLCUDA`).
     pub fn tensor(&self, index: usize) -> Result<DLTensor> {
         let meta = self.tensor_meta(index)?;
-        let data = &self.get(index)?.data;
+        let t = self.get(index)?;
+        let (data, device) = match &t.gpu {
+            Some((b, _)) => (
+                b.ptr() as usize as *mut c_void,
+                DLDevice {
+                    device_type: DL_CUDA,
+                    device_id: b.device() as i32,
+                },
+            ),
+            None => (
+                t.data.as_ptr() as *mut c_void,
+                DLDevice {
+                    device_type: DL_CPU,
+                    device_id: 0,
+                },
+            ),
+        };
         Ok(DLTensor {
-            data: data.as_ptr() as *mut c_void,
-            device: DLDevice {
-                device_type: DL_CPU,
-                device_id: 0,
-            },
+            data,
+            device,
             ndim: meta.shape.len() as i32,
             dtype: meta.dtype.to_dl(),
             shape: meta.shape.as_ptr() as *mut i64,

@@ -106,6 +106,17 @@ impl From<PipeError> for Error {
     }
 }
 
+impl From<sluice_channel::CudaError> for Error {
+    fn from(e: sluice_channel::CudaError) -> Error {
+        let code = match &e {
+            sluice_channel::CudaError::Unavailable(_) => SLUICE_UNSUPPORTED,
+            sluice_channel::CudaError::Invalid(_) => SLUICE_INVALID_ARGUMENT,
+            _ => SLUICE_IO,
+        };
+        Error::new(code, format!("CUDA: {e}"))
+    }
+}
+
 fn transport_code(e: &TransportError) -> c_int {
     match e {
         TransportError::Closed { .. } => SLUICE_CLOSED,

@@ -432,12 +432,14 @@ fn check_range(b: &CudaBuffer, offset: usize, len: usize) -> Result<(), CudaErro
 /// later sees the data).
 #[derive(Clone)]
 pub struct CudaBuffer {
-    /// Never read: holds whatever keeps the memory allocated.
-    _keep: Arc<dyn Any + Send + Sync>,
     ptr: DevicePtr,
     len: usize,
     device: u32,
     stream: Stream,
+    /// Never read: holds whatever keeps the memory allocated. Declared last so that it drops
+    /// last: a stream wrapped with `Stream::from_raw` is fenced when its last wrapper drops,
+    /// and what `keep` holds may be what keeps that stream alive (the C API's allocators).
+    _keep: Arc<dyn Any + Send + Sync>,
 }
 
 impl std::fmt::Debug for CudaBuffer {

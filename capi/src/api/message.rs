@@ -5,7 +5,7 @@ use std::ffi::{c_int, c_void};
 use sluice_dlpack::ffi::DLTensor;
 
 use super::{bytes, give, guard, handle, handle_mut, out_handle, take, SluiceReleaseFn};
-use crate::borrowed::lend;
+use crate::borrowed::{lend, Released};
 use crate::message::{SluiceMessage, TensorSpec};
 use crate::status::{Error, SLUICE_OK};
 
@@ -89,6 +89,84 @@ pub unsafe extern "C" fn sluice_message_add_tensor(
         // thread, as documented.
         let data = unsafe { lend(start, span, release, user) };
         message.add_tensor(&meta, data);
+        Ok(SLUICE_OK)
+    })
+}
+
+/// Appends a CUDA tensor, NOT copied: the message borrows the tensor's device memory.
+///
+/// `tensor` is described as for `sluice_message_add_tensor`, on device `kDLCUDA` (its
+/// `device_id` the GPU's index in this process). `stream` is a CUDA stream of that GPU
+/// (`cudaStream_t`/`CUstream` as an integer; 0: the legacy default stream) that orders the
+/// work producing the data: the pipe reads the tensor after the work queued on `stream` by the
+/// time of the write, never before. `target_device` is where the receiver gets it: a GPU index
+/// in the *receiving* process (0 and up; a device map's answer), or -1 for the receiver's CPU
+/// memory. The pipe picks a CUDA channel for that pair of devices (CUDA IPC or NVLink on one
+/// host, staged through host memory otherwise); a pair no channel connects fails the write.
+///
+/// The memory must stay allocated and unchanged until `release(user)` is called: once, from
+/// any thread, when the library holds no more references to it (after the write has
+/// completed, or when the message is freed unsent). `release` may be NULL. If this call
+/// fails, the tensor was not taken and `release` is not called. Without a usable CUDA driver,
+/// or with memory that is not device memory of that GPU, the call fails (`SLUICE_UNSUPPORTED`
+/// or `SLUICE_INVALID_ARGUMENT`).
+#[no_mangle]
+pub unsafe extern "C" fn sluice_message_add_cuda_tensor(
+    message: *mut SluiceMessage,
+    tensor: *const DLTensor,
+    stream: usize,
+    target_device: i32,
+    release: SluiceReleaseFn,
+    user: *mut c_void,
+) -> c_int {
+    guard("sluice_message_add_cuda_tensor", || {
+        // SAFETY: the caller passes a live message, used by no other thread meanwhile, or NULL.
+        let message = unsafe { handle_mut(message, "message") }?;
+        // SAFETY: the caller passes a readable `DLTensor` or NULL.
+        let t = unsafe { handle(tensor, "tensor") }?;
+        // SAFETY: DLPack's contract: `shape` and non-NULL `strides` hold `ndim` entries.
+        let spec = unsafe { read_spec(t) }?;
+        let (meta, span) = spec.check_on(sluice_dlpack::ffi::DL_CUDA)?;
+        let target = match target_device {
+            -1 => sluice_channel::Device::Cpu,
+            d if d >= 0 => sluice_channel::Device::Cuda(d as u32),
+            d => {
+                return Err(Error::invalid(format!(
+                    "target_device {d}: a GPU index (0 and up) or -1 (CPU)"
+                )))
+            }
+        };
+        let device = t.device.device_id as u32;
+        let start = (t.data as u64).wrapping_add(t.byte_offset);
+        // What the caller passed that the driver refused is the caller's mistake.
+        let refused = |e: sluice_channel::CudaError| match e {
+            sluice_channel::CudaError::Unavailable(_) => Error::from(e),
+            e => Error::invalid(format!(
+                "tensor of {span} bytes at {start:#x} on cuda:{device}, stream {stream:#x}: CUDA: {e}"
+            )),
+        };
+        // SAFETY: the caller passes a live stream of this GPU (or 0) that outlives the write,
+        // as documented; `from_raw` checks the stream's device.
+        let stream = unsafe { sluice_channel::Stream::from_raw(device, stream) }.map_err(refused)?;
+        // Made before the buffer so that a refused buffer does not call `release`.
+        // SAFETY: the caller's callback, callable once from any thread, as documented.
+        let keep = std::sync::Arc::new(unsafe { Released::new(release, user) });
+        // SAFETY: the caller lends `span` bytes of device memory from the first element until
+        // `release(user)`, which `keep` calls once the last reference drops; `from_raw` checks
+        // that they are device memory of `device` lying inside one allocation.
+        let buffer = unsafe { sluice_channel::CudaBuffer::from_raw(start, span, &stream, keep.clone()) };
+        let buffer = match buffer {
+            Ok(b) => b,
+            Err(e) => {
+                // Not taken: the callback must not run (the refused buffer dropped its clone).
+                if let Ok(mut k) = std::sync::Arc::try_unwrap(keep) {
+                    k.disarm();
+                }
+                return Err(refused(e));
+            }
+        };
+        drop(keep);
+        message.add_cuda_tensor(&meta, buffer, target);
         Ok(SLUICE_OK)
     })
 }

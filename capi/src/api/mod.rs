@@ -50,6 +50,30 @@ pub type SluiceReadFn =
 /// (`sluice_message_add_tensor`).
 pub type SluiceReleaseFn = Option<unsafe extern "C" fn(user: *mut c_void)>;
 
+/// Gives device memory for one received tensor bound for a GPU (`sluice_pipe_read_then_with`):
+/// `len` bytes on CUDA device `device` (an index in this process), in `*data`, and in `*stream`
+/// a stream of that device (`cudaStream_t` as an integer; 0: the legacy default stream) that
+/// the incoming copy is queued on: work queued on it after the read completes sees the data.
+/// `*handle` is the caller's own token for this memory, handed back to `release` and readable
+/// with `sluice_received_tensor_device`. Returns 0, or a nonzero status to refuse (the read
+/// then fails with `SLUICE_UNSUPPORTED` and the pipe is closed: the message cannot be
+/// skipped). Called on a library thread, during the read; it must not block on the pipe.
+pub type SluiceDeviceAllocFn = Option<
+    unsafe extern "C" fn(
+        user: *mut c_void,
+        device: i32,
+        len: usize,
+        data: *mut *mut c_void,
+        stream: *mut usize,
+        handle: *mut *mut c_void,
+    ) -> c_int,
+>;
+
+/// Gives back memory a `SluiceDeviceAllocFn` gave (`handle`), once, from any thread, when the
+/// library holds no more references to it: when the received message is freed, or when the
+/// read failed after allocating.
+pub type SluiceDeviceReleaseFn = Option<unsafe extern "C" fn(user: *mut c_void, handle: *mut c_void)>;
+
 /// Runs the body of entry point `name`: its status, or its error's code with the message
 /// recorded as this thread's last error; a panic is `SLUICE_PANIC`.
 fn guard(name: &str, body: impl FnOnce() -> Result<c_int>) -> c_int {

@@ -2,14 +2,32 @@
 
 use std::ffi::{c_char, c_int, c_void};
 
-use super::{give, guard, guard_or, handle, out_handle, take, SluiceDoneFn, SluiceReadFn};
-use crate::borrowed::{Done, ReadDone};
+use super::{
+    give, guard, guard_or, handle, out_handle, take, SluiceDeviceAllocFn, SluiceDeviceReleaseFn, SluiceDoneFn,
+    SluiceReadFn,
+};
+use crate::borrowed::{DeviceAllocator, Done, ReadDone};
 use crate::message::SluiceMessage;
 use crate::op::{OpKind, SluiceOp};
 use crate::pipe::SluicePipe;
 use crate::received::SluiceReceived;
 use crate::runtime;
 use crate::status::{set_last_error, Error, SLUICE_OK};
+
+/// Hands a read's outcome to the caller's callback: the message (the callee owns it from
+/// there) or the error's status, with the last error set for the callback to read.
+fn deliver(done: ReadDone) -> impl FnOnce(crate::status::Result<SluiceReceived>) + Send + 'static {
+    move |result| match result {
+        Ok(received) => {
+            set_last_error("");
+            done.call(SLUICE_OK, Box::into_raw(Box::new(received)))
+        }
+        Err(e) => {
+            set_last_error(&format!("sluice_pipe_read: {}", e.message));
+            done.call(e.code, std::ptr::null_mut());
+        }
+    }
+}
 
 /// Takes the message a write consumes, whatever else goes wrong.
 ///
@@ -137,16 +155,41 @@ pub unsafe extern "C" fn sluice_pipe_read_then(pipe: *mut SluicePipe, done: Slui
         let pipe = unsafe { handle(pipe, "pipe") }?;
         // SAFETY: the caller's callback, documented to run once on a library thread.
         let done = unsafe { ReadDone::new(done, user) };
-        pipe.read_then(move |result| match result {
-            Ok(received) => {
-                set_last_error("");
-                done.call(SLUICE_OK, Box::into_raw(Box::new(received)))
-            }
-            Err(e) => {
-                set_last_error(&format!("sluice_pipe_read: {}", e.message));
-                done.call(e.code, std::ptr::null_mut());
-            }
-        })?;
+        pipe.read_then(None, deliver(done))?;
+        Ok(SLUICE_OK)
+    })
+}
+
+/// `sluice_pipe_read_then`, for messages that may carry tensors bound for this process's GPUs:
+/// each such tensor goes into device memory `alloc(alloc_user, device, len, ...)` gives (see
+/// `SluiceDeviceAllocFn`; called during the read, one tensor at a time, in order), and the
+/// incoming copy is queued on the stream it names. The received message then describes the
+/// tensor as `kDLCUDA` memory (`sluice_received_tensor`), and
+/// `sluice_received_tensor_device` gives the stream and the caller's handle. Each handle goes
+/// back through `release(alloc_user, handle)` once the library holds no reference to its
+/// memory (when the received message is freed, or when the read fails). Tensors bound for the
+/// CPU arrive as with `sluice_pipe_read_then`. If this function returns an error, neither
+/// `done` nor the allocator is called.
+#[no_mangle]
+pub unsafe extern "C" fn sluice_pipe_read_then_with(
+    pipe: *mut SluicePipe,
+    alloc: SluiceDeviceAllocFn,
+    release: SluiceDeviceReleaseFn,
+    alloc_user: *mut c_void,
+    done: SluiceReadFn,
+    user: *mut c_void,
+) -> c_int {
+    guard("sluice_pipe_read_then_with", || {
+        // SAFETY: the caller passes a live pipe or NULL.
+        let pipe = unsafe { handle(pipe, "pipe") }?;
+        if alloc.is_none() {
+            return Err(Error::invalid("alloc is NULL"));
+        }
+        // SAFETY: the caller's allocator, documented to be called on library threads.
+        let devices = unsafe { DeviceAllocator::new(alloc, release, alloc_user) };
+        // SAFETY: the caller's callback, documented to run once on a library thread.
+        let done = unsafe { ReadDone::new(done, user) };
+        pipe.read_then(Some(devices), deliver(done))?;
         Ok(SLUICE_OK)
     })
 }
@@ -162,7 +205,9 @@ pub unsafe extern "C" fn sluice_pipe_read_start(pipe: *mut SluicePipe, out: *mut
         // SAFETY: the caller passes a live pipe or NULL.
         let pipe = unsafe { handle(pipe, "pipe") }?;
         let (op, completer) = SluiceOp::new(OpKind::Read);
-        pipe.read_then(move |result| completer.complete(result.map(Some).map_err(|e| e.context("sluice_pipe_read"))))?;
+        pipe.read_then(None, move |result| {
+            completer.complete(result.map(Some).map_err(|e| e.context("sluice_pipe_read")))
+        })?;
         give(out, op);
         Ok(SLUICE_OK)
     })

@@ -1,6 +1,6 @@
 //! Reading a received message.
 
-use std::ffi::c_int;
+use std::ffi::{c_int, c_void};
 
 use sluice_dlpack::ffi::DLTensor;
 
@@ -83,7 +83,9 @@ pub unsafe extern "C" fn sluice_received_tensor_count(received: *const SluiceRec
 
 /// Fills `*out` with tensor `index` as a `DLTensor` viewing the received memory (device
 /// `kDLCPU`, `byte_offset` 0, strides always set). The data and the shape and strides arrays
-/// are owned by `received` and valid as long as it; treat the data as read-only. The tensor's
+/// are owned by `received` and valid as long as it; treat the data as read-only. A tensor
+/// received into GPU memory (`sluice_pipe_read_then_with`) is `kDLCUDA` with its GPU's index,
+/// its data the allocator's memory (see `sluice_received_tensor_device` for its stream). The tensor's
 /// description is checked against its bytes: a bad one (from a buggy or hostile peer, or a
 /// peer that sent its own metadata) is `SLUICE_PEER` with the reason, and `*out` is zeroed.
 #[no_mangle]
@@ -122,8 +124,35 @@ fn empty_tensor() -> DLTensor {
     }
 }
 
+/// For tensor `index` received into GPU memory (`sluice_pipe_read_then_with`): `*stream`, the
+/// stream its copy was queued on (work queued there afterwards sees the data; make any other
+/// stream wait on it first), and `*handle`, the allocator's handle for its memory. For a
+/// tensor in CPU memory both are 0 (NULL). An index out of range is `SLUICE_INVALID_ARGUMENT`.
+#[no_mangle]
+pub unsafe extern "C" fn sluice_received_tensor_device(
+    received: *const SluiceReceived,
+    index: usize,
+    stream: *mut usize,
+    handle_out: *mut *mut c_void,
+) -> c_int {
+    guard("sluice_received_tensor_device", || {
+        // SAFETY: the caller passes a live received message or NULL.
+        let r = unsafe { handle(received, "received") }?;
+        // SAFETY: the caller passes writable places or NULL.
+        let stream = unsafe { place(stream, "stream", 0) }?;
+        // SAFETY: as above.
+        let handle_out = unsafe { place(handle_out, "handle", std::ptr::null_mut()) }?;
+        if let Some((s, h)) = r.tensor_gpu(index)? {
+            stream.set(s);
+            handle_out.set(h as *mut c_void);
+        }
+        Ok(SLUICE_OK)
+    })
+}
+
 /// Tensor `index`'s bytes as they arrived (its span), whatever its metadata: `*data` (valid as
-/// long as `received`, read-only) and `*len`.
+/// long as `received`, read-only) and `*len`. A tensor in GPU memory has no bytes here
+/// (`SLUICE_INVALID_ARGUMENT`): `sluice_received_tensor` gives its device pointer.
 #[no_mangle]
 pub unsafe extern "C" fn sluice_received_tensor_data(
     received: *const SluiceReceived,
