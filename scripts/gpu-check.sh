@@ -32,7 +32,10 @@
 #   8. `sluice bench rpc autograd` (their CUDA records: 4 KiB rpc_sync round trip, 256 MiB
 #      rpc_sync against a raw device copy, the dist-autograd step with CUDA parameters against
 #      the local GPU step), to $OUT/rpc-autograd.jsonl;
-#   9. the parameter-server demo with its parameters on the GPU.
+#   9. the parameter-server demo with its parameters on the GPU;
+#  10. the SLUICE torch.distributed.rpc backend with CUDA tensors (device maps, streams, RRefs,
+#      distributed autograd: python/torch/tests/cuda_check.py), built there against the
+#      machine's own CUDA torch with the C library from gpu-bin/.
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")/.." && pwd)"
@@ -60,7 +63,9 @@ for line in sys.stdin:
 ' | while read -r name exe; do
             cp "$exe" "$bin/test-$name"
         done
-    cp target/release/sluice target/release/sluice-test-peer target/release/examples/parameter_server "$bin/"
+    cargo build --release -p sluice-capi
+    cp target/release/sluice target/release/sluice-test-peer target/release/examples/parameter_server \
+        target/release/libsluice_c.so "$bin/"
     strip "$bin"/* 2>/dev/null || true
     ls -la "$bin"
     # Too large to travel to a device machine as they are (its working tree is limited to
@@ -130,6 +135,19 @@ run() {
         "$bin/sluice" bench rpc autograd --json "$out/rpc-autograd.jsonl"
     echo "== [${SECONDS}s] parameter server with its parameters on the GPU"
     "$bin/parameter_server" --trainers 2 --epochs 100 --gpu
+    # The SLUICE torch.distributed.rpc backend with CUDA tensors, where python3 has a CUDA torch:
+    # built here against that torch (its C library from gpu-bin/, no cargo needed), then run.
+    if python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+        echo "== [${SECONDS}s] the SLUICE torch backend with CUDA tensors (python/torch/tests/cuda_check.py)"
+        local site=/tmp/sluice-torch-site
+        rm -rf "$site"
+        SLUICE_C_LIB="$bin/libsluice_c.so" SLUICE_TORCH_ANY_VERSION=1 MAX_JOBS=8 \
+            python3 -m pip install --quiet --no-build-isolation --no-deps --target "$site" ./python/torch
+        PYTHONPATH="$site" python3 python/torch/tests/cuda_check.py
+    else
+        echo "== no CUDA torch for python3 here: the torch backend's CUDA check did not run" >&2
+        failed_benches+=("torch backend CUDA check (no CUDA torch)")
+    fi
     if [ ${#failed_benches[@]} -gt 0 ]; then
         echo "gpu-check: every test passed; benches that did not finish: ${failed_benches[*]} ($((SECONDS - t0))s)" >&2
         exit 1

@@ -250,20 +250,20 @@ typedef void (*sluice_read_fn)(int status,
  * then fails with `SLUICE_UNSUPPORTED` and the pipe is closed: the message cannot be
  * skipped). Called on a library thread, during the read; it must not block on the pipe.
  */
-typedef int (*SluiceDeviceAllocFn)(void *user,
-                                   int32_t device,
-                                   size_t len,
-                                   void **data,
-                                   size_t *stream,
-                                   void **handle);
+typedef int (*sluice_device_alloc_fn)(void *user,
+                                      int32_t device,
+                                      size_t len,
+                                      void **data,
+                                      size_t *stream,
+                                      void **handle);
 
 /**
  * Gives back memory a `SluiceDeviceAllocFn` gave (`handle`), once, from any thread, when the
  * library holds no more references to it: when the received message is freed, or when the
  * read failed after allocating.
  */
-typedef void (*SluiceDeviceReleaseFn)(void *user,
-                                      void *handle);
+typedef void (*sluice_device_release_fn)(void *user,
+                                         void *handle);
 
 #ifdef __cplusplus
 extern "C" {
@@ -739,8 +739,8 @@ int sluice_pipe_read_then(sluice_pipe *pipe,
  * `done` nor the allocator is called.
  */
 int sluice_pipe_read_then_with(sluice_pipe *pipe,
-                               SluiceDeviceAllocFn alloc,
-                               SluiceDeviceReleaseFn release,
+                               sluice_device_alloc_fn alloc,
+                               sluice_device_release_fn release,
                                void *alloc_user,
                                sluice_read_fn done,
                                void *user);

@@ -44,15 +44,23 @@ if version not in SUPPORTED and os.environ.get("SLUICE_TORCH_ANY_VERSION") != "1
         f"({', '.join(f'{a}.{b}' for a, b in sorted(SUPPORTED))}); set SLUICE_TORCH_ANY_VERSION=1 to try anyway"
     )
 
-# Sluice's C library, built by cargo and shipped beside the extension (found through $ORIGIN).
-if shutil.which("cargo") is None:
-    fail("needs cargo (the Rust toolchain) to build Sluice's C library")
-subprocess.check_call(["cargo", "build", "--release", "-p", "sluice-capi"], cwd=ROOT)
-target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
-if not target.is_absolute():
-    target = ROOT / target
+# Sluice's C library, built by cargo and shipped beside the extension (found through $ORIGIN);
+# or one built elsewhere, named by SLUICE_C_LIB (a GPU machine without the Rust toolchain:
+# scripts/gpu-check.sh carries it).
 package = HERE / "sluice_torch"
-shutil.copy2(target / "release/libsluice_c.so", package / "libsluice_c.so")
+prebuilt = os.environ.get("SLUICE_C_LIB")
+if prebuilt:
+    if not pathlib.Path(prebuilt).is_file():
+        fail(f"SLUICE_C_LIB={prebuilt} is not a file")
+    shutil.copy2(prebuilt, package / "libsluice_c.so")
+else:
+    if shutil.which("cargo") is None:
+        fail("needs cargo (the Rust toolchain) to build Sluice's C library, or SLUICE_C_LIB naming a built one")
+    subprocess.check_call(["cargo", "build", "--release", "-p", "sluice-capi"], cwd=ROOT)
+    target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
+    if not target.is_absolute():
+        target = ROOT / target
+    shutil.copy2(target / "release/libsluice_c.so", package / "libsluice_c.so")
 (package / "_build.py").write_text(
     "# Written by setup.py: the torch this extension was compiled against.\n"
     f'TORCH_VERSION = "{torch.__version__}"\n'

@@ -15,8 +15,10 @@ with tags, ``barrier`` and ``monitored_barrier``. Ranks reach each other at ``SL
 at the address that routes to ``MASTER_ADDR``, else on loopback.
 
 Options: ``sluice_torch.SluiceRpcBackendOptions`` (``rpc_timeout``, ``init_method``,
-``num_worker_threads``, plus Sluice's ``transports``, ``channels`` and ``host``). Static groups
-only (``world_size`` given); CPU tensors only so far (no device maps).
+``num_worker_threads``, ``device_maps`` and ``devices`` (with ``set_device_map`` and
+``set_devices``, as TensorPipe's), plus Sluice's ``transports``, ``channels`` and ``host``).
+Static groups only (``world_size`` given). CUDA tensors travel where the device maps say, over
+Sluice's CUDA channels; a program without maps never touches CUDA.
 """
 
 import os
@@ -69,8 +71,6 @@ class SluiceRpcBackendOptions(rpc.RpcBackendOptions):
         super().__init__(rpc_timeout, init_method)
         if num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be at least 1, got {num_worker_threads}")
-        if device_maps or devices:
-            raise ValueError("the SLUICE backend carries CPU tensors only so far: device_maps and devices are not supported")
         self.num_worker_threads = num_worker_threads
         self.transports = list(transports) if transports else None
         self.channels = list(channels) if channels else None
@@ -79,10 +79,36 @@ class SluiceRpcBackendOptions(rpc.RpcBackendOptions):
             raise ValueError(f"segment_bytes must be a byte count (0 or more), got {segment_bytes!r}")
         self.segment_bytes = segment_bytes
         self.device_maps = {}
+        for to, device_map in (device_maps or {}).items():
+            self.set_device_map(to, device_map)
         self.devices = []
+        if devices:
+            self.set_devices(devices)
 
     def set_device_map(self, to, device_map):
-        raise ValueError("the SLUICE backend carries CPU tensors only so far: device maps are not supported")
+        """Where this worker's CUDA tensors go on worker ``to`` (``{local: remote}``, devices or
+        GPU indices), as ``TensorPipeRpcBackendOptions.set_device_map``: one-to-one, CUDA to
+        CUDA; responses come back through the reverse map."""
+        current = self.device_maps.setdefault(to, {})
+        for k, v in device_map.items():
+            k, v = _cuda(k, "set_device_map"), _cuda(v, "set_device_map")
+            if k in current and current[k] != v:
+                raise ValueError(
+                    f"`set_device_map` only supports 1-to-1 mapping, trying to map {k} to {v} and {current[k]}"
+                )
+            current[k] = v
+
+    def set_devices(self, devices):
+        """The GPUs this worker sends from and receives on (by default, every one a map names)."""
+        self.devices = [_cuda(d, "set_devices") for d in devices]
+
+
+def _cuda(device, what):
+    """``device`` (an index, a string or a ``torch.device``) as a CUDA device with an index."""
+    d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if d.type != "cuda" or d.index is None:
+        raise ValueError(f"`{what}` expects CUDA devices with an index (cuda:N, or N); got {device!r}")
+    return d
 
 
 def _construct_options(rpc_timeout, init_method, num_worker_threads=constants.DEFAULT_NUM_WORKER_THREADS, **kwargs):
@@ -118,6 +144,8 @@ def _init_backend(store, name, rank, world_size, rpc_backend_options):
         ",".join(opts.channels or []),
         opts.host,
         f"segment_bytes={opts.segment_bytes}",
+        {to: {str(k): str(v) for k, v in m.items()} for to, m in opts.device_maps.items()},
+        [str(d) for d in opts.devices],
     )
     api._init_rpc_states(agent)
     # One round of calls through every pipe, then a barrier so that no worker leaves before the

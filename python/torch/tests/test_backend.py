@@ -169,11 +169,38 @@ def test_importing_the_backend_leaves_tensorpipe_usable():
     run(_tensorpipe_after_import, 2)
 
 
+def _maps_without_cuda(rank, world, method):
+    import sluice_torch
+
+    opts = sluice_torch.SluiceRpcBackendOptions(init_method=method, device_maps={"worker0": {0: 0}})
+    try:
+        rpc.init_rpc("worker0", rank=rank, world_size=world, backend=sluice_torch.BACKEND, rpc_backend_options=opts)
+    except RuntimeError as e:
+        assert "cuda:0" in str(e) and ("no CUDA" in str(e) or "GPU(s)" in str(e)), e
+    else:
+        raise AssertionError("device maps were accepted where there is no GPU")
+
+
+def test_device_maps_without_a_gpu_fail_at_init_with_the_reason():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU (the check is for machines without one)")
+    run(_maps_without_cuda, 1)
+
+
 def test_options_are_checked():
     with pytest.raises(ValueError, match="num_worker_threads"):
         sluice_torch.SluiceRpcBackendOptions(num_worker_threads=0)
-    with pytest.raises(ValueError, match="CPU tensors only"):
-        sluice_torch.SluiceRpcBackendOptions(device_maps={"worker1": {0: 0}})
+    # Device maps and devices as TensorPipe's options take them: indices, strings, devices.
+    opts = sluice_torch.SluiceRpcBackendOptions(device_maps={"worker1": {0: "cuda:1"}}, devices=[0, "cuda:1"])
+    opts.set_device_map("worker1", {torch.device("cuda:2"): 3})
+    assert opts.device_maps == {"worker1": {torch.device("cuda:0"): torch.device("cuda:1"), torch.device("cuda:2"): torch.device("cuda:3")}}
+    assert opts.devices == [torch.device("cuda:0"), torch.device("cuda:1")]
+    with pytest.raises(ValueError, match="1-to-1"):
+        opts.set_device_map("worker1", {0: 2})
+    with pytest.raises(ValueError, match="CUDA devices"):
+        opts.set_device_map("worker1", {"cpu": 0})
+    with pytest.raises(ValueError, match="CUDA devices"):
+        opts.set_devices(["cpu"])
     opts = rpc.backend_registry.construct_rpc_backend_options(sluice_torch.BACKEND, rpc_timeout=5, num_worker_threads=3)
     assert isinstance(opts, sluice_torch.SluiceRpcBackendOptions)
     assert opts.rpc_timeout == 5 and opts.num_worker_threads == 3

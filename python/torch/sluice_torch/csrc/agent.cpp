@@ -7,8 +7,17 @@
 //   responses in, an accepted (server) pipe requests in and responses out, and a failed pipe
 //   fails exactly the calls that used it.
 // - Every Sluice message is one RPC message: metadata = a fixed header (magic, version, the
-//   message type, the sender's worker id, the message id), one payload (Message::payload),
-//   and one CPU tensor per Message tensor (borrowed by the write, compact row-major).
+//   message type, the sender's worker id, the message id), one payload (Message::payload), a
+//   second payload of one flag byte per tensor, and the Message's tensors (borrowed by the
+//   write; a view goes as it lies).
+// - CUDA tensors (device maps, as TensorPipe's agent): a request's tensors go to the devices
+//   the caller's map for the callee names, a response's back through the reverse of the
+//   caller's map (maps are exchanged through the store at start). The sender's current stream
+//   orders the read of each tensor; the receiver allocates with PyTorch's allocator on a
+//   stream from the pool per device (sluice_pipe_read_then_with), runs the request callback
+//   with those streams current, and completes a caller's future with them current, so later
+//   work waits for the copies without a synchronize. Messages without CUDA tensors never
+//   touch CUDA (a CPU-only torch works).
 // - Threads: one accept thread, a timeout thread, and a pool (num_worker_threads) that runs
 //   request callbacks and completes every future. Pipes are read by chains of read callbacks
 //   (sluice_pipe_read_then) on Sluice's own threads, which only decode and hand over: user
@@ -21,6 +30,8 @@
 //   with an error naming the worker.
 
 #include <ATen/DLConvertor.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/core/thread_pool.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -32,6 +43,7 @@
 
 #include "sluice.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -52,7 +64,15 @@ using namespace torch::distributed::rpc;
 using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kMagic = 0x52544c53;  // "SLTR"
-constexpr uint32_t kVersion = 1;
+// 2: the flag byte's bits 1-7 (an empty tensor for a GPU).
+constexpr uint32_t kVersion = 2;
+
+// A tensor's flag byte: bit 0 requires_grad; bit 1 an empty tensor (sent as an empty CPU one)
+// for the receiver's GPU whose index is in bits 2-7.
+constexpr uint8_t kRequiresGrad = 1;
+constexpr uint8_t kEmptyOnGpu = 2;
+
+using Streams = std::vector<c10::Stream>;
 
 struct Header {
   uint32_t magic;
@@ -187,7 +207,9 @@ struct Core : std::enable_shared_from_this<Core> {
     }
   }
 
-  void complete(int64_t id, c10::intrusive_ptr<Message> response) {
+  // `streams`: where the response's CUDA tensors were copied (empty for CPU-only ones); the
+  // future completes with them current, so whoever waits on it waits for those copies.
+  void complete(int64_t id, c10::intrusive_ptr<Message> response, Streams streams) {
     auto p = take(id);
     if (!p) {
       return;  // timed out or failed already: a late reply is dropped
@@ -198,7 +220,11 @@ struct Core : std::enable_shared_from_this<Core> {
       n += 1;
       secs += std::chrono::duration<double>(Clock::now() - p->started).count();
     }
-    auto run = [self = shared_from_this(), p = std::move(*p), response]() mutable {
+    auto run = [self = shared_from_this(), p = std::move(*p), response, streams = std::move(streams)]() mutable {
+      std::optional<c10::MultiStreamGuard> guard;
+      if (!streams.empty()) {
+        guard.emplace(streams);
+      }
       if (response->type() == MessageType::EXCEPTION) {
         auto& b = response->payload();
         p.future->setErrorIfNeeded(std::make_exception_ptr(std::runtime_error(std::string(b.begin(), b.end()))));
@@ -219,9 +245,24 @@ void releaseTensor(void* user) {
   delete static_cast<at::Tensor*>(user);
 }
 
-// A Sluice message for `m`, sent as `type` with id `id` from worker `from`. Throws on a tensor
-// Sluice cannot carry.
-sluice_message* encode(const Message& m, int32_t from, Stats& stats) {
+// Where a tensor on `device` goes at `to` under `map`: CPU tensors stay on the CPU; a CUDA one
+// must be mapped (TensorPipe's rule and, for the suites, its words).
+c10::Device targetOf(const c10::Device& device, const DeviceMap& map, const std::string& to) {
+  auto it = map.find(device);
+  if (it != map.end()) {
+    return it->second;
+  }
+  TORCH_CHECK(device.is_cpu(),
+              "TensorPipe RPC backend only supports CPU tensors by default, please move your tensors to CPU before "
+              "sending them over RPC, or call `set_device_map` on `TensorPipeRpcBackendOptions` to explicitly "
+              "configure device mapping. (SLUICE backend: ",
+              device, " has no mapping for destination ", to, ")");
+  return c10::Device(c10::kCPU);
+}
+
+// A Sluice message for `m` from worker `from` to worker `to`, its CUDA tensors sent where `map`
+// says. Throws on a tensor Sluice cannot carry.
+sluice_message* encode(const Message& m, int32_t from, Stats& stats, const DeviceMap& map, const std::string& to) {
   sluice_message* out = nullptr;
   TORCH_CHECK(sluice_message_new(&out) == SLUICE_OK, "sluice: ", lastError(SLUICE_PANIC));
   std::unique_ptr<sluice_message, void (*)(sluice_message*)> guard(out, sluice_message_free);
@@ -236,12 +277,23 @@ sluice_message* encode(const Message& m, int32_t from, Stats& stats) {
   // needs to know, as TensorPipe's pickled tensor table tells it.
   std::vector<uint8_t> flags;
   for (const auto& t : m.tensors()) {
-    TORCH_CHECK(
-        t.device().is_cpu(),
-        "the SLUICE RPC backend carries CPU tensors only so far (device maps are not supported yet); got a tensor on ",
-        t.device());
     TORCH_CHECK(t.layout() == at::kStrided, "the SLUICE RPC backend carries strided tensors only; got ", t.layout());
-    flags.push_back(t.requires_grad() ? 1 : 0);
+    TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), "the SLUICE RPC backend carries CPU and CUDA tensors; got one on ",
+                t.device());
+    c10::Device target = targetOf(t.device(), map, to);
+    TORCH_CHECK(t.device().is_cuda() || target.is_cpu(), "the SLUICE RPC backend sends CPU tensors to the CPU only (",
+                t.device(), " is mapped to ", target, " for ", to, ")");
+    uint8_t flag = t.requires_grad() ? kRequiresGrad : 0;
+    bool gpu = t.device().is_cuda();
+    if (gpu && t.numel() == 0) {
+      // Nothing to move: an empty CPU tensor, made on the GPU on arrival.
+      gpu = false;
+      if (target.is_cuda()) {
+        TORCH_CHECK(target.index() < 64, "the SLUICE RPC backend maps to GPUs 0-63; got ", target);
+        flag |= kEmptyOnGpu | static_cast<uint8_t>(target.index() << 2);
+      }
+    }
+    flags.push_back(flag);
     // A view goes as it lies (its span, with its strides), so it arrives with the same layout;
     // one whose span is far larger than its elements goes as a compact copy instead.
     int64_t span = 1;
@@ -249,10 +301,14 @@ sluice_message* encode(const Message& m, int32_t from, Stats& stats) {
       span += (t.size(d) - 1) * t.stride(d);
     }
     bool compact = t.numel() > 0 && span * t.element_size() > 4 * t.nbytes() + (64 << 10);
-    auto* held = new at::Tensor(compact ? t.detach().contiguous() : t.detach());
+    at::Tensor source = t.detach();
+    if (t.device().is_cuda() && !gpu) {
+      source = at::empty(t.sizes(), t.options().device(c10::kCPU));
+    }
+    auto* held = new at::Tensor(compact ? source.contiguous() : source);
     DLTensor dl{};
     dl.data = held->numel() == 0 ? static_cast<void*>(&empty) : held->data_ptr();
-    dl.device = DLDevice{kDLCPU, 0};
+    dl.device = gpu ? DLDevice{kDLCUDA, static_cast<int32_t>(t.device().index())} : DLDevice{kDLCPU, 0};
     dl.ndim = static_cast<int32_t>(held->dim());
     try {
       dl.dtype = at::getDLDataType(*held);
@@ -264,7 +320,15 @@ sluice_message* encode(const Message& m, int32_t from, Stats& stats) {
     dl.strides = held->numel() == 0 ? nullptr : const_cast<int64_t*>(held->strides().data());
     dl.byte_offset = 0;
     bytes += held->nbytes();
-    s = sluice_message_add_tensor(out, &dl, releaseTensor, held);
+    if (gpu) {
+      // Read after the work queued so far on the tensor's current stream (the caller's, or the
+      // pool stream a response was computed on).
+      c10::impl::VirtualGuardImpl impl(c10::kCUDA);
+      auto stream = reinterpret_cast<uintptr_t>(impl.getStream(t.device()).native_handle());
+      s = sluice_message_add_cuda_tensor(out, &dl, stream, target.is_cuda() ? target.index() : -1, releaseTensor, held);
+    } else {
+      s = sluice_message_add_tensor(out, &dl, releaseTensor, held);
+    }
     if (s != SLUICE_OK) {
       delete held;
       TORCH_CHECK(false, "sluice: tensor of ", t.scalar_type(), ": ", lastError(s));
@@ -343,7 +407,27 @@ std::variant<c10::intrusive_ptr<Message>, std::string> decodeUnchecked(sluice_re
     uint8_t* ownedBytes = nullptr;
     size_t ownedLen = 0;
     at::Tensor t;
-    if (sluice_received_tensor_take(r, i, &owned, &ownedBytes, &ownedLen) == SLUICE_OK && owned != nullptr) {
+    uintptr_t stream = 0;
+    void* handle = nullptr;
+    if (dl.device.device_type == kDLCUDA) {
+      // Received into a byte tensor our allocator made (ReadLoop::alloc): viewed as the sender's
+      // tensor, no copy.
+      sluice_received_tensor_device(r, i, &stream, &handle);
+      if (handle == nullptr) {
+        return "tensor " + std::to_string(i) + ": in GPU memory no allocator of ours gave";
+      }
+      const at::Tensor& bytesOnGpu = *static_cast<at::Tensor*>(handle);
+      if (bytesOnGpu.numel() % item != 0) {
+        return "tensor " + std::to_string(i) + ": " + std::to_string(bytesOnGpu.numel()) + " bytes for elements of " +
+            std::to_string(item);
+      }
+      t = bytesOnGpu.view(type).as_strided(shape, strides);
+    } else if (flags[i] & kEmptyOnGpu) {
+      if (std::any_of(shape.begin(), shape.end(), [](int64_t d) { return d == 0; }) == false) {
+        return "tensor " + std::to_string(i) + ": flagged empty but not empty";
+      }
+      t = at::empty(shape, options.device(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(flags[i] >> 2))));
+    } else if (sluice_received_tensor_take(r, i, &owned, &ownedBytes, &ownedLen) == SLUICE_OK && owned != nullptr) {
       if (reinterpret_cast<uintptr_t>(ownedBytes) % static_cast<uintptr_t>(item) == 0) {
         t = at::from_blob(ownedBytes, shape, strides, [owned](void*) { sluice_buffer_free(owned); }, options);
       } else {
@@ -363,7 +447,7 @@ std::variant<c10::intrusive_ptr<Message>, std::string> decodeUnchecked(sluice_re
       }
       t = storage.as_strided(shape, strides);
     }
-    if (flags[i] & 1) {
+    if (flags[i] & kRequiresGrad) {
       if (!(at::isFloatingType(type) || at::isComplexType(type))) {
         return "tensor " + std::to_string(i) + ": requires_grad on a tensor of " + c10::toString(type);
       }
@@ -378,10 +462,11 @@ std::variant<c10::intrusive_ptr<Message>, std::string> decodeUnchecked(sluice_re
   return c10::make_intrusive<Message>(std::move(payload), std::move(tensors), type, h.id);
 }
 
-// Sends `m` on `pipe`; `done(error)` runs on a library thread if the write fails.
-void write(const std::shared_ptr<Pipe>& pipe, const Message& m, int32_t from, Stats& stats,
-           std::function<void(std::string)> onError) {
-  sluice_message* msg = encode(m, from, stats);
+// Sends `m` on `pipe` to worker `to`, its CUDA tensors where `map` says; `done(error)` runs on a
+// library thread if the write fails.
+void write(const std::shared_ptr<Pipe>& pipe, const Message& m, int32_t from, Stats& stats, const DeviceMap& map,
+           const std::string& to, std::function<void(std::string)> onError) {
+  sluice_message* msg = encode(m, from, stats, map, to);
   if (!onError) {
     // Nobody listens for the end (a response: a failed write fails the pipe, and the caller
     // hears of it there), so none is delivered: a write that finishes at once wakes no thread.
@@ -412,13 +497,19 @@ void write(const std::shared_ptr<Pipe>& pipe, const Message& m, int32_t from, St
 
 // Reads messages from a pipe one after another without a thread of its own: each read's
 // completion (on a library thread) handles the message, then starts the next read. `onMessage`
+// gets the message and the streams its CUDA tensors were copied on (none for CPU-only ones) and
 // returns whether to go on; `onEnd` runs once when the loop ends on an error (status and text).
 // `live` counts the loops still running, so shutdown can wait for the last callback.
 struct ReadLoop {
   std::shared_ptr<Pipe> pipe;
-  std::function<bool(sluice_received*)> onMessage;
+  std::function<bool(sluice_received*, Streams)> onMessage;
   std::function<void(int, std::string)> onEnd;
   std::shared_ptr<std::atomic<int64_t>> live;
+  // The GPUs this worker receives on (the agent's devices): tensors for any other are refused.
+  std::vector<c10::Device> devices;
+  // The streams of the read in progress, one per GPU, taken from PyTorch's pool at its first
+  // tensor for that GPU (reads of one loop never overlap).
+  Streams streams;
 
   static void start(std::unique_ptr<ReadLoop> loop) {
     loop->live->fetch_add(1);
@@ -426,10 +517,47 @@ struct ReadLoop {
   }
 
   static void next(ReadLoop* loop) {
-    int s = sluice_pipe_read_then(loop->pipe->raw, &ReadLoop::done, loop);
+    loop->streams.clear();
+    int s = sluice_pipe_read_then_with(loop->pipe->raw, &ReadLoop::alloc, &ReadLoop::freeBytes, loop,
+                                       &ReadLoop::done, loop);
     if (s != SLUICE_OK) {
       finish(loop, s, lastError(s));
     }
+  }
+
+  // Memory for a tensor bound for GPU `device`: a byte tensor from PyTorch's allocator, made on
+  // this read's stream for that GPU (so the allocator orders its reuse after our copy), which
+  // the library fills on that stream. The handle is a heap copy of the tensor.
+  static int alloc(void* user, int32_t device, size_t len, void** data, size_t* stream, void** handle) {
+    auto* loop = static_cast<ReadLoop*>(user);
+    try {
+      c10::Device dev(c10::kCUDA, static_cast<c10::DeviceIndex>(device));
+      if (std::find(loop->devices.begin(), loop->devices.end(), dev) == loop->devices.end()) {
+        TORCH_WARN("sluice: ", sluice_pipe_peer(loop->pipe->raw), " sent a tensor for ", dev,
+                   ", which is not among this worker's devices (set devices or device_maps)");
+        return 1;
+      }
+      auto it = std::find_if(loop->streams.begin(), loop->streams.end(),
+                             [&](const c10::Stream& s) { return s.device() == dev; });
+      if (it == loop->streams.end()) {
+        c10::impl::VirtualGuardImpl impl(c10::kCUDA);
+        loop->streams.push_back(impl.getStreamFromGlobalPool(dev, /*isHighPriority=*/false));
+        it = loop->streams.end() - 1;
+      }
+      c10::StreamGuard guard(*it);
+      auto* bytes = new at::Tensor(at::empty({static_cast<int64_t>(len)}, at::TensorOptions().dtype(at::kByte).device(dev)));
+      *data = bytes->data_ptr();
+      *stream = reinterpret_cast<uintptr_t>(it->native_handle());
+      *handle = bytes;
+      return 0;
+    } catch (const std::exception& e) {
+      TORCH_WARN("sluice: cannot allocate ", len, " bytes on cuda:", device, " for a received tensor: ", e.what());
+      return 2;
+    }
+  }
+
+  static void freeBytes(void* /*user*/, void* handle) {
+    delete static_cast<at::Tensor*>(handle);
   }
 
   static void finish(ReadLoop* loop, int status, std::string why) {
@@ -449,7 +577,7 @@ struct ReadLoop {
     }
     bool more = false;
     try {
-      more = loop->onMessage(r);
+      more = loop->onMessage(r, std::move(loop->streams));
     } catch (const std::exception& e) {
       TORCH_WARN("sluice: a received message could not be handled: ", e.what());
     }
@@ -463,9 +591,12 @@ struct ReadLoop {
 
 class SluiceAgent : public RpcAgent {
  public:
+  using Maps = std::map<std::string, std::map<std::string, std::string>>;
+
   SluiceAgent(const c10::intrusive_ptr<::c10d::Store>& store, std::string name, int64_t rank, int64_t worldSize,
               float timeoutSeconds, int64_t numWorkerThreads, const std::string& transports,
-              const std::string& channels, const std::string& listenHost, const std::string& contextOptions)
+              const std::string& channels, const std::string& listenHost, const std::string& contextOptions,
+              const Maps& deviceMaps, const std::vector<std::string>& devices)
       : RpcAgent(WorkerInfo(name, rank), std::make_unique<RequestCallbackImpl>(),
                  std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000))),
         store_(store),
@@ -480,6 +611,7 @@ class SluiceAgent : public RpcAgent {
       core_->workers.emplace(id, WorkerInfo(n, id));
       byName_.emplace(n, id);
     }
+    setUpDevices(deviceMaps, devices);
     int s = sluice_context_new_with(transports.empty() ? nullptr : transports.c_str(),
                                     channels.empty() ? nullptr : channels.c_str(),
                                     contextOptions.empty() ? nullptr : contextOptions.c_str(), &ctx_);
@@ -504,7 +636,8 @@ class SluiceAgent : public RpcAgent {
     TORCH_CHECK(rpcAgentRunning_.load(), "Node ", workerInfo_.id_, " tried to send() a message of type ",
                 message->type(), " but RPC is no longer running on this node.");
     TORCH_CHECK(message->isRequest(), "the SLUICE agent sends requests only (got message type ", message->type(), ")");
-    TORCH_CHECK(deviceMap.empty(), "the SLUICE RPC backend does not support device maps yet");
+    // The map given (distributed autograd's reverse map for gradients), else ours for `to`.
+    const DeviceMap& map = deviceMap.empty() ? mapTo(to.name_) : deviceMap;
     auto client = clients_.find(to.id_);
     TORCH_CHECK(client != clients_.end(), "sluice: no pipe to ", to.name_, " (id ", to.id_, ")");
     const std::shared_ptr<Pipe>& pipe = client->second;
@@ -539,7 +672,7 @@ class SluiceAgent : public RpcAgent {
       }
     };
     try {
-      write(pipe, *message, workerInfo_.id_, core_->stats, onError);
+      write(pipe, *message, workerInfo_.id_, core_->stats, map, to.name_, onError);
     } catch (...) {
       if (auto p = core_->take(id)) {
         core_->finished();
@@ -609,7 +742,7 @@ class SluiceAgent : public RpcAgent {
       auto pipe = std::make_shared<Pipe>(raw);
       channel_[id] = std::string(sluice_pipe_transport(raw)) + "/" + sluice_pipe_channel(raw);
       clients_.emplace(id, pipe);
-      readClient(core_, pipe, id, live_);
+      readClient(core_, pipe, id, live_, devices_);
     }
     // A handler may call out: serve requests once this worker's own pipes are open.
     std::lock_guard<std::mutex> l(serversMu_);
@@ -695,6 +828,14 @@ class SluiceAgent : public RpcAgent {
     return m;
   }
 
+  DeviceMap getDeviceMap(const WorkerInfo& dst) const override {
+    return mapTo(dst.name_);
+  }
+
+  const std::vector<c10::Device>& getDevices() const override {
+    return devices_;
+  }
+
   void addGilWaitTime(const std::chrono::microseconds gilWaitTime) override {
     gilWaitUs_ += gilWaitTime.count();
     gilWaits_ += 1;
@@ -703,6 +844,83 @@ class SluiceAgent : public RpcAgent {
   const std::string& address() const { return address_; }
 
  private:
+  const DeviceMap& mapTo(const std::string& worker) const {
+    static const DeviceMap none;
+    auto it = maps_.find(worker);
+    return it == maps_.end() ? none : it->second;
+  }
+
+  // Device maps as TensorPipe's agent keeps them: ours (to each worker), and the reverse of each
+  // worker's map to us (how our responses to it go back), exchanged through the store; this
+  // worker's devices are `devices`, else every local device a map names. Each must exist here.
+  void setUpDevices(const Maps& deviceMaps, const std::vector<std::string>& devices) {
+    std::ostringstream mine;
+    for (const auto& [to, m] : deviceMaps) {
+      TORCH_CHECK(byName_.count(to), "device_maps names ", to, ", which is not a worker of this group");
+      DeviceMap& map = maps_[to];
+      for (const auto& [from, dst] : m) {
+        c10::Device a(from), b(dst);
+        TORCH_CHECK(a.is_cuda() && b.is_cuda(), "device_maps map CUDA devices to CUDA devices; got ", a, " -> ", b,
+                    " for ", to);
+        map.emplace(a, b);
+        mine << to << ' ' << a << ' ' << b << '\n';
+      }
+    }
+    ::c10d::PrefixStore maps("sluice/device_maps", store_);
+    maps.set(std::to_string(workerInfo_.id_), mine.str());
+    std::vector<c10::Device> local;
+    auto add = [](std::vector<c10::Device>& v, const c10::Device& d) {
+      if (std::find(v.begin(), v.end(), d) == v.end()) {
+        v.push_back(d);
+      }
+    };
+    for (const auto& [to, m] : maps_) {
+      for (const auto& [a, b] : m) {
+        add(local, a);
+      }
+    }
+    for (const auto& [id, w] : core_->workers) {
+      std::istringstream theirs(maps.get_to_str(std::to_string(id)));
+      std::string to, a, b;
+      while (theirs >> to >> a >> b) {
+        if (to != workerInfo_.name_) {
+          continue;
+        }
+        c10::Device from(a), here(b);
+        reverse_[id].emplace(here, from);
+        add(local, here);
+      }
+    }
+    if (!devices.empty()) {
+      std::vector<c10::Device> given;
+      for (const auto& d : devices) {
+        c10::Device dev(d);
+        TORCH_CHECK(dev.is_cuda(), "devices lists CUDA devices; got ", dev);
+        add(given, dev);
+      }
+      for (const auto& d : local) {
+        TORCH_CHECK(std::find(given.begin(), given.end(), d) != given.end(), "device_maps use ", d,
+                    " here, which devices does not list");
+      }
+      local = given;
+    }
+    if (local.empty()) {
+      return;  // CPU only: CUDA is never touched
+    }
+    int64_t count = 0;
+    try {
+      count = c10::impl::VirtualGuardImpl(c10::kCUDA).deviceCount();
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "device_maps/devices name ", local.front(), ", but this PyTorch has no CUDA: ", e.what());
+    }
+    std::sort(local.begin(), local.end(), [](const c10::Device& x, const c10::Device& y) { return x.index() < y.index(); });
+    for (const auto& d : local) {
+      TORCH_CHECK(d.has_index() && d.index() < count, "device_maps/devices name ", d, ", and this worker has ", count,
+                  " GPU(s)");
+      devices_.push_back(d);
+    }
+  }
+
   void release() {
     if (listener_) {
       sluice_listener_free(listener_);
@@ -746,7 +964,8 @@ class SluiceAgent : public RpcAgent {
     loop->live = live_;
     // The caller went away (or we are shutting down): its calls fail on its side.
     loop->onEnd = nullptr;
-    loop->onMessage = [this, core, pipe, from, self](sluice_received* r) {
+    loop->devices = devices_;
+    loop->onMessage = [this, core, pipe, from, self](sluice_received* r, Streams streams) {
       Header h{};
       auto decoded = decode(r, h, core->stats);
       sluice_received_free(r);
@@ -767,35 +986,53 @@ class SluiceAgent : public RpcAgent {
         core->serverActive += 1;
       }
       auto arrived = Clock::now();
-      core->post([this, core, pipe, request, self, arrived]() { serve(core, pipe, request, self, arrived); });
+      // Responses to the caller go back through the reverse of its map to us.
+      auto back = reverse_.find(h.from);
+      DeviceMap map = back == reverse_.end() ? DeviceMap{} : back->second;
+      std::string caller = core->name(h.from);
+      core->post([this, core, pipe, request, self, arrived, streams = std::move(streams), map = std::move(map),
+                  caller]() mutable { serve(core, pipe, request, self, arrived, std::move(streams), map, caller); });
       return true;
     };
     ReadLoop::start(std::move(loop));
   }
 
+  // Runs a request's callback with the streams its CUDA tensors arrived on current (TensorPipe's
+  // agent does the same), and answers through `map` (the reverse of the caller's map).
   void serve(const std::shared_ptr<Core>& core, const std::shared_ptr<Pipe>& pipe,
-             const c10::intrusive_ptr<Message>& request, int32_t self, Clock::time_point arrived) {
+             const c10::intrusive_ptr<Message>& request, int32_t self, Clock::time_point arrived, Streams streams,
+             DeviceMap map, std::string caller) {
     int64_t id = request->id();
     auto ns = [](Clock::duration d) { return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(d).count()); };
     core->stats.queuedNs += ns(Clock::now() - arrived);
     c10::intrusive_ptr<JitFuture> fut;
-    try {
-      fut = (*cb_)(*request, {});
-    } catch (const std::exception&) {
-      fut = c10::make_intrusive<JitFuture>(at::AnyClassType::get());
-      fut->setError(std::current_exception());
+    {
+      std::optional<c10::MultiStreamGuard> guard;
+      if (!streams.empty()) {
+        guard.emplace(streams);
+      }
+      try {
+        fut = (*cb_)(*request, streams);
+      } catch (const std::exception&) {
+        fut = c10::make_intrusive<JitFuture>(at::AnyClassType::get());
+        fut->setError(std::current_exception());
+      }
     }
-    fut->addCallback([core, pipe, id, self, arrived, ns](JitFuture& f) {
+    fut->addCallback([core, pipe, id, self, arrived, ns, streams, map, caller](JitFuture& f) {
+      std::optional<c10::MultiStreamGuard> guard;
+      if (!streams.empty()) {
+        guard.emplace(streams);
+      }
       c10::intrusive_ptr<Message> response;
       try {
         response = f.hasError() ? createExceptionResponse(f.tryRetrieveErrorMessage(), id)
                                 : f.value().toCustomClass<Message>();
         response->setId(id);
-        write(pipe, *response, self, core->stats, nullptr);
+        write(pipe, *response, self, core->stats, map, caller, nullptr);
       } catch (const std::exception& e) {
-        // A response Sluice cannot carry (a CUDA tensor, say) goes back as the error.
+        // A response Sluice cannot carry (an unmapped CUDA tensor, say) goes back as the error.
         try {
-          write(pipe, *createExceptionResponse(e.what(), id), self, core->stats, nullptr);
+          write(pipe, *createExceptionResponse(e.what(), id), self, core->stats, {}, caller, nullptr);
         } catch (...) {
         }
       }
@@ -808,7 +1045,7 @@ class SluiceAgent : public RpcAgent {
 
   // Responses in on a pipe this worker opened; any failure fails the calls that used it.
   static void readClient(std::shared_ptr<Core> core, std::shared_ptr<Pipe> pipe, worker_id_t peer,
-                         std::shared_ptr<std::atomic<int64_t>> live) {
+                         std::shared_ptr<std::atomic<int64_t>> live, std::vector<c10::Device> devices) {
     auto peerName = core->name(peer);
     auto failAll = [core, peer](const std::string& why) {
       core->failWhere([peer](const Pending& p) { return p.to == peer; }, why);
@@ -819,7 +1056,8 @@ class SluiceAgent : public RpcAgent {
     loop->onEnd = [failAll, peerName](int, std::string why) {
       failAll("sluice: the pipe to " + peerName + " failed: " + why);
     };
-    loop->onMessage = [core, pipe, peerName, failAll](sluice_received* r) {
+    loop->devices = std::move(devices);
+    loop->onMessage = [core, pipe, peerName, failAll](sluice_received* r, Streams streams) {
       Header h{};
       auto decoded = decode(r, h, core->stats);
       sluice_received_free(r);
@@ -834,7 +1072,7 @@ class SluiceAgent : public RpcAgent {
         failAll("sluice: " + peerName + " sent a message that is not a response; its pipe was closed");
         return false;
       }
-      core->complete(h.id, response);
+      core->complete(h.id, response, std::move(streams));
       return true;
     };
     ReadLoop::start(std::move(loop));
@@ -879,6 +1117,9 @@ class SluiceAgent : public RpcAgent {
   int64_t worldSize_;
   std::shared_ptr<Core> core_;
   std::unordered_map<std::string, worker_id_t> byName_;
+  std::unordered_map<std::string, DeviceMap> maps_;    // ours, by destination name
+  std::unordered_map<worker_id_t, DeviceMap> reverse_;  // how responses to each caller go back
+  std::vector<c10::Device> devices_;                    // the GPUs this worker sends from and receives on
   sluice_context* ctx_ = nullptr;
   sluice_listener* listener_ = nullptr;
   std::string address_;
@@ -908,13 +1149,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<SluiceAgent, rpc::RpcAgent, std::shared_ptr<SluiceAgent>>(m, "SluiceAgent")
       .def(py::init([](const c10::intrusive_ptr<::c10d::Store>& store, const std::string& name, int64_t rank,
                        int64_t worldSize, float timeout, int64_t threads, const std::string& transports,
-                       const std::string& channels, const std::string& host, const std::string& options) {
+                       const std::string& channels, const std::string& host, const std::string& options,
+                       const SluiceAgent::Maps& deviceMaps, const std::vector<std::string>& devices) {
              return std::shared_ptr<SluiceAgent>(
-                 new SluiceAgent(store, name, rank, worldSize, timeout, threads, transports, channels, host, options),
+                 new SluiceAgent(store, name, rank, worldSize, timeout, threads, transports, channels, host, options,
+                                 deviceMaps, devices),
                  torch::impl::destroy_without_gil<SluiceAgent>);
            }),
            py::arg("store"), py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("rpc_timeout"),
            py::arg("num_worker_threads"), py::arg("transports"), py::arg("channels"), py::arg("host"), py::arg("context_options"),
+           py::arg("device_maps"), py::arg("devices"),
            py::call_guard<py::gil_scoped_release>())
       // Defined here again with the id form (which RpcAgent's binding lacks and the int
       // destinations of rpc_sync need): a name on the subclass hides the base's overloads.
