@@ -245,10 +245,13 @@ typedef void (*sluice_read_fn)(int status,
  * `len` bytes on CUDA device `device` (an index in this process), in `*data`, and in `*stream`
  * a stream of that device (`cudaStream_t` as an integer; 0: the legacy default stream) that
  * the incoming copy is queued on: work queued on it after the read completes sees the data.
- * `*handle` is the caller's own token for this memory, handed back to `release` and readable
- * with `sluice_received_tensor_device`. Returns 0, or a nonzero status to refuse (the read
- * then fails with `SLUICE_UNSUPPORTED` and the pipe is closed: the message cannot be
- * skipped). Called on a library thread, during the read; it must not block on the pipe.
+ * Work already queued on that stream is finished before the copy writes. `*handle` is the
+ * caller's own token for this memory, handed back to `release` and readable with
+ * `sluice_received_tensor_device`. Returns 0, or a nonzero status to refuse (the read then
+ * fails with `SLUICE_UNSUPPORTED` and the pipe is closed: the message cannot be skipped;
+ * memory that is not device memory of `device`, or a stream of another device, fails it with
+ * `SLUICE_INVALID_ARGUMENT`). Called on a library thread, during the read; it must not block
+ * on the pipe.
  */
 typedef int (*sluice_device_alloc_fn)(void *user,
                                       int32_t device,
@@ -258,9 +261,11 @@ typedef int (*sluice_device_alloc_fn)(void *user,
                                       void **handle);
 
 /**
- * Gives back memory a `SluiceDeviceAllocFn` gave (`handle`), once, from any thread, when the
- * library holds no more references to it: when the received message is freed, or when the
- * read failed after allocating.
+ * Gives back memory a `sluice_device_alloc_fn` gave (`handle`), once, from any thread, when
+ * the library holds no more references to it: when the received message is freed, or when
+ * the read failed after allocating. The copy into it may still be queued on its stream then:
+ * free it in that stream's order (as a caching allocator does), or synchronize it first. The
+ * stream must stay alive until this call.
  */
 typedef void (*sluice_device_release_fn)(void *user,
                                          void *handle);
@@ -613,12 +618,18 @@ int sluice_message_add_tensor(sluice_message *message,
  * memory. The pipe picks a CUDA channel for that pair of devices (CUDA IPC or NVLink on one
  * host, staged through host memory otherwise); a pair no channel connects fails the write.
  *
- * The memory must stay allocated and unchanged until `release(user)` is called: once, from
- * any thread, when the library holds no more references to it (after the write has
- * completed, or when the message is freed unsent). `release` may be NULL. If this call
- * fails, the tensor was not taken and `release` is not called. Without a usable CUDA driver,
- * or with memory that is not device memory of that GPU, the call fails (`SLUICE_UNSUPPORTED`
- * or `SLUICE_INVALID_ARGUMENT`).
+ * The memory must stay allocated and unchanged, and `stream` alive, until `release(user)` is
+ * called: once, from any thread, when the library holds no more references to them (after
+ * the write has completed, or when the message is freed unsent; after a failed write, when
+ * the pipe is freed, as a peer may still be reading; over cuda_gdr, when the pipe's cached
+ * registration of the memory is dropped). The write completes in `stream`'s
+ * order: work queued on `stream` after `release` may reuse the memory, but host code that
+ * frees it, or work on another stream, must wait for `stream` first (a caching allocator
+ * that reuses blocks on other streams must record `stream` as a user of the block).
+ * `release` may be NULL. If this call fails, the tensor was not taken and `release` is not
+ * called. Without a usable CUDA driver, or with memory that is not device memory of that GPU,
+ * the call fails (`SLUICE_UNSUPPORTED` or `SLUICE_INVALID_ARGUMENT`); so does an empty tensor
+ * (0 bytes: send it as a CPU tensor).
  */
 int sluice_message_add_cuda_tensor(sluice_message *message,
                                    const DLTensor *tensor,
@@ -729,7 +740,8 @@ int sluice_pipe_read_then(sluice_pipe *pipe,
 /**
  * `sluice_pipe_read_then`, for messages that may carry tensors bound for this process's GPUs:
  * each such tensor goes into device memory `alloc(alloc_user, device, len, ...)` gives (see
- * `SluiceDeviceAllocFn`; called during the read, one tensor at a time, in order), and the
+ * `sluice_device_alloc_fn`; called during the read, one tensor at a time, in order;
+ * `alloc_user` must outlive every message received this way), and the
  * incoming copy is queued on the stream it names. The received message then describes the
  * tensor as `kDLCUDA` memory (`sluice_received_tensor`), and
  * `sluice_received_tensor_device` gives the stream and the caller's handle. Each handle goes

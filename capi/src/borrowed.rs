@@ -4,8 +4,10 @@
 #![allow(unsafe_code)]
 
 use std::ffi::{c_int, c_void};
+use std::sync::Arc;
 
 use bytes::Bytes;
+use sluice_channel::{CudaBuffer, Stream};
 
 use crate::api::{SluiceDoneFn, SluiceReadFn, SluiceReleaseFn};
 
@@ -174,6 +176,8 @@ impl Region {
 pub(crate) struct Released {
     release: SluiceReleaseFn,
     user: *mut c_void,
+    /// The caller's stream, fenced before the callback runs (see [`Stream::retire`]).
+    stream: Stream,
 }
 
 // SAFETY: the value is never read; its only use is the drop, which calls the caller's callback
@@ -185,8 +189,8 @@ unsafe impl Sync for Released {}
 impl Released {
     /// # Safety
     /// `release`, when not NULL, must be callable once with `user` from any thread.
-    pub(crate) unsafe fn new(release: SluiceReleaseFn, user: *mut c_void) -> Released {
-        Released { release, user }
+    pub(crate) unsafe fn new(release: SluiceReleaseFn, user: *mut c_void, stream: Stream) -> Released {
+        Released { release, user, stream }
     }
 
     /// Forgets the callback: for memory that was not taken after all.
@@ -198,13 +202,16 @@ impl Released {
 impl Drop for Released {
     fn drop(&mut self) {
         if let Some(release) = self.release {
+            // The caller may destroy its stream once called back: a copy still held elsewhere
+            // (an abandoned staging copy) must not record on it afterwards.
+            self.stream.retire();
             // SAFETY: `new`'s contract; drop runs once.
             unsafe { release(self.user) }
         }
     }
 }
 
-/// The caller's allocator for received tensors bound for a GPU (`sluice_device_allocator`).
+/// The caller's allocator for received tensors bound for a GPU (`sluice_pipe_read_then_with`).
 #[derive(Clone, Copy)]
 pub(crate) struct DeviceAllocator {
     alloc: crate::api::SluiceDeviceAllocFn,
@@ -218,38 +225,19 @@ unsafe impl Send for DeviceAllocator {}
 // SAFETY: as above; the fields are only copied and passed back to the caller's functions.
 unsafe impl Sync for DeviceAllocator {}
 
-/// Device memory the caller's allocator gave for one received tensor.
-pub(crate) struct DeviceGrant {
-    pub(crate) data: u64,
-    pub(crate) stream: usize,
-    /// Gives the memory back through the caller's `release` when the last reference drops.
-    pub(crate) keep: std::sync::Arc<dyn std::any::Any + Send + Sync>,
-    pub(crate) handle: *mut c_void,
+/// Why a grant gave no buffer.
+pub(crate) enum GrantError {
+    /// The allocator returned this nonzero status (nothing was given).
+    Refused(c_int),
+    /// What it gave is not usable (the handle went back already).
+    Unusable(sluice_channel::CudaError),
 }
 
-impl DeviceGrant {
-    /// The granted memory as a buffer for `len` bytes on `device`, its copy queued on the
-    /// granted stream; the caller's `release` runs when the buffer's last clone drops.
-    pub(crate) fn buffer(
-        &self,
-        device: u32,
-        len: usize,
-    ) -> Result<sluice_channel::CudaBuffer, sluice_channel::CudaError> {
-        // SAFETY: the allocator's contract: a live stream of `device` (or 0) and `len` bytes
-        // of its device memory, both kept until `release(handle)`, which `keep` calls once
-        // the last reference drops; `from_raw` checks the stream's and the memory's device and
-        // that the memory lies inside one allocation.
-        unsafe {
-            let stream = sluice_channel::Stream::from_raw(device, self.stream)?;
-            sluice_channel::CudaBuffer::from_raw(self.data, len, &stream, self.keep.clone())
-        }
-    }
-}
-
-/// Calls the caller's `release(user, handle)` once, when dropped.
+/// Calls the caller's `release(user, handle)` once, when dropped, after fencing its stream.
 struct GrantGuard {
     allocator: DeviceAllocator,
     handle: *mut c_void,
+    stream: Option<Stream>,
 }
 
 // SAFETY: never read through a shared reference; the drop calls the caller's release, which
@@ -260,6 +248,9 @@ unsafe impl Sync for GrantGuard {}
 
 impl Drop for GrantGuard {
     fn drop(&mut self) {
+        if let Some(s) = &self.stream {
+            s.retire();
+        }
         if let Some(release) = self.allocator.release {
             // SAFETY: the allocator's contract: `release` takes each handle `alloc` gave once,
             // from any thread; drop runs once.
@@ -271,7 +262,7 @@ impl Drop for GrantGuard {
 impl DeviceAllocator {
     /// # Safety
     /// `alloc` and `release`, when not NULL, must be callable with `user` from any library
-    /// thread, as `sluice_device_allocator` documents.
+    /// thread, as `sluice_pipe_read_then_with` documents.
     pub(crate) unsafe fn new(
         alloc: crate::api::SluiceDeviceAllocFn,
         release: crate::api::SluiceDeviceReleaseFn,
@@ -280,27 +271,33 @@ impl DeviceAllocator {
         DeviceAllocator { alloc, release, user }
     }
 
-    /// `len` bytes on CUDA device `device` from the caller, with the stream the incoming copy
-    /// goes on; `Err(status)` with the caller's nonzero status when it refused.
-    pub(crate) fn grant(&self, device: u32, len: usize) -> Result<DeviceGrant, c_int> {
+    /// `len` bytes on CUDA device `device` from the caller, as a buffer ordered by the stream
+    /// it named, with the caller's handle; the caller's `release` runs when the buffer's last
+    /// clone drops (or at once, when what it gave is unusable).
+    pub(crate) fn grant(&self, device: u32, len: usize) -> Result<(CudaBuffer, *mut c_void), GrantError> {
         let Some(alloc) = self.alloc else {
-            return Err(crate::status::SLUICE_UNSUPPORTED);
+            return Err(GrantError::Refused(crate::status::SLUICE_UNSUPPORTED));
         };
         let (mut data, mut stream, mut handle) = (std::ptr::null_mut(), 0usize, std::ptr::null_mut());
         // SAFETY: `new`'s contract; the out-pointers are live locals.
         let status = unsafe { alloc(self.user, device as i32, len, &mut data, &mut stream, &mut handle) };
         if status != 0 {
-            return Err(status);
+            return Err(GrantError::Refused(status));
         }
-        let guard = GrantGuard {
+        let mut guard = GrantGuard {
             allocator: *self,
             handle,
+            stream: None,
         };
-        Ok(DeviceGrant {
-            data: data as u64,
-            stream,
-            keep: std::sync::Arc::new(guard),
-            handle,
-        })
+        // SAFETY: the allocator's contract: a live stream of `device` (or 0) kept until
+        // `release(handle)`, which the guard calls after fencing it; `from_raw` checks its device.
+        let wrapped = unsafe { Stream::from_raw(device, stream) }.map_err(GrantError::Unusable)?;
+        guard.stream = Some(wrapped.clone());
+        let keep: Arc<dyn std::any::Any + Send + Sync> = Arc::new(guard);
+        // SAFETY: the allocator's contract: `len` bytes of `device`'s memory kept until
+        // `release(handle)`, which `keep` calls once the last reference drops; `from_raw`
+        // checks that they are device memory of `device` inside one allocation.
+        let buffer = unsafe { CudaBuffer::from_raw(data as u64, len, &wrapped, keep) }.map_err(GrantError::Unusable)?;
+        Ok((buffer, handle))
     }
 }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use sluice_channel::{Allocation, CudaBuffer, Device, Pipe, RecvBuffer, TensorDescriptor};
 use tokio::sync::Mutex;
 
-use crate::borrowed::DeviceAllocator;
+use crate::borrowed::{DeviceAllocator, GrantError};
 use crate::message::SluiceMessage;
 use crate::received::SluiceReceived;
 use crate::runtime;
@@ -171,18 +171,14 @@ fn gpu_buffer(
         )));
     };
     let len = t.length as usize;
-    let grant = devices.grant(device, len).map_err(|status| {
-        Error::unsupported(format!(
+    match devices.grant(device, len) {
+        Ok((buffer, handle)) => Ok(Some((buffer, handle as usize))),
+        Err(GrantError::Refused(status)) => Err(Error::unsupported(format!(
             "{peer} sent tensor {i} ({len} bytes) for cuda:{device}; the device allocator refused it \
              with status {status} (pipe closed)"
-        ))
-    })?;
-    let wrong = |e: sluice_channel::CudaError| {
-        Error::invalid(format!(
-            "the device allocator's memory for tensor {i} ({len} bytes on cuda:{device}, handle {:?}): {e} (pipe closed)",
-            grant.handle
-        ))
-    };
-    let buffer = grant.buffer(device, len).map_err(wrong)?;
-    Ok(Some((buffer, grant.handle as usize)))
+        ))),
+        Err(GrantError::Unusable(e)) => Err(Error::invalid(format!(
+            "the device allocator's memory for tensor {i} ({len} bytes on cuda:{device}): {e} (pipe closed)"
+        ))),
+    }
 }

@@ -90,19 +90,29 @@ pub(crate) struct StreamInner {
     handle: Arc<StreamHandle>,
 }
 
+impl StreamHandle {
+    /// For a stream made elsewhere: records the fence that work queued on memory after this
+    /// point is ordered against, once (later calls keep the first). The owner may destroy the
+    /// stream afterwards.
+    fn end_now(&self) {
+        if self.owned {
+            return;
+        }
+        let mut end = self.end.lock().unwrap_or_else(|e| e.into_inner());
+        if matches!(*end, End::Live) {
+            let fence = runtime()
+                .ok()
+                .and_then(|c| c.bind(self.device).ok())
+                .and_then(|b| Event::record_raw(&b, self.raw).ok());
+            *end = fence.map_or(End::Unknown, End::Ended);
+        }
+    }
+}
+
 impl Drop for StreamInner {
     fn drop(&mut self) {
-        if !self.handle.owned {
-            // The owner may destroy it once our last wrapper is gone: fence it now.
-            let mut end = self.handle.end.lock().unwrap_or_else(|e| e.into_inner());
-            if matches!(*end, End::Live) {
-                let fence = runtime()
-                    .ok()
-                    .and_then(|c| c.bind(self.handle.device).ok())
-                    .and_then(|b| Event::record_raw(&b, self.handle.raw).ok());
-                *end = fence.map_or(End::Unknown, End::Ended);
-            }
-        }
+        // The owner may destroy a stream made elsewhere once our last wrapper is gone: fence it.
+        self.handle.end_now();
         // Its cached blocks are retired (each fenced on the handle, which memory keeps).
         alloc::stream_gone(self.id);
     }
@@ -171,6 +181,15 @@ impl Stream {
 
     pub fn device(&self) -> u32 {
         self.inner.handle.device
+    }
+
+    /// For a stream wrapped with [`from_raw`](Self::from_raw): fences it now, as the drop of
+    /// its last wrapper would, so that its owner may destroy it once this returns even if a
+    /// clone is still held somewhere (what the C API does before handing memory and its stream
+    /// back to the caller). Nothing may queue work on it afterwards. No effect on a stream
+    /// Sluice made.
+    pub fn retire(&self) {
+        self.inner.handle.end_now();
     }
 
     /// The driver's handle.

@@ -104,12 +104,18 @@ pub unsafe extern "C" fn sluice_message_add_tensor(
 /// memory. The pipe picks a CUDA channel for that pair of devices (CUDA IPC or NVLink on one
 /// host, staged through host memory otherwise); a pair no channel connects fails the write.
 ///
-/// The memory must stay allocated and unchanged until `release(user)` is called: once, from
-/// any thread, when the library holds no more references to it (after the write has
-/// completed, or when the message is freed unsent). `release` may be NULL. If this call
-/// fails, the tensor was not taken and `release` is not called. Without a usable CUDA driver,
-/// or with memory that is not device memory of that GPU, the call fails (`SLUICE_UNSUPPORTED`
-/// or `SLUICE_INVALID_ARGUMENT`).
+/// The memory must stay allocated and unchanged, and `stream` alive, until `release(user)` is
+/// called: once, from any thread, when the library holds no more references to them (after
+/// the write has completed, or when the message is freed unsent; after a failed write, when
+/// the pipe is freed, as a peer may still be reading; over cuda_gdr, when the pipe's cached
+/// registration of the memory is dropped). The write completes in `stream`'s
+/// order: work queued on `stream` after `release` may reuse the memory, but host code that
+/// frees it, or work on another stream, must wait for `stream` first (a caching allocator
+/// that reuses blocks on other streams must record `stream` as a user of the block).
+/// `release` may be NULL. If this call fails, the tensor was not taken and `release` is not
+/// called. Without a usable CUDA driver, or with memory that is not device memory of that GPU,
+/// the call fails (`SLUICE_UNSUPPORTED` or `SLUICE_INVALID_ARGUMENT`); so does an empty tensor
+/// (0 bytes: send it as a CPU tensor).
 #[no_mangle]
 pub unsafe extern "C" fn sluice_message_add_cuda_tensor(
     message: *mut SluiceMessage,
@@ -127,6 +133,11 @@ pub unsafe extern "C" fn sluice_message_add_cuda_tensor(
         // SAFETY: DLPack's contract: `shape` and non-NULL `strides` hold `ndim` entries.
         let spec = unsafe { read_spec(t) }?;
         let (meta, span) = spec.check_on(sluice_dlpack::ffi::DL_CUDA)?;
+        if span == 0 {
+            return Err(Error::invalid(
+                "an empty GPU tensor (0 bytes) has no device memory to lend: send it as a CPU tensor",
+            ));
+        }
         let target = match target_device {
             -1 => sluice_channel::Device::Cpu,
             d if d >= 0 => sluice_channel::Device::Cuda(d as u32),
@@ -150,7 +161,7 @@ pub unsafe extern "C" fn sluice_message_add_cuda_tensor(
         let stream = unsafe { sluice_channel::Stream::from_raw(device, stream) }.map_err(refused)?;
         // Made before the buffer so that a refused buffer does not call `release`.
         // SAFETY: the caller's callback, callable once from any thread, as documented.
-        let keep = std::sync::Arc::new(unsafe { Released::new(release, user) });
+        let keep = std::sync::Arc::new(unsafe { Released::new(release, user, stream.clone()) });
         // SAFETY: the caller lends `span` bytes of device memory from the first element until
         // `release(user)`, which `keep` calls once the last reference drops; `from_raw` checks
         // that they are device memory of `device` lying inside one allocation.

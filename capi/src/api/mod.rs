@@ -54,10 +54,13 @@ pub type SluiceReleaseFn = Option<unsafe extern "C" fn(user: *mut c_void)>;
 /// `len` bytes on CUDA device `device` (an index in this process), in `*data`, and in `*stream`
 /// a stream of that device (`cudaStream_t` as an integer; 0: the legacy default stream) that
 /// the incoming copy is queued on: work queued on it after the read completes sees the data.
-/// `*handle` is the caller's own token for this memory, handed back to `release` and readable
-/// with `sluice_received_tensor_device`. Returns 0, or a nonzero status to refuse (the read
-/// then fails with `SLUICE_UNSUPPORTED` and the pipe is closed: the message cannot be
-/// skipped). Called on a library thread, during the read; it must not block on the pipe.
+/// Work already queued on that stream is finished before the copy writes. `*handle` is the
+/// caller's own token for this memory, handed back to `release` and readable with
+/// `sluice_received_tensor_device`. Returns 0, or a nonzero status to refuse (the read then
+/// fails with `SLUICE_UNSUPPORTED` and the pipe is closed: the message cannot be skipped;
+/// memory that is not device memory of `device`, or a stream of another device, fails it with
+/// `SLUICE_INVALID_ARGUMENT`). Called on a library thread, during the read; it must not block
+/// on the pipe.
 pub type SluiceDeviceAllocFn = Option<
     unsafe extern "C" fn(
         user: *mut c_void,
@@ -69,9 +72,11 @@ pub type SluiceDeviceAllocFn = Option<
     ) -> c_int,
 >;
 
-/// Gives back memory a `SluiceDeviceAllocFn` gave (`handle`), once, from any thread, when the
-/// library holds no more references to it: when the received message is freed, or when the
-/// read failed after allocating.
+/// Gives back memory a `sluice_device_alloc_fn` gave (`handle`), once, from any thread, when
+/// the library holds no more references to it: when the received message is freed, or when
+/// the read failed after allocating. The copy into it may still be queued on its stream then:
+/// free it in that stream's order (as a caching allocator does), or synchronize it first. The
+/// stream must stay alive until this call.
 pub type SluiceDeviceReleaseFn = Option<unsafe extern "C" fn(user: *mut c_void, handle: *mut c_void)>;
 
 /// Runs the body of entry point `name`: its status, or its error's code with the message

@@ -162,7 +162,8 @@ pub unsafe extern "C" fn sluice_pipe_read_then(pipe: *mut SluicePipe, done: Slui
 
 /// `sluice_pipe_read_then`, for messages that may carry tensors bound for this process's GPUs:
 /// each such tensor goes into device memory `alloc(alloc_user, device, len, ...)` gives (see
-/// `SluiceDeviceAllocFn`; called during the read, one tensor at a time, in order), and the
+/// `sluice_device_alloc_fn`; called during the read, one tensor at a time, in order;
+/// `alloc_user` must outlive every message received this way), and the
 /// incoming copy is queued on the stream it names. The received message then describes the
 /// tensor as `kDLCUDA` memory (`sluice_received_tensor`), and
 /// `sluice_received_tensor_device` gives the stream and the caller's handle. Each handle goes

@@ -169,7 +169,9 @@ pub fn page_span(base: u64, size: usize, page: u64) -> (u64, usize) {
 }
 
 /// The registration of the allocation holding `buf`, from `cache` or made now (the cache then
-/// holds a clone of `buf`, keeping the allocation alive while registered).
+/// holds a clone of `buf`, keeping the allocation alive while registered). For memory lent
+/// from outside (the C API's GPU tensors and allocators) that clone also holds the lender's
+/// release back until the entry is evicted or the pipe is dropped.
 pub fn cached(cache: &mut RegCache, buf: &CudaBuffer, access: Access) -> Result<MrInfo, VerbsError> {
     let fail = |e: cuda::CudaError| VerbsError::failed("pointer info", e);
     // Pointer queries work on the current context: bind the buffer's device first (this can
@@ -214,6 +216,14 @@ pub(crate) async fn recv(rx: &mut Rx, link: &Link<'_>, dst: &CudaBuffer, addr: u
         .ok_or_else(|| link.protocol("cuda_gdr negotiated without an ibverbs connection"))?;
     let info = cached(cache, dst, Access::LOCAL)
         .map_err(|e| link.channel_error(ChannelKind::CudaGdr, format!("registering the destination: {e}")))?;
+    // The NIC does not follow streams either: work already queued on `dst`'s stream (memory a
+    // caching allocator just handed out may still be in use there) finishes before it writes.
+    dst.stream().synchronize().map_err(|e| {
+        link.channel_error(
+            ChannelKind::CudaGdr,
+            format!("synchronizing the destination stream: {e}"),
+        )
+    })?;
     let mut lease = Lease::new(dst.clone(), link, ChannelKind::CudaGdr);
     // SAFETY: `dst` lies in the registered allocation (addressed by device addresses), which
     // the cache and the lease keep allocated until the read completes (or for ever).

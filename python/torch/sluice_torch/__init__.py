@@ -89,14 +89,18 @@ class SluiceRpcBackendOptions(rpc.RpcBackendOptions):
         """Where this worker's CUDA tensors go on worker ``to`` (``{local: remote}``, devices or
         GPU indices), as ``TensorPipeRpcBackendOptions.set_device_map``: one-to-one, CUDA to
         CUDA; responses come back through the reverse map."""
-        current = self.device_maps.setdefault(to, {})
+        updated = dict(self.device_maps.get(to, {}))
         for k, v in device_map.items():
             k, v = _cuda(k, "set_device_map"), _cuda(v, "set_device_map")
-            if k in current and current[k] != v:
+            if k in updated and updated[k] != v:
                 raise ValueError(
-                    f"`set_device_map` only supports 1-to-1 mapping, trying to map {k} to {v} and {current[k]}"
+                    f"`set_device_map` only supports 1-to-1 mapping, trying to map {k} to {v} and {updated[k]}"
                 )
-            current[k] = v
+            updated[k] = v
+        targets = list(updated.values())
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"`set_device_map` only supports 1-to-1 mapping, got {updated} for {to}")
+        self.device_maps[to] = updated
 
     def set_devices(self, devices):
         """The GPUs this worker sends from and receives on (by default, every one a map names)."""

@@ -197,6 +197,9 @@ def test_options_are_checked():
     assert opts.devices == [torch.device("cuda:0"), torch.device("cuda:1")]
     with pytest.raises(ValueError, match="1-to-1"):
         opts.set_device_map("worker1", {0: 2})
+    with pytest.raises(ValueError, match="1-to-1"):
+        opts.set_device_map("worker1", {5: 1})  # cuda:0 goes to cuda:1 already
+    assert torch.device("cuda:5") not in opts.device_maps["worker1"], "a refused map changes nothing"
     with pytest.raises(ValueError, match="CUDA devices"):
         opts.set_device_map("worker1", {"cpu": 0})
     with pytest.raises(ValueError, match="CUDA devices"):

@@ -48,6 +48,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -324,7 +325,11 @@ sluice_message* encode(const Message& m, int32_t from, Stats& stats, const Devic
       // Read after the work queued so far on the tensor's current stream (the caller's, or the
       // pool stream a response was computed on).
       c10::impl::VirtualGuardImpl impl(c10::kCUDA);
-      auto stream = reinterpret_cast<uintptr_t>(impl.getStream(t.device()).native_handle());
+      c10::Stream current = impl.getStream(t.device());
+      // The write completes in this stream's order: PyTorch's allocator must not hand the block
+      // to another stream before the work queued here (our read) is done.
+      impl.recordDataPtrOnStream(held->storage().data_ptr(), current);
+      auto stream = reinterpret_cast<size_t>(current.native_handle());
       s = sluice_message_add_cuda_tensor(out, &dl, stream, target.is_cuda() ? target.index() : -1, releaseTensor, held);
     } else {
       s = sluice_message_add_tensor(out, &dl, releaseTensor, held);
@@ -342,18 +347,22 @@ sluice_message* encode(const Message& m, int32_t from, Stats& stats, const Devic
 }
 
 // The RPC message a Sluice message carries, or an error saying why it is malformed.
-std::variant<c10::intrusive_ptr<Message>, std::string> decodeUnchecked(sluice_received* r, Header& h, Stats& stats);
+// `devices`: the GPUs this worker receives on.
+std::variant<c10::intrusive_ptr<Message>, std::string> decodeUnchecked(sluice_received* r, Header& h, Stats& stats,
+                                                                       const std::vector<c10::Device>& devices);
 
 // Never throws: whatever goes wrong making the tensors is the message's fault, as text.
-std::variant<c10::intrusive_ptr<Message>, std::string> decode(sluice_received* r, Header& h, Stats& stats) {
+std::variant<c10::intrusive_ptr<Message>, std::string> decode(sluice_received* r, Header& h, Stats& stats,
+                                                              const std::vector<c10::Device>& devices) {
   try {
-    return decodeUnchecked(r, h, stats);
+    return decodeUnchecked(r, h, stats, devices);
   } catch (const std::exception& e) {
     return std::string("a message whose tensors cannot be rebuilt: ") + e.what();
   }
 }
 
-std::variant<c10::intrusive_ptr<Message>, std::string> decodeUnchecked(sluice_received* r, Header& h, Stats& stats) {
+std::variant<c10::intrusive_ptr<Message>, std::string> decodeUnchecked(sluice_received* r, Header& h, Stats& stats,
+                                                                       const std::vector<c10::Device>& devices) {
   const uint8_t* data = nullptr;
   size_t len = 0;
   if (sluice_received_metadata(r, &data, &len) != SLUICE_OK || len != sizeof(Header)) {
@@ -407,7 +416,7 @@ std::variant<c10::intrusive_ptr<Message>, std::string> decodeUnchecked(sluice_re
     uint8_t* ownedBytes = nullptr;
     size_t ownedLen = 0;
     at::Tensor t;
-    uintptr_t stream = 0;
+    size_t stream = 0;
     void* handle = nullptr;
     if (dl.device.device_type == kDLCUDA) {
       // Received into a byte tensor our allocator made (ReadLoop::alloc): viewed as the sender's
@@ -423,10 +432,14 @@ std::variant<c10::intrusive_ptr<Message>, std::string> decodeUnchecked(sluice_re
       }
       t = bytesOnGpu.view(type).as_strided(shape, strides);
     } else if (flags[i] & kEmptyOnGpu) {
-      if (std::any_of(shape.begin(), shape.end(), [](int64_t d) { return d == 0; }) == false) {
+      if (std::none_of(shape.begin(), shape.end(), [](int64_t d) { return d == 0; })) {
         return "tensor " + std::to_string(i) + ": flagged empty but not empty";
       }
-      t = at::empty(shape, options.device(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(flags[i] >> 2))));
+      c10::Device dev(c10::kCUDA, static_cast<c10::DeviceIndex>(flags[i] >> 2));
+      if (std::find(devices.begin(), devices.end(), dev) == devices.end()) {
+        return "tensor " + std::to_string(i) + ": an empty tensor for " + dev.str() + ", not among this worker's devices";
+      }
+      t = at::empty(shape, options.device(dev));
     } else if (sluice_received_tensor_take(r, i, &owned, &ownedBytes, &ownedLen) == SLUICE_OK && owned != nullptr) {
       if (reinterpret_cast<uintptr_t>(ownedBytes) % static_cast<uintptr_t>(item) == 0) {
         t = at::from_blob(ownedBytes, shape, strides, [owned](void*) { sluice_buffer_free(owned); }, options);
@@ -531,6 +544,10 @@ struct ReadLoop {
   static int alloc(void* user, int32_t device, size_t len, void** data, size_t* stream, void** handle) {
     auto* loop = static_cast<ReadLoop*>(user);
     try {
+      if (device < 0 || device > std::numeric_limits<c10::DeviceIndex>::max()) {
+        TORCH_WARN("sluice: ", sluice_pipe_peer(loop->pipe->raw), " sent a tensor for cuda:", device);
+        return 1;
+      }
       c10::Device dev(c10::kCUDA, static_cast<c10::DeviceIndex>(device));
       if (std::find(loop->devices.begin(), loop->devices.end(), dev) == loop->devices.end()) {
         TORCH_WARN("sluice: ", sluice_pipe_peer(loop->pipe->raw), " sent a tensor for ", dev,
@@ -547,7 +564,7 @@ struct ReadLoop {
       c10::StreamGuard guard(*it);
       auto* bytes = new at::Tensor(at::empty({static_cast<int64_t>(len)}, at::TensorOptions().dtype(at::kByte).device(dev)));
       *data = bytes->data_ptr();
-      *stream = reinterpret_cast<uintptr_t>(it->native_handle());
+      *stream = reinterpret_cast<size_t>(it->native_handle());
       *handle = bytes;
       return 0;
     } catch (const std::exception& e) {
@@ -612,8 +629,11 @@ class SluiceAgent : public RpcAgent {
       byName_.emplace(n, id);
     }
     setUpDevices(deviceMaps, devices);
+    // A worker without GPUs offers no CUDA channel, so it never makes a CUDA context (the
+    // CUDA channels probe the GPUs when offered).
+    std::string offered = channels.empty() && devices_.empty() ? "rdma,cma,multilane,basic" : channels;
     int s = sluice_context_new_with(transports.empty() ? nullptr : transports.c_str(),
-                                    channels.empty() ? nullptr : channels.c_str(),
+                                    offered.empty() ? nullptr : offered.c_str(),
                                     contextOptions.empty() ? nullptr : contextOptions.c_str(), &ctx_);
     TORCH_CHECK(s == SLUICE_OK, "sluice: cannot make a context: ", lastError(s));
     std::string at = listenHost + ":0";
@@ -854,19 +874,31 @@ class SluiceAgent : public RpcAgent {
   // worker's map to us (how our responses to it go back), exchanged through the store; this
   // worker's devices are `devices`, else every local device a map names. Each must exist here.
   void setUpDevices(const Maps& deviceMaps, const std::vector<std::string>& devices) {
-    std::ostringstream mine;
-    for (const auto& [to, m] : deviceMaps) {
-      TORCH_CHECK(byName_.count(to), "device_maps names ", to, ", which is not a worker of this group");
-      DeviceMap& map = maps_[to];
-      for (const auto& [from, dst] : m) {
-        c10::Device a(from), b(dst);
-        TORCH_CHECK(a.is_cuda() && b.is_cuda(), "device_maps map CUDA devices to CUDA devices; got ", a, " -> ", b,
-                    " for ", to);
-        map.emplace(a, b);
-        mine << to << ' ' << a << ' ' << b << '\n';
-      }
-    }
+    // Every worker publishes its maps (or why it has none) before it reads anyone's: a worker
+    // whose maps are wrong fails the others' start with its reason instead of leaving them
+    // waiting in the store.
     ::c10d::PrefixStore maps("sluice/device_maps", store_);
+    std::ostringstream mine;
+    try {
+      for (const auto& [to, m] : deviceMaps) {
+        TORCH_CHECK(byName_.count(to), "device_maps names ", to, ", which is not a worker of this group");
+        DeviceMap& map = maps_[to];
+        for (const auto& [from, dst] : m) {
+          c10::Device a(from), b(dst);
+          TORCH_CHECK(a.is_cuda() && b.is_cuda() && a.has_index() && b.has_index(),
+                      "device_maps map CUDA devices with an index to CUDA devices with an index; got ", a, " -> ", b,
+                      " for ", to);
+          for (const auto& [x, y] : map) {
+            TORCH_CHECK(y != b, "device_maps map both ", x, " and ", a, " to ", b, " on ", to, " (one to one only)");
+          }
+          map.emplace(a, b);
+          mine << to << ' ' << a << ' ' << b << '\n';
+        }
+      }
+    } catch (const std::exception& e) {
+      maps.set(std::to_string(workerInfo_.id_), std::string("! ") + e.what());
+      throw;
+    }
     maps.set(std::to_string(workerInfo_.id_), mine.str());
     std::vector<c10::Device> local;
     auto add = [](std::vector<c10::Device>& v, const c10::Device& d) {
@@ -880,7 +912,10 @@ class SluiceAgent : public RpcAgent {
       }
     }
     for (const auto& [id, w] : core_->workers) {
-      std::istringstream theirs(maps.get_to_str(std::to_string(id)));
+      std::string published = maps.get_to_str(std::to_string(id));
+      TORCH_CHECK(published.rfind("! ", 0) != 0, "sluice: ", w.name_, " could not set up its device maps: ",
+                  published.substr(2));
+      std::istringstream theirs(published);
       std::string to, a, b;
       while (theirs >> to >> a >> b) {
         if (to != workerInfo_.name_) {
@@ -965,9 +1000,12 @@ class SluiceAgent : public RpcAgent {
     // The caller went away (or we are shutting down): its calls fail on its side.
     loop->onEnd = nullptr;
     loop->devices = devices_;
-    loop->onMessage = [this, core, pipe, from, self](sluice_received* r, Streams streams) {
+    // What the read callbacks use, copied: `this` is used only on the pool (below).
+    auto reverse = std::make_shared<const std::unordered_map<worker_id_t, DeviceMap>>(reverse_);
+    auto devices = std::make_shared<const std::vector<c10::Device>>(devices_);
+    loop->onMessage = [this, core, pipe, from, self, reverse, devices](sluice_received* r, Streams streams) {
       Header h{};
-      auto decoded = decode(r, h, core->stats);
+      auto decoded = decode(r, h, core->stats, *devices);
       sluice_received_free(r);
       if (auto* error = std::get_if<std::string>(&decoded)) {
         TORCH_WARN("sluice: closing the pipe from ", from, ": it sent ", *error);
@@ -986,9 +1024,10 @@ class SluiceAgent : public RpcAgent {
         core->serverActive += 1;
       }
       auto arrived = Clock::now();
-      // Responses to the caller go back through the reverse of its map to us.
-      auto back = reverse_.find(h.from);
-      DeviceMap map = back == reverse_.end() ? DeviceMap{} : back->second;
+      // Responses to the caller go back through the reverse of its map to us (the worker the
+      // header names: a peer naming another gets that one's map for its own responses).
+      auto back = reverse->find(h.from);
+      DeviceMap map = back == reverse->end() ? DeviceMap{} : back->second;
       std::string caller = core->name(h.from);
       core->post([this, core, pipe, request, self, arrived, streams = std::move(streams), map = std::move(map),
                   caller]() mutable { serve(core, pipe, request, self, arrived, std::move(streams), map, caller); });
@@ -1018,23 +1057,32 @@ class SluiceAgent : public RpcAgent {
         fut->setError(std::current_exception());
       }
     }
-    fut->addCallback([core, pipe, id, self, arrived, ns, streams, map, caller](JitFuture& f) {
-      std::optional<c10::MultiStreamGuard> guard;
-      if (!streams.empty()) {
-        guard.emplace(streams);
-      }
-      c10::intrusive_ptr<Message> response;
+    // The callback runs with streams the future made wait for its value current (not the
+    // request's streams, which may not have: a value completed later, elsewhere): the response's
+    // tensors are read in their order.
+    fut->addCallback([core, pipe, id, self, arrived, ns, map, caller](JitFuture& f) {
+      // An error answer: CPU only, so nothing can stop it but the pipe itself.
+      auto answerError = [core, pipe, id, self, caller](const std::string& what) {
+        try {
+          write(pipe, *createExceptionResponse(what, id), self, core->stats, {}, caller, nullptr);
+        } catch (...) {
+          pipe->close();  // the caller's calls fail on its side: nothing is left waiting
+        }
+      };
       try {
-        response = f.hasError() ? createExceptionResponse(f.tryRetrieveErrorMessage(), id)
-                                : f.value().toCustomClass<Message>();
+        auto response = f.hasError() ? createExceptionResponse(f.tryRetrieveErrorMessage(), id)
+                                     : f.value().toCustomClass<Message>();
         response->setId(id);
-        write(pipe, *response, self, core->stats, map, caller, nullptr);
+        // A write that fails later (a GPU pair no channel connects, memory for a staging copy)
+        // does not always fail the pipe: answer with the error instead.
+        std::function<void(std::string)> onError = nullptr;
+        if (!response->tensors().empty()) {
+          onError = [answerError](std::string e) { answerError("sluice: the response could not be sent: " + e); };
+        }
+        write(pipe, *response, self, core->stats, map, caller, onError);
       } catch (const std::exception& e) {
         // A response Sluice cannot carry (an unmapped CUDA tensor, say) goes back as the error.
-        try {
-          write(pipe, *createExceptionResponse(e.what(), id), self, core->stats, {}, caller, nullptr);
-        } catch (...) {
-        }
+        answerError(e.what());
       }
       core->stats.servedNs += ns(Clock::now() - arrived);
       core->stats.served += 1;
@@ -1056,10 +1104,10 @@ class SluiceAgent : public RpcAgent {
     loop->onEnd = [failAll, peerName](int, std::string why) {
       failAll("sluice: the pipe to " + peerName + " failed: " + why);
     };
-    loop->devices = std::move(devices);
-    loop->onMessage = [core, pipe, peerName, failAll](sluice_received* r, Streams streams) {
+    loop->devices = devices;
+    loop->onMessage = [core, pipe, peerName, failAll, devices](sluice_received* r, Streams streams) {
       Header h{};
-      auto decoded = decode(r, h, core->stats);
+      auto decoded = decode(r, h, core->stats, devices);
       sluice_received_free(r);
       if (auto* error = std::get_if<std::string>(&decoded)) {
         pipe->close();
