@@ -230,6 +230,12 @@ pub fn supervise(job: &Job) -> anyhow::Result<Outcome> {
         .collect();
     let mut failure: Option<String> = None;
     let mut stopping: Option<Instant> = None;
+    // Whether `failure` names a worker that exited with an error code: often only the echo of
+    // another's death (its peer was lost), which a worker killed by a signal we did not send
+    // replaces as the cause, however the two exits' reports were ordered.
+    let mut failure_is_an_exit_code = false;
+    // The signals this launcher sent: a worker they end is not a cause.
+    let mut sent_kill = false;
     for i in 0..workers.len() {
         if let Err(e) = start(job, &mut workers[i], i, world, &store, &tx) {
             // Stop the ones already started before reporting.
@@ -258,6 +264,7 @@ pub fn supervise(job: &Job) -> anyhow::Result<Outcome> {
                     Ok(e) => e,
                     Err(_) => {
                         if since.elapsed() >= job.grace {
+                            sent_kill = true;
                             for w in workers.iter_mut().filter(|w| w.done.is_none()) {
                                 signal(w, nix::sys::signal::Signal::SIGKILL);
                             }
@@ -276,6 +283,8 @@ pub fn supervise(job: &Job) -> anyhow::Result<Outcome> {
                     signal(w, s);
                 }
                 failure.get_or_insert_with(|| format!("interrupted by {s}"));
+                failure_is_an_exit_code = false;
+                sent_kill = true; // whatever it ends now was ended by us
                 stopping.get_or_insert_with(Instant::now);
             }
             Event::Exited(i, generation, status) => {
@@ -286,6 +295,17 @@ pub fn supervise(job: &Job) -> anyhow::Result<Outcome> {
                 w.child = None;
                 if status.success() || stopping.is_some() {
                     w.done = Some(status);
+                    if !status.success() && failure_is_an_exit_code && killed_from_outside(status, sent_kill) {
+                        let msg = format!(
+                            "worker {} (rank {}) failed: {}",
+                            w.slot.name,
+                            w.slot.rank,
+                            describe(status)
+                        );
+                        eprintln!("{label}: {msg}");
+                        failure = Some(msg);
+                        failure_is_an_exit_code = false;
+                    }
                     continue;
                 }
                 let why = describe(status);
@@ -301,6 +321,9 @@ pub fn supervise(job: &Job) -> anyhow::Result<Outcome> {
                 w.done = Some(status);
                 let msg = format!("worker {} (rank {}) failed: {why}", w.slot.name, w.slot.rank);
                 eprintln!("{label}: {msg}; stopping the others");
+                if failure.is_none() {
+                    failure_is_an_exit_code = status.code().is_some();
+                }
                 failure.get_or_insert(msg);
                 stopping.get_or_insert_with(Instant::now);
                 for w in workers.iter_mut().filter(|w| w.done.is_none()) {
@@ -334,6 +357,18 @@ fn describe(status: ExitStatus) -> String {
             Err(_) => format!("killed by signal {s}"),
         },
         _ => status.to_string(),
+    }
+}
+
+/// Whether `status` is a death by a signal this launcher did not send: anything but the
+/// SIGTERM it stops workers with, and SIGKILL only before it sent one (`sent_kill`).
+fn killed_from_outside(status: ExitStatus, sent_kill: bool) -> bool {
+    use nix::sys::signal::Signal;
+    use std::os::unix::process::ExitStatusExt;
+    match status.signal().map(Signal::try_from) {
+        Some(Ok(Signal::SIGTERM)) | None => false,
+        Some(Ok(Signal::SIGKILL)) => !sent_kill,
+        Some(_) => true,
     }
 }
 
@@ -442,6 +477,20 @@ fn forward_signals(tx: mpsc::Sender<Event>) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_death_by_a_signal_we_did_not_send_is_a_cause() {
+        use std::os::unix::process::ExitStatusExt;
+        let killed = ExitStatus::from_raw(9); // SIGKILL
+        let terminated = ExitStatus::from_raw(15); // SIGTERM: ours
+        let segfault = ExitStatus::from_raw(11);
+        let exit1 = ExitStatus::from_raw(1 << 8);
+        assert!(killed_from_outside(killed, false));
+        assert!(!killed_from_outside(killed, true), "after we sent SIGKILL, it is ours");
+        assert!(!killed_from_outside(terminated, false));
+        assert!(killed_from_outside(segfault, true));
+        assert!(!killed_from_outside(exit1, false), "an exit code is no signal");
+    }
 
     fn args(nproc: Option<u32>, roles: &[(&str, u32)]) -> LaunchArgs {
         LaunchArgs {

@@ -187,6 +187,31 @@ def test_device_maps_without_a_gpu_fail_at_init_with_the_reason():
     run(_maps_without_cuda, 1)
 
 
+def _one_fails_to_start(rank, world, method):
+    import sluice_torch
+
+    # worker1 cannot start (it names a GPU this machine lacks, after publishing its empty
+    # maps); worker0 hears why instead of waiting for its address.
+    devices = [0] if rank == 1 else None
+    opts = sluice_torch.SluiceRpcBackendOptions(init_method=method, devices=devices, rpc_timeout=120)
+    started = time.monotonic()
+    try:
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, backend=sluice_torch.BACKEND, rpc_backend_options=opts)
+    except RuntimeError as e:
+        assert "cuda:0" in str(e), e
+        if rank == 0:
+            assert "worker1 could not start" in str(e), e
+    else:
+        raise AssertionError(f"worker{rank} started beside a worker that could not")
+    assert time.monotonic() - started < 60, "the failure was heard only after the store's timeout"
+
+
+def test_a_worker_that_cannot_start_fails_the_others_with_its_reason():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU (the check is for machines without one)")
+    run(_one_fails_to_start, 2)
+
+
 def test_options_are_checked():
     with pytest.raises(ValueError, match="num_worker_threads"):
         sluice_torch.SluiceRpcBackendOptions(num_worker_threads=0)

@@ -75,6 +75,9 @@ constexpr uint8_t kEmptyOnGpu = 2;
 
 using Streams = std::vector<c10::Stream>;
 
+// What a worker that failed to start publishes in the store instead of its maps or address.
+constexpr const char* kFailed = "! failed: ";
+
 struct Header {
   uint32_t magic;
   uint32_t version;
@@ -628,18 +631,33 @@ class SluiceAgent : public RpcAgent {
       core_->workers.emplace(id, WorkerInfo(n, id));
       byName_.emplace(n, id);
     }
-    setUpDevices(deviceMaps, devices);
-    // A worker without GPUs offers no CUDA channel, so it never makes a CUDA context (the
-    // CUDA channels probe the GPUs when offered).
-    std::string offered = channels.empty() && devices_.empty() ? "rdma,cma,multilane,basic" : channels;
-    int s = sluice_context_new_with(transports.empty() ? nullptr : transports.c_str(),
-                                    offered.empty() ? nullptr : offered.c_str(),
-                                    contextOptions.empty() ? nullptr : contextOptions.c_str(), &ctx_);
-    TORCH_CHECK(s == SLUICE_OK, "sluice: cannot make a context: ", lastError(s));
-    std::string at = listenHost + ":0";
-    s = sluice_listen(ctx_, at.c_str(), &listener_);
-    TORCH_CHECK(s == SLUICE_OK, "sluice: cannot listen on ", at, ": ", lastError(s));
-    address_ = sluice_listener_address(listener_);
+    // Whatever fails from here is published where the other workers wait for this one (its
+    // device maps, its address), so their start fails with the reason instead of waiting out
+    // the store's timeout.
+    try {
+      setUpDevices(deviceMaps, devices);
+      // A worker without GPUs offers no CUDA channel, so it never makes a CUDA context (the
+      // CUDA channels probe the GPUs when offered).
+      std::string offered = channels.empty() && devices_.empty() ? "rdma,cma,multilane,basic" : channels;
+      int s = sluice_context_new_with(transports.empty() ? nullptr : transports.c_str(),
+                                      offered.empty() ? nullptr : offered.c_str(),
+                                      contextOptions.empty() ? nullptr : contextOptions.c_str(), &ctx_);
+      TORCH_CHECK(s == SLUICE_OK, "sluice: cannot make a context: ", lastError(s));
+      std::string at = listenHost + ":0";
+      s = sluice_listen(ctx_, at.c_str(), &listener_);
+      TORCH_CHECK(s == SLUICE_OK, "sluice: cannot listen on ", at, ": ", lastError(s));
+      address_ = sluice_listener_address(listener_);
+    } catch (const std::exception& e) {
+      std::string why = std::string(kFailed) + e.what();
+      std::string me = std::to_string(workerInfo_.id_);
+      ::c10d::PrefixStore maps("sluice/device_maps", store_);
+      if (!maps.check({me})) {
+        maps.set(me, why);
+      }
+      store_->set("sluice/addr/" + me, why);
+      release();
+      throw;
+    }
     store_->set("sluice/addr/" + std::to_string(workerInfo_.id_), address_);
   }
 
@@ -752,10 +770,19 @@ class SluiceAgent : public RpcAgent {
   void sync() override {}
 
   void startImpl() override {
+    // Every worker's address first: one that could not start says so, and nothing has been
+    // started here yet.
+    std::unordered_map<worker_id_t, std::string> addrs;
+    for (const auto& [id, w] : core_->workers) {
+      std::string addr = store_->get_to_str("sluice/addr/" + std::to_string(id));
+      TORCH_CHECK(addr.rfind(kFailed, 0) != 0, "sluice: ", w.name_, " could not start: ",
+                  addr.substr(std::strlen(kFailed)));
+      addrs.emplace(id, std::move(addr));
+    }
     acceptThread_ = std::thread([this] { acceptLoop(); });
     timerThread_ = std::thread([core = core_] { timeouts(core); });
     for (const auto& [id, w] : core_->workers) {
-      std::string addr = store_->get_to_str("sluice/addr/" + std::to_string(id));
+      const std::string& addr = addrs.at(id);
       sluice_pipe* raw = nullptr;
       int s = sluice_connect(ctx_, addr.c_str(), &raw);
       TORCH_CHECK(s == SLUICE_OK, "sluice: cannot connect to ", w.name_, " at ", addr, ": ", lastError(s));
@@ -879,7 +906,7 @@ class SluiceAgent : public RpcAgent {
     // waiting in the store.
     ::c10d::PrefixStore maps("sluice/device_maps", store_);
     std::ostringstream mine;
-    try {
+    {
       for (const auto& [to, m] : deviceMaps) {
         TORCH_CHECK(byName_.count(to), "device_maps names ", to, ", which is not a worker of this group");
         DeviceMap& map = maps_[to];
@@ -895,9 +922,6 @@ class SluiceAgent : public RpcAgent {
           mine << to << ' ' << a << ' ' << b << '\n';
         }
       }
-    } catch (const std::exception& e) {
-      maps.set(std::to_string(workerInfo_.id_), std::string("! ") + e.what());
-      throw;
     }
     maps.set(std::to_string(workerInfo_.id_), mine.str());
     std::vector<c10::Device> local;
@@ -913,8 +937,8 @@ class SluiceAgent : public RpcAgent {
     }
     for (const auto& [id, w] : core_->workers) {
       std::string published = maps.get_to_str(std::to_string(id));
-      TORCH_CHECK(published.rfind("! ", 0) != 0, "sluice: ", w.name_, " could not set up its device maps: ",
-                  published.substr(2));
+      TORCH_CHECK(published.rfind(kFailed, 0) != 0, "sluice: ", w.name_, " could not start: ",
+                  published.substr(std::strlen(kFailed)));
       std::istringstream theirs(published);
       std::string to, a, b;
       while (theirs >> to >> a >> b) {
@@ -1073,6 +1097,15 @@ class SluiceAgent : public RpcAgent {
         auto response = f.hasError() ? createExceptionResponse(f.tryRetrieveErrorMessage(), id)
                                      : f.value().toCustomClass<Message>();
         response->setId(id);
+        for (const auto& t : response->tensors()) {
+          const auto& devices = f.devices();
+          if (t.is_cuda() && std::find(devices.begin(), devices.end(), t.device()) == devices.end()) {
+            // Its stream order is unknown here (TensorPipe refuses it too).
+            answerError(c10::str("RPC detected that a user-function output tensor on device ", t.device(),
+                                 ". This device is not one of the input tensor devices, which is not yet supported."));
+            return;
+          }
+        }
         // A write that fails later (a GPU pair no channel connects, memory for a staging copy)
         // does not always fail the pipe: answer with the error instead.
         std::function<void(std::string)> onError = nullptr;
