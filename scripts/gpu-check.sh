@@ -35,7 +35,9 @@
 #   9. the parameter-server demo with its parameters on the GPU;
 #  10. the SLUICE torch.distributed.rpc backend with CUDA tensors (device maps, streams, RRefs,
 #      distributed autograd: python/torch/tests/cuda_check.py), built there against the
-#      machine's own CUDA torch with the C library from gpu-bin/.
+#      machine's own CUDA torch with the C library from gpu-bin/, then PyTorch's CUDA RPC
+#      suites against it (python/torch/tests/run_generic.py cuda; needs pytest, expecttest and
+#      hypothesis there).
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")/.." && pwd)"
@@ -144,6 +146,20 @@ run() {
         SLUICE_C_LIB="$bin/libsluice_c.so" SLUICE_TORCH_ANY_VERSION=1 MAX_JOBS=8 \
             python3 -m pip install --quiet --no-build-isolation --no-deps --target "$site" ./python/torch
         PYTHONPATH="$site" python3 python/torch/tests/cuda_check.py
+        # PyTorch's own CUDA RPC suites against the backend (most need two GPUs and skip on
+        # one); their failures are reported, as the benches' are, at the end.
+        # PyTorch's test modules import expecttest, which the GPU image lacks: carry its wheel
+        # (`pip download --no-deps expecttest -d .whl` here, then carry .whl; see the device
+        # tool's README), and it is installed from there.
+        if ! python3 -c 'import expecttest' 2>/dev/null && ls .whl/expecttest-*.whl >/dev/null 2>&1; then
+            python3 -m pip install -q --no-index --no-deps --target "$site" .whl/expecttest-*.whl
+        fi
+        if ! PYTHONPATH="$site" python3 -c 'import expecttest' 2>/dev/null; then
+            echo "== expecttest is missing: PyTorch's CUDA RPC suites did not run (carry its wheel in .whl)" >&2
+            failed_benches+=("PyTorch's CUDA RPC suites (expecttest missing)")
+        elif ! (cd python/torch/tests && PYTHONPATH="$site" timeout --signal=KILL "$limit" python3 run_generic.py cuda); then
+            failed_benches+=("PyTorch's CUDA RPC suites on the SLUICE backend")
+        fi
     else
         echo "== no CUDA torch for python3 here: the torch backend's CUDA check did not run" >&2
         failed_benches+=("torch backend CUDA check (no CUDA torch)")

@@ -4,6 +4,7 @@ per suite.
 
     python run_generic.py ci      # the subset in ci_tests.txt (what CI runs, a few minutes)
     python run_generic.py full    # every test of GENERIC_TESTS (about 50 minutes on 2 cores)
+    python run_generic.py cuda    # PyTorch's CUDA suites (a GPU machine: scripts/gpu-check.sh)
 
 Exits non-zero if any test failed. Extra arguments go to pytest (`-k test_self_add`).
 """
@@ -20,7 +21,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 def main():
     which = sys.argv[1] if len(sys.argv) > 1 else "ci"
-    if which not in ("ci", "full"):
+    if which not in ("ci", "full", "cuda"):
         sys.exit(__doc__)
     env = dict(os.environ)
     # A hung test fails after this many seconds instead of PyTorch's default 300.
@@ -28,7 +29,8 @@ def main():
     if which == "ci":
         env["SLUICE_TORCH_SUBSET"] = str(HERE / "ci_tests.txt")
     report = HERE / f".generic-{which}.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_generic.py", f"--junitxml={report}"]
+    module = "test_generic_cuda.py" if which == "cuda" else "test_generic.py"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", module, f"--junitxml={report}"]
     run = subprocess.run(cmd + sys.argv[2:], cwd=HERE, env=env)
     counts = collections.defaultdict(collections.Counter)
     failed = []
