@@ -109,16 +109,18 @@ unsafe extern "C" fn count_failed(status: c_int, user: *mut c_void) {
 type Outcome = (c_int, usize, String);
 
 unsafe extern "C" fn read_done(status: c_int, received: *mut SluiceReceived, user: *mut c_void) {
-    // SAFETY: the tests pass a sender that outlives the read.
-    let tx = unsafe { &*(user as *const mpsc::Sender<Outcome>) };
+    // SAFETY: `read` passes a boxed sender of its own, given to this callback (called once):
+    // the waiting thread may return, and drop its receiver, while `send` is still running.
+    let tx = unsafe { Box::from_raw(user as *mut mpsc::Sender<Outcome>) };
     let _ = tx.send((status, received as usize, last_error()));
 }
 
 /// Starts a read with `allocator` (or none: `sluice_pipe_read_then`) and waits for it.
 fn read(pipe: *mut SluicePipe, allocator: Option<&Allocator>) -> Outcome {
     let (tx, rx) = mpsc::channel::<Outcome>();
-    let user = &tx as *const _ as *mut c_void;
-    // SAFETY: live pipe; the sender and allocator outlive the read (we wait for it below).
+    let user = Box::into_raw(Box::new(tx)) as *mut c_void;
+    // SAFETY: live pipe; the callback owns the boxed sender; the allocator outlives the read
+    // (we wait for it below).
     let rc = unsafe {
         match allocator {
             Some(a) => sluice_pipe_read_then_with(
@@ -132,6 +134,10 @@ fn read(pipe: *mut SluicePipe, allocator: Option<&Allocator>) -> Outcome {
             None => sluice_pipe_read_then(pipe, Some(read_done), user),
         }
     };
+    if rc != SLUICE_OK {
+        // SAFETY: the callback will not run: the sender is still ours.
+        drop(unsafe { Box::from_raw(user as *mut mpsc::Sender<Outcome>) });
+    }
     ok(rc, "start the read");
     rx.recv().expect("the read's callback")
 }
@@ -288,8 +294,8 @@ fn gpu_tensors_arrive_in_the_receivers_memory_on_its_stream() {
 }
 
 #[test]
-fn a_reader_without_an_allocator_or_refused_by_it_fails_with_the_reason() {
-    if !gpu_or_skip("a_reader_without_an_allocator_or_refused_by_it_fails_with_the_reason") {
+fn a_reader_with_no_allocator_or_a_refusing_one_fails_with_the_reason() {
+    if !gpu_or_skip("a_reader_with_no_allocator_or_a_refusing_one_fails_with_the_reason") {
         return;
     }
     watchdog("capi cuda refusals");
