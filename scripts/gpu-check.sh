@@ -143,7 +143,7 @@ run() {
         echo "== [${SECONDS}s] the SLUICE torch backend with CUDA tensors (python/torch/tests/cuda_check.py)"
         local site=/tmp/sluice-torch-site
         rm -rf "$site"
-        SLUICE_C_LIB="$bin/libsluice_c.so" SLUICE_TORCH_ANY_VERSION=1 MAX_JOBS=8 \
+        SLUICE_C_LIB="$bin/libsluice_c.so" SLUICE_TORCH_ANY_VERSION=1 SLUICE_TORCH_RPC_ONLY=1 MAX_JOBS=8 \
             python3 -m pip install --quiet --no-build-isolation --no-deps --target "$site" ./python/torch
         PYTHONPATH="$site" python3 python/torch/tests/cuda_check.py
         # PyTorch's own CUDA RPC suites against the backend (most need two GPUs and skip on

@@ -75,7 +75,11 @@ setup(
     ext_modules=[
         CppExtension(
             "sluice_torch._C",
-            ["sluice_torch/csrc/agent.cpp", "sluice_torch/csrc/process_group.cpp"],
+            # SLUICE_TORCH_RPC_ONLY=1: the RPC agent alone (a torch whose c10d Backend API this
+            # process group was not written for, such as a GPU machine's own torch).
+            ["sluice_torch/csrc/agent.cpp"]
+            + ([] if os.environ.get("SLUICE_TORCH_RPC_ONLY") == "1" else ["sluice_torch/csrc/process_group.cpp"]),
+            define_macros=[("SLUICE_TORCH_RPC_ONLY", "1")] if os.environ.get("SLUICE_TORCH_RPC_ONLY") == "1" else [],
             include_dirs=[str(ROOT / "capi/include")],
             library_dirs=[str(package)],
             libraries=["sluice_c"],

@@ -16,6 +16,7 @@ by CI, which has no GPU). Two processes on one GPU, device maps cuda:0 -> cuda:0
 import os
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -107,10 +108,14 @@ def _entry(rank, fn, world, method):
 def _run(fn, world):
     method = "file://" + tempfile.mktemp(prefix="sluice-cuda-")
     ctx = mp.start_processes(_entry, args=(fn, world, method), nprocs=world, join=False, start_method="spawn")
-    if not ctx.join(timeout=WATCHDOG_S):
-        for p in ctx.processes:
-            p.kill()
-        sys.exit(f"cuda_check: {fn.__name__} still running after {WATCHDOG_S} s (a hang)")
+    deadline = time.monotonic() + WATCHDOG_S
+    # join() returns False each time one process ends while others still run (it raises if one
+    # failed): go on until all have ended, or the watchdog.
+    while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                p.kill()
+            sys.exit(f"cuda_check: {fn.__name__} still running after {WATCHDOG_S} s (a hang)")
     print(f"cuda_check: {fn.__name__} passed", flush=True)
 
 

@@ -1250,5 +1250,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("get_worker_info", py::overload_cast<rpc::worker_id_t>(&SluiceAgent::getWorkerInfo, py::const_),
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("address", &SluiceAgent::address);
+#ifndef SLUICE_TORCH_RPC_ONLY
   sluice_torch::bindProcessGroup(m);
+#endif
 }
