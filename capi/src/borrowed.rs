@@ -173,7 +173,7 @@ impl Region {
 /// The caller's release callback for memory it lent, as a value that calls it (once, from
 /// whatever thread drops the last reference). What keeps a lent GPU tensor's memory alive for
 /// the pipe ([`sluice_channel::CudaBuffer::from_raw`]'s `keep`).
-pub(crate) struct Released {
+struct Released {
     release: SluiceReleaseFn,
     user: *mut c_void,
     /// The caller's stream, fenced before the callback runs (see [`Stream::retire`]).
@@ -189,12 +189,12 @@ unsafe impl Sync for Released {}
 impl Released {
     /// # Safety
     /// `release`, when not NULL, must be callable once with `user` from any thread.
-    pub(crate) unsafe fn new(release: SluiceReleaseFn, user: *mut c_void, stream: Stream) -> Released {
+    unsafe fn new(release: SluiceReleaseFn, user: *mut c_void, stream: Stream) -> Released {
         Released { release, user, stream }
     }
 
     /// Forgets the callback: for memory that was not taken after all.
-    pub(crate) fn disarm(&mut self) {
+    fn disarm(&mut self) {
         self.release = None;
     }
 }
@@ -207,6 +207,42 @@ impl Drop for Released {
             self.stream.retire();
             // SAFETY: `new`'s contract; drop runs once.
             unsafe { release(self.user) }
+        }
+    }
+}
+
+/// The caller's device memory as a buffer without copying, ordered by its stream `stream` (a
+/// raw handle; 0: the legacy default stream); `release(user)` runs when the last reference
+/// drops, after the stream was fenced. If this fails, nothing was taken and `release` never
+/// runs.
+///
+/// # Safety
+/// `len` bytes of device memory at `ptr` and the stream must stay allocated, unchanged and
+/// alive until `release` is called (forever when it is NULL), and `release` must be callable
+/// from any thread.
+pub(crate) unsafe fn lend_cuda(
+    device: u32,
+    stream: usize,
+    ptr: u64,
+    len: usize,
+    release: SluiceReleaseFn,
+    user: *mut c_void,
+) -> Result<CudaBuffer, sluice_channel::CudaError> {
+    // SAFETY: the caller's contract: a live stream of `device`; `from_raw` checks its device.
+    let stream = unsafe { Stream::from_raw(device, stream) }?;
+    // SAFETY: the caller's contract for `release`.
+    let keep = Arc::new(unsafe { Released::new(release, user, stream.clone()) });
+    // SAFETY: the caller's contract: `len` bytes of device memory kept until `release`, which
+    // `keep` calls once the last reference drops; `from_raw` checks that they are device memory
+    // of `device` lying inside one allocation.
+    match unsafe { CudaBuffer::from_raw(ptr, len, &stream, keep.clone()) } {
+        Ok(buffer) => Ok(buffer),
+        Err(e) => {
+            // Not taken: the callback must not run (the refused buffer dropped its clone).
+            if let Ok(mut k) = Arc::try_unwrap(keep) {
+                k.disarm();
+            }
+            Err(e)
         }
     }
 }

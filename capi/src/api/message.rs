@@ -5,7 +5,7 @@ use std::ffi::{c_int, c_void};
 use sluice_dlpack::ffi::DLTensor;
 
 use super::{bytes, give, guard, handle, handle_mut, out_handle, take, SluiceReleaseFn};
-use crate::borrowed::{lend, Released};
+use crate::borrowed::{lend, lend_cuda};
 use crate::message::{SluiceMessage, TensorSpec};
 use crate::status::{Error, SLUICE_OK};
 
@@ -156,27 +156,10 @@ pub unsafe extern "C" fn sluice_message_add_cuda_tensor(
                 "tensor of {span} bytes at {start:#x} on cuda:{device}, stream {stream:#x}: CUDA: {e}"
             )),
         };
-        // SAFETY: the caller passes a live stream of this GPU (or 0) that outlives the write,
-        // as documented; `from_raw` checks the stream's device.
-        let stream = unsafe { sluice_channel::Stream::from_raw(device, stream) }.map_err(refused)?;
-        // Made before the buffer so that a refused buffer does not call `release`.
-        // SAFETY: the caller's callback, callable once from any thread, as documented.
-        let keep = std::sync::Arc::new(unsafe { Released::new(release, user, stream.clone()) });
-        // SAFETY: the caller lends `span` bytes of device memory from the first element until
-        // `release(user)`, which `keep` calls once the last reference drops; `from_raw` checks
-        // that they are device memory of `device` lying inside one allocation.
-        let buffer = unsafe { sluice_channel::CudaBuffer::from_raw(start, span, &stream, keep.clone()) };
-        let buffer = match buffer {
-            Ok(b) => b,
-            Err(e) => {
-                // Not taken: the callback must not run (the refused buffer dropped its clone).
-                if let Ok(mut k) = std::sync::Arc::try_unwrap(keep) {
-                    k.disarm();
-                }
-                return Err(refused(e));
-            }
-        };
-        drop(keep);
+        // SAFETY: the caller lends `span` bytes of device memory from the first element and a
+        // live stream of this GPU (or 0) until `release(user)`, callable once from any thread,
+        // as documented; `lend_cuda` checks the memory's and the stream's device.
+        let buffer = unsafe { lend_cuda(device, stream, start, span, release, user) }.map_err(refused)?;
         message.add_cuda_tensor(&meta, buffer, target);
         Ok(SLUICE_OK)
     })
