@@ -110,9 +110,8 @@ async fn cost() -> anyhow::Result<()> {
             write_ns += t.elapsed().as_nanos();
             let t = std::time::Instant::now();
             for _ in 0..BATCH {
-                let d = b.read_descriptor().await?;
-                let got = b
-                    .read(alloc.take().unwrap_or_else(|| Allocation::for_descriptor(&d)))
+                let (_, got) = b
+                    .read_message(|d| Ok(alloc.take().unwrap_or_else(|| Allocation::for_descriptor(d))))
                     .await?;
                 alloc = Some(got);
             }

@@ -12,7 +12,7 @@
 use std::net::SocketAddr;
 
 use bytes::Bytes;
-use sluice_channel::{Allocation, Context, ContextOptions, Message, Pipe, Tensor};
+use sluice_channel::{Allocation, Context, ContextOptions, Message, Pipe, RecvBuffer, SendBuffer, Tensor};
 use sluice_transport::shm::ShmTransport;
 use sluice_transport::tcp::TcpTransport;
 use sluice_transport::{Connection, FrameReader, FrameWriter, Listener, Transport};
@@ -116,6 +116,7 @@ async fn serve_transport<C: Connection>(conn: C) -> anyhow::Result<()> {
 
 async fn serve_pipe(pipe: Pipe, directory: String) -> anyhow::Result<()> {
     let mut spare: Option<Allocation> = None;
+    let mut echo = Message::default();
     loop {
         let (d, got) = pipe
             .read_message(|d| {
@@ -148,21 +149,26 @@ async fn serve_pipe(pipe: Pipe, directory: String) -> anyhow::Result<()> {
                 spare = Some(got);
             }
             b"echo" => {
-                let tensors: Vec<Bytes> = got.tensors.into_iter().filter_map(|t| t.into_cpu()).collect();
-                let message = Message {
-                    metadata: d.metadata.clone(),
-                    payloads: Vec::new(),
-                    tensors: tensors.iter().cloned().map(Tensor::cpu).collect(),
-                };
-                pipe.write(&message).await?;
-                drop(message);
-                // The write is complete, so the pipe holds no reference: take the memory back.
-                let back: Vec<_> = tensors.into_iter().filter_map(|b| b.try_into_mut().ok()).collect();
-                if back.len() == d.tensors.len() {
-                    spare = Some(Allocation {
-                        payloads: got.payloads,
-                        tensors: back.into_iter().map(sluice_channel::RecvBuffer::Cpu).collect(),
-                    });
+                // The received buffers go back as they are, and come back for the next message
+                // once written: like the transport's echo, this allocates nothing per message,
+                // so the round trip measures the pipe and not the echo.
+                let mut got = got;
+                echo.metadata = Bytes::from_static(b"echo");
+                echo.tensors
+                    .extend(got.tensors.drain(..).filter_map(|t| t.into_cpu()).map(Tensor::cpu));
+                let written = pipe.write(&echo).await;
+                // The write is complete, so the pipe holds no reference: take the memory back
+                // (memory the pipe lent, a shared segment, goes back to the sender instead).
+                for t in echo.tensors.drain(..) {
+                    if let SendBuffer::Cpu(b) = t.buffer {
+                        if let Ok(b) = b.try_into_mut() {
+                            got.tensors.push(RecvBuffer::Cpu(b));
+                        }
+                    }
+                }
+                written?;
+                if got.tensors.len() == d.tensors.len() {
+                    spare = Some(got);
                 }
             }
             b"ack" => pipe.write(&Message::default()).await?,

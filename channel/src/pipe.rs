@@ -177,6 +177,9 @@ struct ReadSide {
     /// payloads and inline tensors are copied out of it, from `packed_at` on.
     frame: Vec<u8>,
     packed_at: usize,
+    /// The last message's descriptor once read, decoded into again (its lists keep their
+    /// capacity: no list is allocated per message).
+    spare: WireDescriptor,
 }
 
 /// A descriptor frame buffer grown past this (by a large metadata) is let go rather than kept.
@@ -354,6 +357,7 @@ impl Pipe {
                     acks: links.reply.1,
                     seq: 0,
                     pending: None,
+                    spare: WireDescriptor::default(),
                     early: None,
                     frame: Vec::new(),
                     packed_at: 0,
@@ -487,7 +491,7 @@ impl Pipe {
         {
             let mut tensors = SmallVec::new();
             tensors_out(&mut tensors, message, sources.iter(), &targets);
-            wire::encode_into(
+            wire::encode_descriptor(
                 &DescriptorOut {
                     seq: side.seq,
                     metadata: ByteSlice(&message.metadata),
@@ -632,7 +636,7 @@ impl Pipe {
                 tensors: &tensors,
                 packed,
             };
-            wire::encode_into(&descriptor, &mut encoded);
+            wire::encode_descriptor(&descriptor, &mut encoded);
         }
         let needs_ack = prepared.iter().any(|p| p.source.needs_ack());
         for (t, p) in message.tensors.iter().zip(&prepared) {
@@ -824,6 +828,7 @@ impl Pipe {
         }
         side.rx.finished();
         side.seq += 1;
+        side.spare = descriptor;
         Some(Ok((d, allocation)))
     }
 
@@ -869,8 +874,9 @@ impl Pipe {
     /// Decodes and checks the descriptor frame just read into `side.frame`; it becomes the
     /// pending descriptor, and its public form is returned.
     fn accept_descriptor(&self, side: &mut ReadSide) -> Result<Descriptor> {
-        let (mut descriptor, packed_at) = match wire::decode_descriptor(&side.frame, &self.inner.info.peer) {
-            Ok(d) => d,
+        let mut descriptor = std::mem::take(&mut side.spare);
+        let packed_at = match wire::decode_descriptor_into(&side.frame, &self.inner.info.peer, &mut descriptor) {
+            Ok(at) => at,
             Err(e) => return Err(self.inner.fail(e)),
         };
         side.packed_at = packed_at;
@@ -968,6 +974,7 @@ impl Pipe {
         match read {
             Ok(()) => {
                 side.seq += 1;
+                side.spare = descriptor;
                 Ok(allocation)
             }
             Err(e) => Err(ReadError {

@@ -9,6 +9,8 @@
 //! Every decoder takes bytes from a peer: lengths are bounded by the frame (which the transport
 //! bounded before allocating), and anything that does not parse is a typed error.
 
+mod codec;
+
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -108,7 +110,7 @@ pub struct ChannelChoice {
 /// A *packed* message (a small one: see [`PACK_MAX`]) carries its payloads and its inline
 /// tensors in the descriptor's own frame, right after the descriptor, in that order: one frame
 /// per message. Otherwise each payload and each inline tensor is a frame of its own after it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct WireDescriptor {
     pub seq: u64,
     pub metadata: Bytes,
@@ -304,6 +306,7 @@ pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
 }
 
 /// Serializes a frame of an established pipe into `out` (cleared first, its capacity reused).
+#[cfg(test)]
 pub(crate) fn encode_into<T: Serialize>(value: &T, out: &mut Vec<u8>) {
     out.clear();
     let buf = std::mem::take(out);
@@ -329,12 +332,19 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8], peer: &str) -> Result<T, PipeEr
 /// The bytes after the descriptor must be exactly what it says it packed (nothing, unless it
 /// is packed), and no more than [`PACK_MAX`].
 pub fn decode_descriptor(bytes: &[u8], peer: &str) -> Result<(WireDescriptor, usize), PipeError> {
+    let mut d = WireDescriptor::default();
+    let at = decode_descriptor_into(bytes, peer, &mut d)?;
+    Ok((d, at))
+}
+
+/// [`decode_descriptor`] into a descriptor the caller reuses: its lists keep their capacity,
+/// so a reader that hands it back allocates no list per message.
+pub fn decode_descriptor_into(bytes: &[u8], peer: &str, d: &mut WireDescriptor) -> Result<usize, PipeError> {
     let protocol = |detail: String| PipeError::Protocol {
         peer: peer.to_owned(),
         detail,
     };
-    let (d, rest) =
-        postcard::take_from_bytes::<WireDescriptor>(bytes).map_err(|e| protocol(format!("malformed frame: {e}")))?;
+    let at = codec::decode_into(bytes, d).map_err(|e| protocol(format!("malformed frame: {e}")))?;
     let want = if d.packed {
         let want = d
             .packed_len()
@@ -346,13 +356,19 @@ pub fn decode_descriptor(bytes: &[u8], peer: &str) -> Result<(WireDescriptor, us
     } else {
         0
     };
-    if rest.len() as u64 != want {
+    let rest = bytes.len() - at;
+    if rest as u64 != want {
         return Err(protocol(format!(
-            "{} bytes after the descriptor, which packs {want}",
-            rest.len()
+            "{rest} bytes after the descriptor, which packs {want}"
         )));
     }
-    Ok((d, bytes.len() - rest.len()))
+    Ok(at)
+}
+
+/// Writes a descriptor frame's descriptor into `out` (cleared first, its capacity reused).
+pub(crate) fn encode_descriptor(d: &DescriptorOut<'_>, out: &mut Vec<u8>) {
+    out.clear();
+    codec::encode(d, out);
 }
 
 #[cfg(test)]
@@ -425,65 +441,152 @@ mod tests {
         }
     }
 
-    /// The sender's borrowed form encodes to the bytes of the owned descriptor.
-    #[test]
-    fn borrowed_descriptor_encodes_like_the_owned_one() {
-        let cuda = Source::CudaIpc {
-            memory: Bytes::from_static(&[1; 64]),
-            offset: 5,
-            size: 4096,
-            event: Bytes::from_static(&[2; 64]),
-        };
-        let payloads = [Bytes::from_static(b"abc"), Bytes::new(), Bytes::from(vec![9u8; 300])];
-        let owned = WireDescriptor {
-            seq: 1 << 40,
-            metadata: Bytes::from_static(b"meta"),
-            payloads: vec![3, 0, 300],
-            tensors: vec![
-                WireTensor {
-                    length: 64,
-                    source: Device::Cpu,
-                    target: None,
-                    metadata: Bytes::from_static(b"shape"),
-                    data: Source::Inline,
-                },
-                WireTensor {
-                    length: 4096,
-                    source: Device::Cuda(1),
-                    target: Some(Device::Cuda(0)),
-                    metadata: Bytes::new(),
-                    data: cuda.clone(),
-                },
-            ],
-            packed: true,
-        };
-        let tensors = [
-            TensorOut {
-                length: 64,
-                source: Device::Cpu,
-                target: None,
-                metadata: ByteSlice(b"shape"),
-                data: &Source::Inline,
+    /// Every variant and the largest values of every field, for the codec tests.
+    fn every_kind_of_tensor() -> Vec<WireTensor> {
+        let sources = [
+            Source::Empty,
+            Source::Inline,
+            Source::Lanes,
+            Source::Staged,
+            Source::Segment { offset: u64::MAX },
+            Source::Cma { address: 1 << 47 },
+            Source::Rdma {
+                addr: 0x7f00_0000_1000,
+                rkey: u32::MAX,
             },
-            TensorOut {
-                length: 4096,
-                source: Device::Cuda(1),
-                target: Some(Device::Cuda(0)),
-                metadata: ByteSlice(b""),
-                data: &cuda,
+            Source::CudaIpc {
+                memory: Bytes::from_static(&[1; 64]),
+                offset: 5,
+                size: 4096,
+                event: Bytes::from_static(&[2; 64]),
+            },
+            Source::CudaLocal {
+                address: 0xdead_beef,
+                event: u64::MAX - 1,
             },
         ];
-        let borrowed = DescriptorOut {
-            seq: 1 << 40,
-            metadata: ByteSlice(b"meta"),
-            payloads: Lengths(&payloads),
-            tensors: &tensors,
+        let devices = [
+            (Device::Cpu, None),
+            (Device::Cuda(u32::MAX), Some(Device::Cpu)),
+            (Device::Cuda(1), Some(Device::Cuda(127))),
+            (Device::Cpu, Some(Device::Cuda(128))),
+        ];
+        sources
+            .iter()
+            .enumerate()
+            .map(|(i, data)| {
+                let (source, target) = devices[i % devices.len()];
+                WireTensor {
+                    length: [0, 1, 127, 128, 1 << 35, u64::MAX][i % 6],
+                    source,
+                    target,
+                    metadata: Bytes::from(vec![i as u8; i * 40]),
+                    data: data.clone(),
+                }
+            })
+            .collect()
+    }
+
+    /// The sender's borrowed form, written by the hand codec, gives postcard's bytes for the
+    /// owned descriptor (so the receiver's serde-derived reference reads it), and the hand
+    /// decoder reads postcard's bytes back to the same descriptor.
+    #[test]
+    fn hand_codec_matches_postcard_both_ways() {
+        let all = every_kind_of_tensor();
+        let payloads = [Bytes::from_static(b"abc"), Bytes::new(), Bytes::from(vec![9u8; 300])];
+        for (seq, tensors, packed) in [
+            (1u64 << 40, &all[..], true),
+            (0, &all[..0], false),
+            (u64::MAX, &all[1..2], true),
+            (127, &all[3..], false),
+        ] {
+            let owned = WireDescriptor {
+                seq,
+                metadata: Bytes::from_static(b"meta"),
+                payloads: vec![3, 0, 300],
+                tensors: tensors.to_vec(),
+                packed,
+            };
+            let outs: Vec<TensorOut<'_>> = tensors
+                .iter()
+                .map(|t| TensorOut {
+                    length: t.length,
+                    source: t.source,
+                    target: t.target,
+                    metadata: ByteSlice(&t.metadata),
+                    data: &t.data,
+                })
+                .collect();
+            let borrowed = DescriptorOut {
+                seq,
+                metadata: ByteSlice(b"meta"),
+                payloads: Lengths(&payloads),
+                tensors: &outs,
+                packed,
+            };
+            let reference = encode(&owned);
+            let mut out = vec![7; 3];
+            encode_into(&borrowed, &mut out);
+            assert_eq!(out, reference, "serde's borrowed form");
+            let mut out = vec![7; 3];
+            encode_descriptor(&borrowed, &mut out);
+            assert_eq!(out, reference, "the hand encoder");
+            // Decoded into a descriptor that held something else: nothing of it remains.
+            let mut back = WireDescriptor {
+                payloads: vec![1; 9],
+                tensors: all.clone(),
+                ..WireDescriptor::default()
+            };
+            assert_eq!(codec::decode_into(&reference, &mut back), Ok(reference.len()));
+            assert_eq!(back, owned);
+        }
+    }
+
+    /// On any input, the hand decoder and the serde-derived one agree: the same descriptor
+    /// and length, or both refuse. Inputs: every prefix of a valid descriptor, every single-
+    /// bit flip of it, and pseudo-random bytes.
+    #[test]
+    fn hand_decoder_agrees_with_serde() {
+        let sample = encode(&WireDescriptor {
+            seq: 300,
+            metadata: Bytes::from_static(b"meta"),
+            payloads: vec![1, 1 << 20],
+            tensors: every_kind_of_tensor(),
             packed: true,
+        });
+        let agree = |bytes: &[u8]| {
+            let reference = postcard::take_from_bytes::<WireDescriptor>(bytes)
+                .ok()
+                .map(|(d, rest)| (d, bytes.len() - rest.len()));
+            let mut d = WireDescriptor::default();
+            let hand = codec::decode_into(bytes, &mut d).ok().map(|at| (d, at));
+            assert_eq!(hand, reference, "on {bytes:02x?}");
         };
-        let mut out = vec![7; 3];
-        encode_into(&borrowed, &mut out);
-        assert_eq!(out, encode(&owned));
-        assert_eq!(owned.packed_len(), Some(3 + 300 + 64));
+        for cut in 0..=sample.len() {
+            agree(&sample[..cut]);
+        }
+        for bit in 0..sample.len() * 8 {
+            let mut flipped = sample.clone();
+            flipped[bit / 8] ^= 1 << (bit % 8);
+            agree(&flipped);
+        }
+        let mut x = 0x1234_5678u32;
+        for len in 0..2048 {
+            let junk: Vec<u8> = (0..len % 96)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 17;
+                    x ^= x << 5;
+                    // Small bytes often, so that lengths and tags are often plausible.
+                    if x & 0x300 == 0 {
+                        x as u8
+                    } else {
+                        (x as u8) & 0x0f
+                    }
+                })
+                .collect();
+            agree(&junk);
+        }
     }
 
     /// A descriptor frame carries exactly the bytes it packs, no more, no fewer.

@@ -8,8 +8,12 @@ fuzz_target!(|data: &[u8]| {
         // Sizes are summed the way a receiver budgets them: never overflowing.
         let _ = d.payloads.iter().fold(0u64, |a, &l| a.saturating_add(l));
     }
-    // As the pipe parses a descriptor frame: the descriptor, then exactly the bytes it packs.
+    // As the pipe parses a descriptor frame (the hand codec): the descriptor, then exactly
+    // the bytes it packs. It agrees with the serde-derived reference on every input.
+    let reference = postcard::take_from_bytes::<WireDescriptor>(data).ok();
     if let Ok((d, at)) = decode_descriptor(data, "fuzz") {
+        let (r, rest) = reference.expect("the hand decoder took what the reference refuses");
+        assert_eq!((&r, data.len() - rest.len()), (&d, at));
         assert!(at <= data.len());
         let packed = if d.packed {
             d.packed_len().expect("checked by the decoder")
