@@ -84,7 +84,10 @@ impl<T> FairLock<T> {
             let mut s = self.state.load(Relaxed);
             while s & HELD == 0 {
                 // Taken, and this waiter no longer counted, in one step.
-                match self.state.compare_exchange_weak(s, (s - WAITER) | HELD, Acquire, Relaxed) {
+                match self
+                    .state
+                    .compare_exchange_weak(s, (s - WAITER) | HELD, Acquire, Relaxed)
+                {
                     Ok(_) => {
                         announced.0 = None;
                         return Guard { lock: self };
