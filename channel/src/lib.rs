@@ -21,7 +21,6 @@ pub mod context;
 pub mod cuda;
 pub mod device;
 pub mod error;
-mod fair_lock;
 pub mod message;
 pub mod negotiation;
 pub mod pipe;

@@ -46,6 +46,7 @@ use sluice_transport::any::{AnyReader, AnyWriter};
 use sluice_transport::ibv::RdmaHandle;
 use sluice_transport::{Closer, FrameReader, FrameWriter};
 use smallvec::SmallVec;
+use tokio::sync::Mutex;
 
 use crate::channel::path::{self, Link, Received, Rx, Staging, Tx};
 use crate::channel::rdma::RegCache;
@@ -54,7 +55,6 @@ use crate::channel::ChannelKind;
 use crate::cuda::ipc;
 use crate::device::{Device, SendBuffer};
 use crate::error::{PipeError, Result};
-use crate::fair_lock::FairLock;
 use crate::message::{Allocation, Descriptor, Message, TensorDescriptor};
 use crate::wire::{
     self, Ack, ByteSlice, DescriptorOut, Lengths, Source, TensorOut, WireDescriptor, WireTensor, PACK_MAX,
@@ -208,8 +208,8 @@ struct Inner {
     closers: Vec<Closer>,
     /// One-sided RDMA on the control connection (when it is ibverbs).
     rdma: Option<RdmaHandle>,
-    writer: FairLock<WriteSide>,
-    reader: FairLock<ReadSide>,
+    writer: Mutex<WriteSide>,
+    reader: Mutex<ReadSide>,
 }
 
 impl Inner {
@@ -332,7 +332,7 @@ impl Pipe {
                 error: OnceLock::new(),
                 closers,
                 rdma,
-                writer: FairLock::new(WriteSide {
+                writer: Mutex::new(WriteSide {
                     tx: Tx {
                         control: links.control.1,
                         lanes: lane_writers,
@@ -345,7 +345,7 @@ impl Pipe {
                     exposed: Vec::new(),
                     encoded: Vec::new(),
                 }),
-                reader: FairLock::new(ReadSide {
+                reader: Mutex::new(ReadSide {
                     rx: Rx {
                         control: links.control.0,
                         lanes: lane_readers,
@@ -479,7 +479,7 @@ impl Pipe {
         let inner = &self.inner;
         // Fails while another write holds the lock or waits for it (tokio's lock is fair):
         // this one never overtakes a queued write.
-        let mut side = inner.writer.try_lock()?;
+        let mut side = inner.writer.try_lock().ok()?;
         if let Err(e) = inner.check() {
             return Some(Err(e));
         }
@@ -557,17 +557,17 @@ impl Pipe {
     pub fn debug_state(&self) -> String {
         let inner = &self.inner;
         let writer = match inner.writer.try_lock() {
-            Some(_) => "free".to_owned(),
-            None => "held".to_owned(),
+            Ok(_) => "free".to_owned(),
+            Err(_) => "held".to_owned(),
         };
         let reader = match inner.reader.try_lock() {
-            Some(mut side) => format!(
+            Ok(mut side) => format!(
                 "free (descriptor pending: {} (decoded early: {}), input waiting: {})",
                 side.pending.is_some(),
                 side.early.is_some(),
                 side.rx.control.has_input()
             ),
-            None => "held".to_owned(),
+            Err(_) => "held".to_owned(),
         };
         format!(
             "queued writers {}, frames held {}, batching {}, failed {}, write side {writer}, read side {reader}",
@@ -587,8 +587,8 @@ impl Pipe {
     /// someone else is reading.
     pub fn has_input(&self) -> bool {
         match self.inner.reader.try_lock() {
-            Some(mut side) => side.pending.is_some() || side.rx.control.has_input(),
-            None => false,
+            Ok(mut side) => side.pending.is_some() || side.rx.control.has_input(),
+            Err(_) => false,
         }
     }
 
@@ -784,7 +784,7 @@ impl Pipe {
         if !inner.immediate {
             return None;
         }
-        let mut side = inner.reader.try_lock()?;
+        let mut side = inner.reader.try_lock().ok()?;
         if let Err(e) = inner.check() {
             return Some(Err(e));
         }
