@@ -182,8 +182,20 @@ struct ReadSide {
     spare: WireDescriptor,
 }
 
+impl ReadSide {
+    /// Keeps a read message's descriptor to decode the next one into, unless a large message
+    /// grew its lists (their memory is let go, as `frame`'s is past `FRAME_KEEP`).
+    fn keep_spare(&mut self, descriptor: WireDescriptor) {
+        if descriptor.payloads.capacity() <= SPARE_KEEP && descriptor.tensors.capacity() <= SPARE_KEEP {
+            self.spare = descriptor;
+        }
+    }
+}
+
 /// A descriptor frame buffer grown past this (by a large metadata) is let go rather than kept.
 const FRAME_KEEP: usize = 1 << 20;
+/// A spare descriptor whose lists grew past this many entries is let go rather than kept.
+const SPARE_KEEP: usize = 1024;
 
 struct Inner {
     info: PipeInfo,
@@ -828,7 +840,7 @@ impl Pipe {
         }
         side.rx.finished();
         side.seq += 1;
-        side.spare = descriptor;
+        side.keep_spare(descriptor);
         Some(Ok((d, allocation)))
     }
 
@@ -974,7 +986,7 @@ impl Pipe {
         match read {
             Ok(()) => {
                 side.seq += 1;
-                side.spare = descriptor;
+                side.keep_spare(descriptor);
                 Ok(allocation)
             }
             Err(e) => Err(ReadError {

@@ -6,8 +6,8 @@
 //! A descriptor is encoded and decoded once per message on both sides of every pipe; through
 //! serde the two cost ~100 ns a message on this project's machines, a third of the pipe's own
 //! CPU per small message. The serde derives stay the reference: the tests hold this codec to
-//! postcard's bytes both ways, and the `descriptor` fuzz target holds the two decoders to the
-//! same verdict on any input.
+//! postcard's bytes both ways, and the `descriptor` fuzz target holds the pipe's decoder to
+//! postcard's verdict both ways on any input.
 //!
 //! Decoding fills a [`WireDescriptor`] the caller reuses (its lists keep their capacity), and
 //! trusts nothing: every length is checked against the bytes that remain before anything is
@@ -111,6 +111,9 @@ fn varint(out: &mut Vec<u8>, mut v: u64) {
     out.push(v as u8);
 }
 
+/// The most entries a count from the peer reserves at once.
+const RESERVE_MAX: usize = 256;
+
 /// Why a descriptor frame does not parse.
 pub(crate) type Malformed = &'static str;
 
@@ -125,13 +128,14 @@ pub(crate) fn decode_into(frame: &[u8], d: &mut WireDescriptor) -> Result<usize,
     d.metadata = r.owned_bytes()?;
     let n = r.count()?;
     // A count is trusted only as far as the bytes left could hold it (each entry takes at
-    // least one byte), so nothing is reserved for entries that cannot be there.
-    d.payloads.reserve(n);
+    // least one byte), and reserved for only up to `RESERVE_MAX` entries: beyond that the
+    // lists grow as entries actually arrive, as serde's do.
+    d.payloads.reserve(n.min(RESERVE_MAX));
     for _ in 0..n {
         d.payloads.push(r.u64()?);
     }
     let n = r.count()?;
-    d.tensors.reserve(n);
+    d.tensors.reserve(n.min(RESERVE_MAX));
     for _ in 0..n {
         d.tensors.push(WireTensor {
             length: r.u64()?,
