@@ -118,7 +118,7 @@ async fn serve_pipe(pipe: Pipe, directory: String) -> anyhow::Result<()> {
     let mut spare: Option<Allocation> = None;
     let mut echo = Message::default();
     loop {
-        let (d, got) = pipe
+        let (d, mut got) = pipe
             .read_message(|d| {
                 // Reuse the previous message's memory when the shape matches: no page faults.
                 let fits = |a: &Allocation| {
@@ -152,7 +152,6 @@ async fn serve_pipe(pipe: Pipe, directory: String) -> anyhow::Result<()> {
                 // The received buffers go back as they are, and come back for the next message
                 // once written: like the transport's echo, this allocates nothing per message,
                 // so the round trip measures the pipe and not the echo.
-                let mut got = got;
                 echo.metadata = Bytes::from_static(b"echo");
                 echo.tensors
                     .extend(got.tensors.drain(..).filter_map(|t| t.into_cpu()).map(Tensor::cpu));

@@ -66,6 +66,8 @@ else:
     f'TORCH_VERSION = "{torch.__version__}"\n'
 )
 
+RPC_ONLY = os.environ.get("SLUICE_TORCH_RPC_ONLY") == "1"
+
 setup(
     name="sluice-torch",
     version="0.1.0",
@@ -77,9 +79,8 @@ setup(
             "sluice_torch._C",
             # SLUICE_TORCH_RPC_ONLY=1: the RPC agent alone (a torch whose c10d Backend API this
             # process group was not written for, such as a GPU machine's own torch).
-            ["sluice_torch/csrc/agent.cpp"]
-            + ([] if os.environ.get("SLUICE_TORCH_RPC_ONLY") == "1" else ["sluice_torch/csrc/process_group.cpp"]),
-            define_macros=[("SLUICE_TORCH_RPC_ONLY", "1")] if os.environ.get("SLUICE_TORCH_RPC_ONLY") == "1" else [],
+            ["sluice_torch/csrc/agent.cpp"] + ([] if RPC_ONLY else ["sluice_torch/csrc/process_group.cpp"]),
+            define_macros=[("SLUICE_TORCH_RPC_ONLY", "1")] if RPC_ONLY else [],
             include_dirs=[str(ROOT / "capi/include")],
             library_dirs=[str(package)],
             libraries=["sluice_c"],

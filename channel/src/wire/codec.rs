@@ -213,12 +213,7 @@ impl<'a> Reader<'a> {
     }
 
     fn owned_bytes(&mut self) -> Result<Bytes, Malformed> {
-        let s = self.slice()?;
-        Ok(if s.is_empty() {
-            Bytes::new()
-        } else {
-            Bytes::copy_from_slice(s)
-        })
+        Ok(Bytes::copy_from_slice(self.slice()?))
     }
 
     fn device(&mut self) -> Result<Device, Malformed> {
