@@ -591,6 +591,7 @@ impl Pipe {
     }
 
     /// Whether a batch is open (see [`set_batching`](Self::set_batching)).
+    #[inline]
     pub fn is_batching(&self) -> bool {
         self.inner.batching.load(Ordering::Acquire)
     }
@@ -876,6 +877,7 @@ impl Pipe {
 
     /// Readies `side.frame` for the next descriptor frame (a buffer grown past `FRAME_KEEP` is
     /// let go) and returns the longest such frame accepted: a descriptor and its packed bytes.
+    #[inline]
     fn frame_limit(&self, side: &mut ReadSide) -> usize {
         if side.frame.capacity() > FRAME_KEEP {
             side.frame = Vec::new();

@@ -10,6 +10,7 @@
 //! bounded before allocating), and anything that does not parse is a typed error.
 
 mod codec;
+pub mod prim;
 
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
@@ -562,30 +563,8 @@ mod tests {
             let hand = codec::decode_into(bytes, &mut d).ok().map(|at| (d, at));
             assert_eq!(hand, reference, "on {bytes:02x?}");
         };
-        for cut in 0..=sample.len() {
-            agree(&sample[..cut]);
-        }
-        for bit in 0..sample.len() * 8 {
-            let mut flipped = sample.clone();
-            flipped[bit / 8] ^= 1 << (bit % 8);
-            agree(&flipped);
-        }
-        let mut x = 0x1234_5678u32;
-        for len in 0..2048 {
-            let junk: Vec<u8> = (0..len % 96)
-                .map(|_| {
-                    x ^= x << 13;
-                    x ^= x >> 17;
-                    x ^= x << 5;
-                    // Small bytes often, so that lengths and tags are often plausible.
-                    if x & 0x300 == 0 {
-                        x as u8
-                    } else {
-                        (x as u8) & 0x0f
-                    }
-                })
-                .collect();
-            agree(&junk);
+        for input in prim::agreement_inputs(&[sample], 2048) {
+            agree(&input);
         }
     }
 

@@ -120,10 +120,12 @@ impl FrameReader for AnyReader {
         delegate!(self, r => r.readable().await)
     }
 
+    #[inline]
     fn has_input(&mut self) -> bool {
         delegate!(self, r => r.has_input())
     }
 
+    #[inline]
     fn try_read_into_vec_now(&mut self, buf: &mut Vec<u8>, limit: usize) -> Option<Result<usize>> {
         delegate!(self, r => r.try_read_into_vec_now(buf, limit))
     }
@@ -154,10 +156,12 @@ impl FrameWriter for AnyWriter {
         delegate!(self, w => w.flush().await)
     }
 
+    #[inline]
     fn try_write_now(&mut self, parts: &[&[u8]], publish: bool) -> Option<Result<()>> {
         delegate!(self, w => w.try_write_now(parts, publish))
     }
 
+    #[inline]
     fn immediate(&self) -> bool {
         delegate!(self, w => w.immediate())
     }

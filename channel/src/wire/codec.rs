@@ -15,6 +15,7 @@
 
 use bytes::Bytes;
 
+use super::prim::{bytes, varint, Malformed, Reader};
 use super::{DescriptorOut, Source, TensorOut, WireDescriptor, WireTensor};
 use crate::device::Device;
 
@@ -98,34 +99,18 @@ fn source(out: &mut Vec<u8>, s: &Source) {
     }
 }
 
-fn bytes(out: &mut Vec<u8>, b: &[u8]) {
-    varint(out, b.len() as u64);
-    out.extend_from_slice(b);
-}
-
-fn varint(out: &mut Vec<u8>, mut v: u64) {
-    while v >= 0x80 {
-        out.push(v as u8 | 0x80);
-        v >>= 7;
-    }
-    out.push(v as u8);
-}
-
 /// The most entries a count from the peer reserves at once.
 const RESERVE_MAX: usize = 256;
-
-/// Why a descriptor frame does not parse.
-pub(crate) type Malformed = &'static str;
 
 /// Parses the descriptor at the start of `frame` into `d` (whose lists are cleared first and
 /// keep their capacity) and returns how many bytes it took. On an error `d` holds whatever
 /// was parsed so far: the caller discards it.
 pub(crate) fn decode_into(frame: &[u8], d: &mut WireDescriptor) -> Result<usize, Malformed> {
-    let mut r = Reader { rest: frame };
+    let mut r = Reader::new(frame);
     d.payloads.clear();
     d.tensors.clear();
     d.seq = r.u64()?;
-    d.metadata = r.owned_bytes()?;
+    d.metadata = owned_bytes(&mut r)?;
     let n = r.count()?;
     // A count is trusted only as far as the bytes left could hold it (each entry takes at
     // least one byte), and reserved for only up to `RESERVE_MAX` entries: beyond that the
@@ -139,114 +124,53 @@ pub(crate) fn decode_into(frame: &[u8], d: &mut WireDescriptor) -> Result<usize,
     for _ in 0..n {
         d.tensors.push(WireTensor {
             length: r.u64()?,
-            source: r.device()?,
-            target: match r.byte()? {
-                0 => None,
-                1 => Some(r.device()?),
-                _ => return Err("bad option tag"),
+            source: device_of(&mut r)?,
+            target: match r.some()? {
+                false => None,
+                true => Some(device_of(&mut r)?),
             },
-            metadata: r.owned_bytes()?,
-            data: r.source()?,
+            metadata: owned_bytes(&mut r)?,
+            data: source_of(&mut r)?,
         });
     }
-    d.packed = match r.byte()? {
-        0 => false,
-        1 => true,
-        _ => return Err("bad bool"),
-    };
+    d.packed = r.bool()?;
     Ok(frame.len() - r.rest.len())
 }
 
-struct Reader<'a> {
-    rest: &'a [u8],
+fn owned_bytes(r: &mut Reader<'_>) -> Result<Bytes, Malformed> {
+    Ok(Bytes::copy_from_slice(r.slice()?))
 }
 
-impl<'a> Reader<'a> {
-    fn byte(&mut self) -> Result<u8, Malformed> {
-        let (&b, rest) = self.rest.split_first().ok_or("frame ends early")?;
-        self.rest = rest;
-        Ok(b)
+fn device_of(r: &mut Reader<'_>) -> Result<Device, Malformed> {
+    match r.u32()? {
+        0 => Ok(Device::Cpu),
+        1 => Ok(Device::Cuda(r.u32()?)),
+        _ => Err("unknown device"),
     }
+}
 
-    /// A varint of at most `max` bytes whose last byte is at most `last` (postcard's rule:
-    /// the value must fit the type).
-    fn varint(&mut self, max: usize, last: u8) -> Result<u64, Malformed> {
-        let mut v = 0u64;
-        for i in 0..max {
-            let b = self.byte()?;
-            v |= u64::from(b & 0x7f) << (7 * i);
-            if b & 0x80 == 0 {
-                if i == max - 1 && b > last {
-                    return Err("varint overflows");
-                }
-                return Ok(v);
-            }
-        }
-        Err("varint too long")
-    }
-
-    fn u64(&mut self) -> Result<u64, Malformed> {
-        self.varint(10, 0x01)
-    }
-
-    fn u32(&mut self) -> Result<u32, Malformed> {
-        Ok(self.varint(5, 0x0f)? as u32)
-    }
-
-    /// A sequence's length, no more than the bytes left.
-    fn count(&mut self) -> Result<usize, Malformed> {
-        let n = self.u64()?;
-        if n > self.rest.len() as u64 {
-            return Err("sequence longer than the frame");
-        }
-        Ok(n as usize)
-    }
-
-    fn slice(&mut self) -> Result<&'a [u8], Malformed> {
-        let n = self.u64()?;
-        if n > self.rest.len() as u64 {
-            return Err("byte string longer than the frame");
-        }
-        let (head, rest) = self.rest.split_at(n as usize);
-        self.rest = rest;
-        Ok(head)
-    }
-
-    fn owned_bytes(&mut self) -> Result<Bytes, Malformed> {
-        Ok(Bytes::copy_from_slice(self.slice()?))
-    }
-
-    fn device(&mut self) -> Result<Device, Malformed> {
-        match self.u32()? {
-            0 => Ok(Device::Cpu),
-            1 => Ok(Device::Cuda(self.u32()?)),
-            _ => Err("unknown device"),
-        }
-    }
-
-    fn source(&mut self) -> Result<Source, Malformed> {
-        Ok(match self.u32()? {
-            0 => Source::Empty,
-            1 => Source::Inline,
-            2 => Source::Lanes,
-            3 => Source::Staged,
-            4 => Source::Segment { offset: self.u64()? },
-            5 => Source::Cma { address: self.u64()? },
-            6 => Source::Rdma {
-                addr: self.u64()?,
-                rkey: self.u32()?,
-            },
-            7 => Source::CudaIpc {
-                memory: self.owned_bytes()?,
-                offset: self.u64()?,
-                size: self.u64()?,
-                event: self.owned_bytes()?,
-            },
-            8 => Source::CudaLocal {
-                address: self.u64()?,
-                event: self.u64()?,
-            },
-            _ => return Err("unknown tensor source"),
-        })
-    }
+fn source_of(r: &mut Reader<'_>) -> Result<Source, Malformed> {
+    Ok(match r.u32()? {
+        0 => Source::Empty,
+        1 => Source::Inline,
+        2 => Source::Lanes,
+        3 => Source::Staged,
+        4 => Source::Segment { offset: r.u64()? },
+        5 => Source::Cma { address: r.u64()? },
+        6 => Source::Rdma {
+            addr: r.u64()?,
+            rkey: r.u32()?,
+        },
+        7 => Source::CudaIpc {
+            memory: owned_bytes(r)?,
+            offset: r.u64()?,
+            size: r.u64()?,
+            event: owned_bytes(r)?,
+        },
+        8 => Source::CudaLocal {
+            address: r.u64()?,
+            event: r.u64()?,
+        },
+        _ => return Err("unknown tensor source"),
+    })
 }

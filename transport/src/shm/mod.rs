@@ -477,6 +477,7 @@ impl Shared {
     }
 
     /// The peer has stopped producing into (Reader) or consuming from (Writer) our rings.
+    #[inline]
     fn peer_stopped(&self, side: Side) -> bool {
         let flag = match side {
             Side::Reader => self.inbox.producer_closed(),
@@ -599,12 +600,14 @@ impl Shared {
     /// (a busy pipe) or long (an idle one, heartbeats) keeps the configured spin. The spin
     /// yields the core every few µs to any thread ready to run on it, and needs a spin slot as
     /// before, so spinners never outnumber cores.
+    #[inline]
     fn spin_limit(&self, side: Side) -> Duration {
         adaptive_spin(self.spin, self.typical_wait_ns[side as usize].load(Ordering::Relaxed))
     }
 
     /// Folds a finished wait of `side` into its typical length (concurrent waits of one side
     /// may lose an update, which only slows the learning).
+    #[inline]
     fn learn(&self, side: Side, waited: Duration) {
         let slot = &self.typical_wait_ns[side as usize];
         slot.store(fold_wait(slot.load(Ordering::Relaxed), waited), Ordering::Relaxed);
@@ -653,6 +656,7 @@ impl Shared {
     }
 
     /// After publishing: wake the peer's reader if it parked.
+    #[inline]
     fn notify_reader(&self) {
         fence(Ordering::SeqCst);
         if self.outbox.consumer_parked().load(Ordering::Relaxed) != 0 {
@@ -662,6 +666,7 @@ impl Shared {
     }
 
     /// After releasing space: wake the peer's writer if it parked.
+    #[inline]
     fn notify_writer(&self) {
         fence(Ordering::SeqCst);
         if self.inbox.producer_parked().load(Ordering::Relaxed) != 0 {

@@ -126,6 +126,7 @@ impl Ring {
         Ok(ring)
     }
 
+    #[inline]
     fn header(&self) -> &RingHeader {
         // SAFETY: the mapping is page-aligned and at least HEADER_BYTES long (checked in
         // `create`/`open`), RingHeader fits in HEADER_BYTES (const assertion above) and consists
@@ -143,18 +144,22 @@ impl Ring {
         self.capacity
     }
 
+    #[inline]
     pub(crate) fn consumer_parked(&self) -> &AtomicU32 {
         &self.header().consumer_parked
     }
 
+    #[inline]
     pub(crate) fn producer_parked(&self) -> &AtomicU32 {
         &self.header().producer_parked
     }
 
+    #[inline]
     pub(crate) fn producer_closed(&self) -> &AtomicU32 {
         &self.header().producer_closed
     }
 
+    #[inline]
     pub(crate) fn consumer_closed(&self) -> &AtomicU32 {
         &self.header().consumer_closed
     }
@@ -363,12 +368,14 @@ impl Consumer {
         &self.ring
     }
 
+    #[inline]
     fn available_cached(&self) -> usize {
         self.tail_cache.wrapping_sub(self.head) as usize
     }
 
     /// Bytes readable, re-reading the producer's tail when the cached view shows fewer than
     /// `want`. Follows the producer's rewind on reaching the position it rewound from.
+    #[inline]
     pub(crate) fn available(&mut self, want: usize) -> Result<usize, Corrupt> {
         if self.available_cached() < want {
             let line = &self.ring.header().tail;
