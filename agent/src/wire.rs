@@ -317,7 +317,6 @@ mod tests {
             let reference = postcard::to_allocvec(&e).unwrap();
             let ours = encode(&e);
             assert_eq!(&ours[..], &reference[..], "{e:?}");
-            // Exactly sized: no spare capacity for `Bytes` to box.
             let back = decode(&ours).unwrap();
             assert_eq!(format!("{back:?}"), format!("{e:?}"));
             let serde_back: Envelope = postcard::from_bytes(&reference).unwrap();

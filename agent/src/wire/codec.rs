@@ -21,8 +21,9 @@ pub(crate) fn encode(e: &Envelope) -> Bytes {
     let mut out = Vec::with_capacity(size.0);
     envelope(&mut out, e);
     debug_assert_eq!(out.len(), size.0);
-    // Length equal to capacity: `Bytes` takes the allocation over as it is.
-    Bytes::from(out)
+    // A boxed slice (no reallocation: the vector was sized exactly) is what `Bytes` takes
+    // over as it is, with no second allocation for its shared header.
+    Bytes::from(out.into_boxed_slice())
 }
 
 fn envelope<S: Sink>(out: &mut S, e: &Envelope) {

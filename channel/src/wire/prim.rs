@@ -132,10 +132,21 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// A length (of a sequence or a byte string): a `usize`, with the limits of this target's
+    /// width, as postcard reads it.
+    #[inline]
+    fn len(&mut self) -> Result<u64, Malformed> {
+        if cfg!(target_pointer_width = "64") {
+            self.u64()
+        } else {
+            Ok(u64::from(self.u32()?))
+        }
+    }
+
     /// A sequence's length, no more than the bytes left (each entry takes at least one).
     #[inline]
     pub fn count(&mut self) -> Result<usize, Malformed> {
-        let n = self.u64()?;
+        let n = self.len()?;
         if n > self.rest.len() as u64 {
             return Err("sequence longer than the frame");
         }
@@ -145,7 +156,7 @@ impl<'a> Reader<'a> {
     /// A byte string, borrowed.
     #[inline]
     pub fn slice(&mut self) -> Result<&'a [u8], Malformed> {
-        let n = self.u64()?;
+        let n = self.len()?;
         if n > self.rest.len() as u64 {
             return Err("byte string longer than the frame");
         }
@@ -164,7 +175,9 @@ impl<'a> Reader<'a> {
 /// Inputs on which a hand codec must agree with its serde reference (the same value, or both
 /// refuse): every prefix and every single-bit flip of each sample, each sample with two bytes
 /// of trailing junk, and `junk` pseudo-random inputs of up to 95 bytes, mostly small bytes (so
-/// that tags and lengths are often plausible). For tests and fuzz seeds.
+/// that tags and lengths are often plausible). For the codecs' tests (the agent's among them,
+/// hence public).
+#[doc(hidden)]
 pub fn agreement_inputs(samples: &[Vec<u8>], junk: usize) -> Vec<Vec<u8>> {
     let mut out = Vec::new();
     for sample in samples {
