@@ -380,8 +380,8 @@ impl Agent {
     pub fn pipe_info(&self, dest: impl Into<Dest>) -> Option<sluice_channel::PipeInfo> {
         let id = self.inner.resolve(&dest.into()).ok()?;
         let peer = self.inner.peer(id).ok()?;
-        let pipe = peer.lanes[crate::peers::NORMAL_LANE].pipe.lock().unwrap();
-        pipe.as_ref().map(|(_, p)| p.info().clone())
+        let open = peer.lanes[crate::peers::NORMAL_LANE].open.lock().unwrap();
+        open.as_ref().map(|o| o.pipe.info().clone())
     }
 }
 

@@ -36,7 +36,7 @@ impl AgentInner {
             Ok(p) => p,
             Err(e) => return Completion::ready(Err(e)),
         };
-        if let Some(detail) = peer.down.lock().unwrap().clone() {
+        if let Some(detail) = peer.down.detail() {
             return Completion::ready(Err(RpcError::PeerLost {
                 worker: peer.info.name.clone(),
                 detail,
@@ -84,11 +84,11 @@ impl AgentInner {
             Ok(h) => (true, h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread),
             Err(_) => (false, true),
         };
-        let open = peer.lanes[lane].open_pipe();
+        let open = peer.lanes[lane].current();
         // The common case, a small request on an open pipe with room for it now: written
         // right here, with no future built, moved or boxed.
-        if let (Some(pipe), true, false) = (&open, may_block, duplicate) {
-            if let Some(written) = pipe.try_write(&message) {
+        if let (Some(lane_open), true, false) = (&open, may_block, duplicate) {
+            if let Some(written) = lane_open.pipe.try_write(&message) {
                 match written {
                     Ok(()) => peer.lanes[lane].sent.mark(),
                     Err(e) => {
@@ -96,8 +96,7 @@ impl AgentInner {
                         self.calls.finish(id, Err(RpcError::from_pipe(&peer.info.name, e)));
                     }
                 }
-                let driver = peer.lanes[lane].reader.lock().unwrap().clone();
-                return Completion::driven(slot, driver);
+                return Completion::driven(slot, open.map(|o| o.reader));
             }
         }
         let peer_for_driver = peer.clone();
@@ -149,7 +148,7 @@ impl AgentInner {
         }
         // Whoever waits for the reply may read it itself (the pipe is open by now when the
         // request was written on this thread).
-        let driver = peer_for_driver.lanes[lane].reader.lock().unwrap().clone();
+        let driver = peer_for_driver.lanes[lane].reader();
         Completion::driven(slot, driver)
     }
 

@@ -451,7 +451,7 @@ impl AgentInner {
             let m = self.members.read().unwrap();
             m.by_id
                 .values()
-                .filter(|p| p.info.id != self.me.id && p.down.lock().unwrap().is_none())
+                .filter(|p| p.info.id != self.me.id && !p.down.is_down())
                 .map(|p| p.info.id)
                 .min()
         };

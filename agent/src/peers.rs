@@ -30,7 +30,7 @@ pub(crate) struct Peer {
     /// failure is not blamed on a newer one.
     pub(crate) generation: AtomicU64,
     /// Set while the peer is lost and not reconnected; new calls fail at once with it.
-    pub(crate) down: Mutex<Option<String>>,
+    pub(crate) down: Down,
     /// The peer said goodbye: its pipes closing is a leave, not a loss.
     pub(crate) leaving: AtomicBool,
     /// My device map to this peer, and its map to me (for responses).
@@ -43,13 +43,61 @@ pub(crate) const NORMAL_LANE: usize = 0;
 /// The lane of calls above normal priority.
 pub(crate) const EXPRESS_LANE: usize = 1;
 
+/// Why a peer is down, while it is. Every call looks: a flag answers the common case (up)
+/// without taking the lock.
+#[derive(Default)]
+pub(crate) struct Down {
+    /// Whether `detail` is set (written under its lock).
+    flag: AtomicBool,
+    detail: Mutex<Option<String>>,
+}
+
+impl Down {
+    /// Why the peer is down, or `None` while it is up.
+    pub(crate) fn detail(&self) -> Option<String> {
+        if !self.flag.load(Ordering::Acquire) {
+            return None;
+        }
+        self.detail.lock().unwrap().clone()
+    }
+
+    pub(crate) fn is_down(&self) -> bool {
+        self.flag.load(Ordering::Acquire)
+    }
+
+    /// Marks the peer down with `detail` (replacing an earlier one); returns whether it was
+    /// down already.
+    pub(crate) fn replace(&self, detail: String) -> bool {
+        let mut d = self.detail.lock().unwrap();
+        self.flag.store(true, Ordering::Release);
+        d.replace(detail).is_some()
+    }
+
+    /// Marks the peer down with `detail` unless it is down already; returns whether it did.
+    pub(crate) fn set_if_up(&self, detail: &str) -> bool {
+        let mut d = self.detail.lock().unwrap();
+        if d.is_some() {
+            return false;
+        }
+        *d = Some(detail.to_owned());
+        self.flag.store(true, Ordering::Release);
+        true
+    }
+
+    /// The peer is back.
+    pub(crate) fn clear(&self) {
+        let mut d = self.detail.lock().unwrap();
+        *d = None;
+        self.flag.store(false, Ordering::Release);
+    }
+}
+
 /// One of this worker's pipes to a peer.
 #[derive(Default)]
 pub(crate) struct Lane {
-    /// The open pipe and its generation: `None` before the first call and after a failure.
-    pub(crate) pipe: Mutex<Option<(u64, Pipe)>>,
-    /// The read role of the open pipe: who reads its replies (see [`crate::reader`]).
-    pub(crate) reader: Mutex<Option<Arc<dyn Driver>>>,
+    /// The open pipe with its generation and read role: `None` before the first call and
+    /// after a failure. One lock for the three, taken once per call.
+    pub(crate) open: Mutex<Option<OpenLane>>,
     /// Serializes opening a pipe.
     pub(crate) connecting: tokio::sync::Mutex<()>,
     /// Whether a message arrived on this pipe, and whether we wrote one, since the heartbeat
@@ -57,6 +105,16 @@ pub(crate) struct Lane {
     /// we send, we judge it by what it answers.
     pub(crate) heard: Activity,
     pub(crate) sent: Activity,
+}
+
+/// A lane's open pipe.
+#[derive(Clone)]
+pub(crate) struct OpenLane {
+    /// Counts the peer's pipes (see [`Peer::generation`]).
+    pub(crate) generation: u64,
+    pub(crate) pipe: Pipe,
+    /// The pipe's read role: who reads its replies (see [`crate::reader`]).
+    pub(crate) reader: Arc<dyn Driver>,
 }
 
 /// The lane for calls at `priority`.
@@ -71,12 +129,22 @@ pub(crate) fn lane_for(priority: crate::priority::Priority) -> usize {
 impl Lane {
     /// The generation of the open pipe, if one is open.
     pub(crate) fn generation(&self) -> Option<u64> {
-        self.pipe.lock().unwrap().as_ref().map(|(g, _)| *g)
+        self.open.lock().unwrap().as_ref().map(|o| o.generation)
+    }
+
+    /// The open pipe and its read role, if one is open.
+    pub(crate) fn current(&self) -> Option<OpenLane> {
+        self.open.lock().unwrap().clone()
     }
 
     /// The open pipe, if one is open.
-    pub(crate) fn open_pipe(&self) -> Option<Pipe> {
-        self.pipe.lock().unwrap().as_ref().map(|(_, p)| p.clone())
+    pub(crate) fn pipe(&self) -> Option<Pipe> {
+        self.open.lock().unwrap().as_ref().map(|o| o.pipe.clone())
+    }
+
+    /// The open pipe's read role, if one is open.
+    pub(crate) fn reader(&self) -> Option<Arc<dyn Driver>> {
+        self.open.lock().unwrap().as_ref().map(|o| o.reader.clone())
     }
 }
 
@@ -90,7 +158,7 @@ impl Peer {
     pub(crate) fn open_pipes(&self) -> Vec<Pipe> {
         self.lanes
             .iter()
-            .filter_map(|l| l.pipe.lock().unwrap().as_ref().map(|(_, p)| p.clone()))
+            .filter_map(|l| l.open.lock().unwrap().as_ref().map(|o| o.pipe.clone()))
             .collect()
     }
 
@@ -98,11 +166,10 @@ impl Peer {
     /// are stale from then on, even for a lane that a reconnect does not reopen).
     pub(crate) fn close_lanes(&self) {
         for lane in &self.lanes {
-            let pipe = lane.pipe.lock().unwrap().take();
-            if let Some((_, pipe)) = pipe {
-                pipe.close();
+            let open = lane.open.lock().unwrap().take();
+            if let Some(open) = open {
+                open.pipe.close();
             }
-            lane.reader.lock().unwrap().take();
         }
     }
 }
@@ -189,7 +256,7 @@ impl AgentInner {
             info: info.clone(),
             lanes: Default::default(),
             generation: AtomicU64::new(0),
-            down: Mutex::new(None),
+            down: Down::default(),
             leaving: AtomicBool::new(false),
             map_to: self.options.device_maps.get(&a.name).cloned(),
             map_from: a.devices.maps.get(&self.me.name).cloned(),
@@ -270,7 +337,7 @@ impl AgentInner {
             m.gone.insert(id, (peer.info.clone(), detail.clone()));
             peer
         };
-        let was_down = peer.down.lock().unwrap().replace(detail.clone()).is_some();
+        let was_down = peer.down.replace(detail.clone());
         self.drop_peer_state(&peer, &detail);
         if graceful || peer.leaving.load(Ordering::Acquire) {
             self.subscribers.publish(MembershipEvent::Left(peer.info.clone()));
@@ -303,12 +370,8 @@ impl AgentInner {
         if generation.is_some_and(|g| !peer.is_current(g)) {
             return;
         }
-        {
-            let mut down = peer.down.lock().unwrap();
-            if down.is_some() {
-                return;
-            }
-            *down = Some(detail.clone());
+        if !peer.down.set_if_up(&detail) {
+            return;
         }
         let leaving = peer.leaving.load(Ordering::Acquire);
         let detail = if leaving {
@@ -447,17 +510,17 @@ impl AgentInner {
     /// The pipe of `lane` to a peer already looked up, opened on first use.
     pub(crate) async fn pipe_for(self: &Arc<Self>, peer: &Arc<Peer>, lane: usize) -> Result<Pipe, RpcError> {
         let l = &peer.lanes[lane];
-        if let Some(p) = l.open_pipe() {
+        if let Some(p) = l.pipe() {
             return Ok(p);
         }
         let _connecting = l.connecting.lock().await;
-        if let Some(detail) = peer.down.lock().unwrap().clone() {
+        if let Some(detail) = peer.down.detail() {
             return Err(RpcError::PeerLost {
                 worker: peer.info.name.clone(),
                 detail,
             });
         }
-        if let Some(p) = l.open_pipe() {
+        if let Some(p) = l.pipe() {
             return Ok(p);
         }
         // Boxed: opening is rare, and its future is large; a call's own future (moved on
@@ -491,7 +554,6 @@ impl AgentInner {
         let generation = peer.generation.fetch_add(1, Ordering::AcqRel) + 1;
         let l = &peer.lanes[lane];
         // The heartbeat counts silence from its own start, so a stale mark does no harm.
-        *l.pipe.lock().unwrap() = Some((generation, pipe.clone()));
         let replies = PeerReplies {
             inner: Arc::downgrade(self),
             peer: peer.clone(),
@@ -500,7 +562,11 @@ impl AgentInner {
             handle: self.handle.clone(),
         };
         let reader = ReplyReader::new(replies, pipe.clone());
-        *l.reader.lock().unwrap() = Some(reader.clone());
+        *l.open.lock().unwrap() = Some(OpenLane {
+            generation,
+            pipe: pipe.clone(),
+            reader: reader.clone(),
+        });
         tokio::spawn(reader.background());
         if !self.options.heartbeat_interval.is_zero() {
             tokio::spawn(heartbeat(
@@ -536,7 +602,7 @@ pub(crate) async fn heartbeat(
     loop {
         tokio::time::sleep(interval / 2).await;
         let Some(inner) = weak.upgrade() else { return };
-        if inner.is_down() || peer.lanes[lane].generation() != Some(generation) || peer.down.lock().unwrap().is_some() {
+        if inner.is_down() || peer.lanes[lane].generation() != Some(generation) || peer.down.is_down() {
             return;
         }
         let now = inner.now_ms();
@@ -545,7 +611,7 @@ pub(crate) async fn heartbeat(
         let quiet = l.sent.quiet_for(&mut sent_at, now);
         if silent >= limit {
             // What the pipe and its read role looked like, for whoever finds this in a log.
-            let role = l.reader.lock().unwrap().as_ref().map(|r| r.debug_state());
+            let role = l.reader().map(|r| r.debug_state());
             tracing::warn!(worker = %inner.me, peer = %peer.info, lane, pipe = %pipe.debug_state(), role = ?role, "no reply to heartbeats: declaring the peer lost");
             pipe.close();
             let which = if lane == EXPRESS_LANE {
@@ -601,7 +667,7 @@ pub(crate) async fn reconnect(weak: std::sync::Weak<AgentInner>, peer: Arc<Peer>
         let _connecting = peer.lanes[NORMAL_LANE].connecting.lock().await;
         let attempt = tokio::time::timeout(Duration::from_secs(5), inner.open_pipe(&peer, NORMAL_LANE)).await;
         if let Ok(Ok(_)) = attempt {
-            *peer.down.lock().unwrap() = None;
+            peer.down.clear();
             tracing::info!(worker = %inner.me, peer = %peer.info, "reconnected");
             inner
                 .subscribers
@@ -669,9 +735,9 @@ impl Replies for PeerReplies {
 
     fn failed(&self, detail: String) {
         let Some(inner) = self.inner.upgrade() else { return };
-        if let Some((g, pipe)) = self.peer.lanes[self.lane].pipe.lock().unwrap().as_ref() {
-            if *g == self.generation {
-                pipe.close();
+        if let Some(open) = self.peer.lanes[self.lane].open.lock().unwrap().as_ref() {
+            if open.generation == self.generation {
+                open.pipe.close();
             }
         }
         tracing::debug!(worker = %inner.me, peer = self.peer.info.id, error = %detail, "pipe to peer failed");

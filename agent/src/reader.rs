@@ -309,6 +309,11 @@ impl<R: Replies> Driver for ReplyReader<R> {
                     return;
                 }
                 self.release();
+                // A leader is not queued, so no promotion can be on its way to it: with the
+                // result in, there is no queue to leave (the common case: one lock fewer).
+                if poll_done(&mut cx).is_ready() {
+                    return;
+                }
                 continue;
             }
             // A follower: the leader delivers our reply, or hands us the role.
