@@ -553,7 +553,6 @@ impl AgentInner {
         pipe.write(&hello).await.map_err(|e| RpcError::from_pipe(&name, e))?;
         let generation = peer.generation.fetch_add(1, Ordering::AcqRel) + 1;
         let l = &peer.lanes[lane];
-        // The heartbeat counts silence from its own start, so a stale mark does no harm.
         let replies = PeerReplies {
             inner: Arc::downgrade(self),
             peer: peer.clone(),
@@ -562,11 +561,17 @@ impl AgentInner {
             handle: self.handle.clone(),
         };
         let reader = ReplyReader::new(replies, pipe.clone());
-        *l.open.lock().unwrap() = Some(OpenLane {
+        // The heartbeat counts silence from its own start, so a stale mark does no harm.
+        let displaced = l.open.lock().unwrap().replace(OpenLane {
             generation,
             pipe: pipe.clone(),
             reader: reader.clone(),
         });
+        // A pipe opened while the peer was being declared lost, then replaced by the
+        // reconnect's: closed, not left open with its reader.
+        if let Some(old) = displaced {
+            old.pipe.close();
+        }
         tokio::spawn(reader.background());
         if !self.options.heartbeat_interval.is_zero() {
             tokio::spawn(heartbeat(
