@@ -53,7 +53,7 @@ use crate::pool::Pool;
 use crate::priority::Priority;
 use crate::rref::{RRef, RRefHost, RRefTable};
 use crate::server::CallContext;
-use crate::server::Held;
+use crate::server::HeldRequests;
 use crate::store::{Store, StoreServer, StoreUrl};
 use crate::wire::{Body, GlobalId};
 
@@ -106,9 +106,8 @@ pub(crate) struct AgentInner {
     pub(crate) activity: AtomicU64,
     pub(crate) rrefs: RRefTable,
     pub(crate) incoming: Mutex<Vec<Pipe>>,
-    /// Requests being served: their caller's budget and size, released by the reply.
-    /// SipHash, not FxHash: the request ids are the peer's to choose.
-    pub(crate) held: Mutex<std::collections::HashMap<(u32, u64), Held>>,
+    /// Requests being served that hold bytes of their caller's budget, released by the reply.
+    pub(crate) held: HeldRequests,
     pub(crate) drop_control: AtomicUsize,
     pub(crate) recv_pool: Mutex<Vec<Bytes>>,
     /// Streams incoming CUDA tensors land on, and fetched RRef values leave from.

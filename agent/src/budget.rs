@@ -69,7 +69,7 @@ impl Budget {
     }
 
     #[cfg(test)]
-    fn used(&self) -> u64 {
+    pub(crate) fn used(&self) -> u64 {
         self.used.load(Ordering::Acquire)
     }
 }

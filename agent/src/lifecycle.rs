@@ -23,7 +23,7 @@ use crate::peers::{Members, Peer};
 use crate::pool::Pool;
 use crate::rref::RRefTable;
 use crate::server::serve_pipe;
-use crate::server::CallContext;
+use crate::server::{CallContext, HeldRequests};
 use crate::store::{Snapshot, Store, StoreError, StoreServer, StoreUrl};
 use crate::wire::{self, Body, Envelope};
 
@@ -276,7 +276,7 @@ pub(crate) fn init(options: AgentOptions, mut registry: Registry) -> Result<Agen
         activity: AtomicU64::new(0),
         rrefs: RRefTable::new(announce.id),
         incoming: Mutex::new(Vec::new()),
-        held: Mutex::new(Default::default()),
+        held: HeldRequests::default(),
         drop_control: AtomicUsize::new(options.faults.drop_control),
         recv_pool: Mutex::new(Vec::new()),
         streams: StreamPool::default(),

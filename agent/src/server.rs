@@ -1,8 +1,8 @@
 //! The server side: requests read from incoming pipes, dispatched to handlers (inline, pool or
 //! async), and answered on the same pipe.
 
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::Poll;
 use std::time::Duration;
 
@@ -175,17 +175,18 @@ impl AgentInner {
     /// still pending.
     pub(crate) fn dispatch(
         self: &Arc<Self>,
-        caller: u32,
+        caller_info: &WorkerInfo,
         pipe: Pipe,
         request: Request,
         payload: Payload,
     ) -> Option<BoxFuture<()>> {
+        let caller = caller_info.id;
         let ctx = CallContext {
             agent: Agent {
                 inner: self.clone(),
                 priority: None,
             },
-            caller: self.worker_info(caller),
+            caller: caller_info.clone(),
             streams: payload.streams(),
         };
         let id = request.id;
@@ -505,10 +506,7 @@ impl AgentInner {
         id: u64,
         result: Result<Payload, WireError>,
     ) -> (Message, Vec<GlobalId>) {
-        let held = self.held.lock().unwrap().remove(&(caller, id));
-        if let Some((budget, size)) = held {
-            budget.release(size);
-        }
+        self.held.release(caller, id);
         // The caller's map matters only for tensors; skip the lookup otherwise.
         let needs_map = result.as_ref().is_ok_and(|p| !p.tensors.is_empty());
         let peer = if needs_map { self.peer(caller).ok() } else { None };
@@ -539,7 +537,49 @@ pub(crate) struct Call {
 }
 
 /// A request being served: its caller's budget and its size.
-pub(crate) type Held = (Arc<Budget>, u64);
+/// Requests being served that hold bytes of their caller's budget (see [`Budget`]): each
+/// is released when its reply goes out. A request of no bytes (a small call, its value inline)
+/// holds nothing and costs no lock; nor does a reply while nothing is held.
+#[derive(Default)]
+pub(crate) struct HeldRequests {
+    /// How many entries `map` has (changed under its lock).
+    count: AtomicUsize,
+    /// SipHash, not FxHash: the request ids are the peer's to choose.
+    map: Mutex<std::collections::HashMap<(u32, u64), (Arc<Budget>, u64)>>,
+}
+
+impl HeldRequests {
+    /// Request `id` from `caller` holds `size` bytes of `budget` until [`release`](Self::release).
+    pub(crate) fn hold(&self, caller: u32, id: u64, budget: &Arc<Budget>, size: u64) {
+        if size == 0 {
+            return;
+        }
+        let mut map = self.map.lock().unwrap();
+        if let Some((earlier, n)) = map.insert((caller, id), (budget.clone(), size)) {
+            // A peer that reused an id in flight: the earlier hold is released, not leaked.
+            earlier.release(n);
+        }
+        self.count.store(map.len(), Ordering::Release);
+    }
+
+    /// The reply to request `id` from `caller` is going out: what it held is released.
+    pub(crate) fn release(&self, caller: u32, id: u64) {
+        // A request that held bytes was counted before it was dispatched, so its reply sees
+        // a count of at least one.
+        if self.count.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let held = {
+            let mut map = self.map.lock().unwrap();
+            let held = map.remove(&(caller, id));
+            self.count.store(map.len(), Ordering::Release);
+            held
+        };
+        if let Some((budget, size)) = held {
+            budget.release(size);
+        }
+    }
+}
 
 /// Bytes a message will occupy once received.
 pub(crate) fn message_bytes(d: &Descriptor) -> u64 {
@@ -710,6 +750,7 @@ pub(crate) async fn serve_pipe(inner: Arc<AgentInner>, pipe: Pipe) {
         ));
     }
     serve_requests(Arc::new(Served {
+        caller_info: inner.worker_info(caller),
         inner,
         pipe,
         caller,
@@ -724,6 +765,8 @@ pub(crate) struct Served {
     pub(crate) inner: Arc<AgentInner>,
     pub(crate) pipe: Pipe,
     pub(crate) caller: u32,
+    /// The caller's name with its id, looked up once per pipe (ids are never reused).
+    pub(crate) caller_info: WorkerInfo,
     pub(crate) budget: Arc<Budget>,
     pub(crate) heard: Arc<Activity>,
 }
@@ -779,6 +822,7 @@ pub(crate) async fn serve_loop(served: Arc<Served>) {
         inner,
         pipe,
         caller,
+        caller_info,
         budget,
         heard,
     } = &*served;
@@ -822,20 +866,16 @@ pub(crate) async fn serve_loop(served: Arc<Served>) {
                     batched += 1;
                 }
                 // Held until the reply goes out (`reply` releases it), whenever it runs.
-                inner
-                    .held
-                    .lock()
-                    .unwrap()
-                    .insert((caller, request.id), (budget.clone(), size));
+                inner.held.hold(caller, request.id, budget, size);
                 // A call that carries user references runs only once their owners confirmed
                 // them (as PyTorch does), so a handler never sees a half-registered reference;
                 // meanwhile this pipe goes on serving.
                 let waiting = inner.rrefs.unconfirmed(&payload.rrefs);
                 if !waiting.is_empty() {
-                    let (inner, pipe) = (inner.clone(), pipe.clone());
+                    let (inner, pipe, caller_info) = (inner.clone(), pipe.clone(), caller_info.clone());
                     tokio::spawn(async move {
                         inner.rrefs.confirmed(&waiting).await;
-                        if let Some(work) = inner.dispatch(caller, pipe, request, payload) {
+                        if let Some(work) = inner.dispatch(&caller_info, pipe, request, payload) {
                             work.await;
                         }
                     });
@@ -847,7 +887,7 @@ pub(crate) async fn serve_loop(served: Arc<Served>) {
                 let (pending, handed) = std::future::poll_fn(|cx| {
                     let (hand_off, request, payload) = once.take().expect("polled once");
                     Poll::Ready(crate::pool::inline(hand_off, || {
-                        let mut work = inner.dispatch(caller, pipe.clone(), request, payload)?;
+                        let mut work = inner.dispatch(caller_info, pipe.clone(), request, payload)?;
                         // Poll once here, so work that finishes without waiting replies with
                         // no task switch; what must wait continues as its own task (which
                         // polls it again at once, so its waker is the task's own).
@@ -889,5 +929,34 @@ fn typed(e: RpcError) -> WireError {
         RpcError::UnknownHandler { handler, .. } => WireError::UnknownHandler(handler),
         RpcError::Remote { kind, message, .. } => WireError::Handler(HandlerError { kind, message }),
         other => WireError::Failed(format!("RRef creation failed: {other}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each hold is released exactly once: by its reply, or by a request that reused its id
+    /// while it was in flight; a request of no bytes holds nothing.
+    #[test]
+    fn held_requests_release_each_hold_once() {
+        let budget = Arc::new(Budget::new(1000));
+        let held = HeldRequests::default();
+        assert!(budget.try_acquire(300));
+        held.hold(1, 7, &budget, 0);
+        held.release(1, 7);
+        assert_eq!(budget.used(), 300, "a request of no bytes held nothing");
+        held.hold(1, 7, &budget, 100);
+        held.hold(2, 7, &budget, 200);
+        held.release(1, 7);
+        assert_eq!(budget.used(), 200);
+        held.release(1, 7);
+        assert_eq!(budget.used(), 200, "a second reply releases nothing");
+        assert!(budget.try_acquire(50));
+        held.hold(2, 7, &budget, 50);
+        assert_eq!(budget.used(), 50, "the reused id's earlier hold was released");
+        held.release(2, 7);
+        assert_eq!(budget.used(), 0);
+        assert_eq!(held.count.load(Ordering::Acquire), 0);
     }
 }
