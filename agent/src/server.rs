@@ -536,7 +536,6 @@ pub(crate) struct Call {
     pub(crate) priority: Priority,
 }
 
-/// A request being served: its caller's budget and its size.
 /// Requests being served that hold bytes of their caller's budget (see [`Budget`]): each
 /// is released when its reply goes out. A request of no bytes (a small call, its value inline)
 /// holds nothing and costs no lock; nor does a reply while nothing is held.
@@ -545,8 +544,11 @@ pub(crate) struct HeldRequests {
     /// How many entries `map` has (changed under its lock).
     count: AtomicUsize,
     /// SipHash, not FxHash: the request ids are the peer's to choose.
-    map: Mutex<std::collections::HashMap<(u32, u64), (Arc<Budget>, u64)>>,
+    map: Mutex<std::collections::HashMap<(u32, u64), Hold>>,
 }
+
+/// What a request holds: bytes of its caller's budget.
+type Hold = (Arc<Budget>, u64);
 
 impl HeldRequests {
     /// Request `id` from `caller` holds `size` bytes of `budget` until [`release`](Self::release).
@@ -750,10 +752,9 @@ pub(crate) async fn serve_pipe(inner: Arc<AgentInner>, pipe: Pipe) {
         ));
     }
     serve_requests(Arc::new(Served {
-        caller_info: inner.worker_info(caller),
+        caller: inner.worker_info(caller),
         inner,
         pipe,
-        caller,
         budget,
         heard,
     }))
@@ -764,9 +765,8 @@ pub(crate) async fn serve_pipe(inner: Arc<AgentInner>, pipe: Pipe) {
 pub(crate) struct Served {
     pub(crate) inner: Arc<AgentInner>,
     pub(crate) pipe: Pipe,
-    pub(crate) caller: u32,
-    /// The caller's name with its id, looked up once per pipe (ids are never reused).
-    pub(crate) caller_info: WorkerInfo,
+    /// The caller, looked up once per pipe (ids are never reused).
+    pub(crate) caller: WorkerInfo,
     pub(crate) budget: Arc<Budget>,
     pub(crate) heard: Arc<Activity>,
 }
@@ -821,12 +821,11 @@ pub(crate) async fn serve_loop(served: Arc<Served>) {
     let Served {
         inner,
         pipe,
-        caller,
-        caller_info,
+        caller: caller_info,
         budget,
         heard,
     } = &*served;
-    let (inner, pipe, caller) = (inner, pipe, *caller);
+    let caller = caller_info.id;
     // Requests in this batch (see below).
     let mut batched = 0usize;
     loop {
