@@ -156,10 +156,7 @@ impl Peer {
 
     /// The pipes open now.
     pub(crate) fn open_pipes(&self) -> Vec<Pipe> {
-        self.lanes
-            .iter()
-            .filter_map(|l| l.open.lock().unwrap().as_ref().map(|o| o.pipe.clone()))
-            .collect()
+        self.lanes.iter().filter_map(Lane::pipe).collect()
     }
 
     /// Closes every pipe and forgets its read role (the closed pipes' tasks and late failures
