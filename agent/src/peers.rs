@@ -49,7 +49,15 @@ pub(crate) const EXPRESS_LANE: usize = 1;
 pub(crate) struct Down {
     /// Whether `detail` is set (written under its lock).
     flag: AtomicBool,
-    detail: Mutex<Option<String>>,
+    detail: Mutex<DownState>,
+}
+
+#[derive(Default)]
+struct DownState {
+    detail: Option<String>,
+    /// The peer left the group (or its membership expired): down for good, whatever a
+    /// reconnect that was under way when it went finds.
+    removed: bool,
 }
 
 impl Down {
@@ -58,37 +66,47 @@ impl Down {
         if !self.flag.load(Ordering::Acquire) {
             return None;
         }
-        self.detail.lock().unwrap().clone()
+        self.detail.lock().unwrap().detail.clone()
     }
 
     pub(crate) fn is_down(&self) -> bool {
         self.flag.load(Ordering::Acquire)
     }
 
-    /// Marks the peer down with `detail` (replacing an earlier one); returns whether it was
-    /// down already.
-    pub(crate) fn replace(&self, detail: String) -> bool {
+    /// Marks the peer down for good with `detail` (replacing an earlier one): it was removed
+    /// from the group. Returns whether it was down already.
+    pub(crate) fn remove(&self, detail: String) -> bool {
         let mut d = self.detail.lock().unwrap();
         self.flag.store(true, Ordering::Release);
-        d.replace(detail).is_some()
+        d.removed = true;
+        d.detail.replace(detail).is_some()
     }
 
     /// Marks the peer down with `detail` unless it is down already; returns whether it did.
     pub(crate) fn set_if_up(&self, detail: &str) -> bool {
         let mut d = self.detail.lock().unwrap();
-        if d.is_some() {
+        if d.detail.is_some() {
             return false;
         }
-        *d = Some(detail.to_owned());
+        d.detail = Some(detail.to_owned());
         self.flag.store(true, Ordering::Release);
         true
     }
 
-    /// The peer is back.
-    pub(crate) fn clear(&self) {
+    /// Whether the peer was removed from the group.
+    pub(crate) fn is_removed(&self) -> bool {
+        self.detail.lock().unwrap().removed
+    }
+
+    /// The peer is back, unless it was removed meanwhile; returns whether it is back.
+    pub(crate) fn clear(&self) -> bool {
         let mut d = self.detail.lock().unwrap();
-        *d = None;
+        if d.removed {
+            return false;
+        }
+        d.detail = None;
         self.flag.store(false, Ordering::Release);
+        true
     }
 }
 
@@ -334,7 +352,7 @@ impl AgentInner {
             m.gone.insert(id, (peer.info.clone(), detail.clone()));
             peer
         };
-        let was_down = peer.down.replace(detail.clone());
+        let was_down = peer.down.remove(detail.clone());
         self.drop_peer_state(&peer, &detail);
         if graceful || peer.leaving.load(Ordering::Acquire) {
             self.subscribers.publish(MembershipEvent::Left(peer.info.clone()));
@@ -569,6 +587,15 @@ impl AgentInner {
         if let Some(old) = displaced {
             old.pipe.close();
         }
+        // Removed from the group while this pipe opened: `remove_member` sets that before it
+        // closes the lanes, so either it closed this one or this sees the removal.
+        if peer.down.is_removed() {
+            peer.close_lanes();
+            return Err(RpcError::PeerLost {
+                worker: name,
+                detail: peer.down.detail().unwrap_or_default(),
+            });
+        }
         tokio::spawn(reader.background());
         if !self.options.heartbeat_interval.is_zero() {
             tokio::spawn(heartbeat(
@@ -669,7 +696,11 @@ pub(crate) async fn reconnect(weak: std::sync::Weak<AgentInner>, peer: Arc<Peer>
         let _connecting = peer.lanes[NORMAL_LANE].connecting.lock().await;
         let attempt = tokio::time::timeout(Duration::from_secs(5), inner.open_pipe(&peer, NORMAL_LANE)).await;
         if let Ok(Ok(_)) = attempt {
-            peer.down.clear();
+            if !peer.down.clear() {
+                // Removed from the group while the pipe was opening (`remove_member` closes
+                // it): no reconnect to announce.
+                return;
+            }
             tracing::info!(worker = %inner.me, peer = %peer.info, "reconnected");
             inner
                 .subscribers
@@ -754,5 +785,32 @@ impl Replies for PeerReplies {
 
     fn runtime(&self) -> &tokio::runtime::Handle {
         &self.handle
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Down;
+
+    #[test]
+    fn a_removed_peer_stays_down_through_a_late_reconnect() {
+        let down = Down::default();
+        assert!(down.set_if_up("pipe failed"));
+        assert!(!down.set_if_up("again"), "a second loss does not replace the first");
+        assert_eq!(down.detail().as_deref(), Some("pipe failed"));
+        // A reconnect while it is still a member brings it back.
+        assert!(down.clear());
+        assert!(!down.is_down());
+        assert!(down.set_if_up("pipe failed"));
+        // It leaves the group while a reconnect is opening a pipe: the reconnect's clear must
+        // not bring it back.
+        assert!(down.remove("left the group".into()), "it was down already");
+        assert!(!down.clear());
+        assert!(down.is_down() && down.is_removed());
+        assert_eq!(down.detail().as_deref(), Some("left the group"));
+        // Removed while up: reported as not down before.
+        let up = Down::default();
+        assert!(!up.remove("left the group".into()));
+        assert!(!up.clear() && up.is_down());
     }
 }
