@@ -1,21 +1,30 @@
-//! The agent: one per process. [`Agent`] is the public handle; [`AgentInner`] is the state its
-//! parts share. The parts, each an `impl AgentInner` in its own module:
+//! The agent: one per process. [`Agent`] is the public handle; [`AgentInner`] composes the
+//! parts, each of which owns its state as a struct of its own:
 //!
-//! - [`crate::client`]: a call becomes an entry in the call core ([`crate::calls::Outstanding`],
-//!   which owns the pending calls, their deadlines' timer and the clock), a request on this
-//!   worker's own pipe to the peer, and a reply read by the waiting thread or the background
-//!   reader ([`crate::reader`]); RRef control messages.
-//! - [`crate::server`]: requests read from incoming pipes, dispatched to handlers (inline on
-//!   the reading thread when quick, on the pool, or polled as futures) and answered on the
-//!   same pipe.
-//! - [`crate::peers`]: membership applied from the store, the pipe to each peer, heartbeats,
-//!   loss and reconnection.
+//! - [`crate::client::Client`]: the call core ([`crate::calls::Outstanding`], which owns the
+//!   pending calls, their deadlines' timer and the clock), ids, the default timeout, control
+//!   messages in flight. A call becomes an entry there, a request on this worker's own pipe to
+//!   the peer, and a reply read by the waiting thread or the background reader
+//!   ([`crate::reader`]).
+//! - [`crate::server::Server`]: the handlers, the pool that runs the slow ones, the budget
+//!   held by requests being served, receive buffers and CUDA streams. Requests read from
+//!   incoming pipes are dispatched to handlers (inline on the reading thread when quick, on
+//!   the pool, or polled as futures) and answered on the same pipe.
+//! - [`crate::peers::Peers`]: the members as applied from the store, the store itself, and
+//!   membership subscribers; each [`crate::peers::Peer`] owns its lanes (pipes and read
+//!   roles), heartbeats, loss and reconnection.
 //! - [`crate::lifecycle`]: init, the group barrier, leave with the store hand-off, shutdown.
 //!
-//! Dependencies: a part uses this module and leaf modules (wire, payload, calls, reader, …),
-//! never another part, with two exceptions: `peers` reads replies with `server::read_message`,
-//! and `client` picks a peer's lane with `peers::lane_for`.
-//! `lifecycle` assembles everything.
+//! What a part does with its own state alone is a method of its struct (`Peers::peer`,
+//! `Client::next_id`, `Server::allocate`, ...). What crosses parts (a call needs a peer's pipe,
+//! a loss fails calls and releases RRefs, a request is dispatched and answered) is an
+//! `impl AgentInner` in the module of the part that starts it; the hub holds only what every
+//! part shares: this worker's name, the options, the runtime, the pipe context, the
+//! running state and the RRef table.
+//!
+//! Dependencies: those cross-part methods are why client, server, peers and lifecycle still
+//! import this module while it imports their structs. A part's struct uses leaf modules
+//! (wire, payload, calls, reader, store, ...) only.
 //!
 //! Pipes: each worker opens its own pipe to each peer it calls (lazily by default) and sends
 //! its requests there; the callee answers on the same pipe. So a pipe carries requests one way
@@ -31,31 +40,27 @@
 //! Threads: a tokio runtime (`io_threads`) drives pipes, timers and async handlers; a pool
 //! (`pool_threads`) runs synchronous handlers that have shown they block or take long.
 
-use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use sluice_channel::{Context, Pipe};
+use sluice_channel::Context;
 
-use crate::calls::Outstanding;
+use crate::client::Client;
 use crate::completion::Completion;
 use crate::error::{InitError, RpcError, ShutdownError};
-use crate::gpu::StreamPool;
-use crate::membership::{Announce, MembershipEvent, Subscribers};
+use crate::membership::MembershipEvent;
 use crate::name::{Dest, WorkerInfo};
 use crate::options::AgentOptions;
 use crate::payload::{Payload, Value};
-use crate::peers::Members;
-use crate::pool::Pool;
+use crate::peers::Peers;
 use crate::priority::Priority;
 use crate::rref::{RRef, RRefHost, RRefTable};
 use crate::server::CallContext;
-use crate::server::HeldRequests;
-use crate::store::{Store, StoreServer, StoreUrl};
-use crate::wire::{Body, GlobalId};
+use crate::server::Server;
+use crate::wire::Body;
 
 pub use crate::completion::RpcFuture;
 
@@ -77,41 +82,20 @@ pub(crate) const H_TAKEOVER: &str = "sluice.store.takeover";
 
 pub(crate) struct AgentInner {
     pub(crate) me: WorkerInfo,
-    pub(crate) announce: Announce,
-    pub(crate) members: RwLock<Members>,
-    /// The fixed group's size (zero for an elastic join).
-    pub(crate) static_world: u32,
     pub(crate) options: AgentOptions,
-    /// The default timeout of calls started from now, in nanoseconds (starts as the options'
-    /// `default_timeout`; see [`Agent::set_default_timeout`]).
-    pub(crate) default_timeout_ns: AtomicU64,
     pub(crate) runtime: Mutex<Option<tokio::runtime::Runtime>>,
     pub(crate) handle: tokio::runtime::Handle,
     pub(crate) context: Context,
-    pub(crate) registry: Registry,
-    pub(crate) pool: Pool,
-    pub(crate) store: Store,
-    pub(crate) store_url: StoreUrl,
-    pub(crate) secret: Option<sluice_channel::Secret>,
-    pub(crate) store_server: Mutex<Option<StoreServer>>,
-    pub(crate) subscribers: Subscribers,
-    pub(crate) counter: AtomicU64,
-    /// The calls this worker started and has not completed (and the agent's clock).
-    pub(crate) calls: Arc<Outstanding>,
     pub(crate) state: AtomicU8,
-    /// Handlers running, control messages in flight: outstanding work for shutdown.
-    pub(crate) handlers_running: AtomicI64,
-    pub(crate) control_in_flight: AtomicI64,
     /// Requests and replies seen since the last shutdown round.
     pub(crate) activity: AtomicU64,
     pub(crate) rrefs: RRefTable,
-    pub(crate) incoming: Mutex<Vec<Pipe>>,
-    /// Requests being served that hold bytes of their caller's budget, released by the reply.
-    pub(crate) held: HeldRequests,
-    pub(crate) drop_control: AtomicUsize,
-    pub(crate) recv_pool: Mutex<Vec<Bytes>>,
-    /// Streams incoming CUDA tensors land on, and fetched RRef values leave from.
-    pub(crate) streams: StreamPool,
+    /// The calls this worker makes: the call table and its ids.
+    pub(crate) client: Client,
+    /// The requests this worker serves: handlers, their pool and what they hold.
+    pub(crate) server: Server,
+    /// The group and the pipes to it: members, the store, membership events.
+    pub(crate) peers: Peers,
 }
 
 /// A handle to this process's agent. Cheap to clone.
@@ -173,7 +157,7 @@ impl Agent {
 
     /// The workers of the group now, by id.
     pub fn workers(&self) -> Vec<WorkerInfo> {
-        let m = self.inner.members.read().unwrap();
+        let m = self.inner.peers.members.read().unwrap();
         let mut w: Vec<WorkerInfo> = m.by_id.values().map(|p| p.info.clone()).collect();
         w.sort_by_key(|w| w.id);
         w
@@ -182,29 +166,29 @@ impl Agent {
     /// The worker `dest` names.
     pub fn worker(&self, dest: impl Into<Dest>) -> Result<WorkerInfo, RpcError> {
         let id = self.inner.resolve(&dest.into())?;
-        self.inner.peer(id).map(|p| p.info.clone())
+        self.inner.peers.peer(id).map(|p| p.info.clone())
     }
 
     /// Membership changes from now on, as a channel (each call makes a new subscriber).
     pub fn membership_events(&self) -> crossbeam_channel::Receiver<MembershipEvent> {
-        self.inner.subscribers.channel()
+        self.inner.peers.subscribers.channel()
     }
 
     /// Calls `f` on every membership change from now on. It runs on the agent's I/O threads:
     /// keep it short and never block in it.
     pub fn on_membership(&self, f: impl Fn(&MembershipEvent) + Send + Sync + 'static) {
-        self.inner.subscribers.callback(Arc::new(f));
+        self.inner.peers.subscribers.callback(Arc::new(f));
     }
 
     /// The store's address now (it moves when its host leaves).
     pub fn store_address(&self) -> String {
-        self.inner.store.address()
+        self.inner.peers.store.address()
     }
 
     /// Calls `handler` on `dest` and returns the reply's future at once. The deadline is the
     /// default timeout from now.
     pub fn rpc_async(&self, dest: impl Into<Dest>, handler: &str, payload: Payload) -> RpcFuture {
-        self.rpc_async_timeout(dest, handler, payload, self.inner.default_timeout())
+        self.rpc_async_timeout(dest, handler, payload, self.inner.client.default_timeout())
     }
 
     /// [`rpc_async`](Self::rpc_async) with its own timeout (zero: none).
@@ -261,7 +245,7 @@ impl Agent {
     /// Runs `handler` on `dest`, which keeps the result and becomes its owner; returns a
     /// reference at once. A failed creation surfaces on the reference's next use.
     pub fn remote<T>(&self, dest: impl Into<Dest>, handler: &str, payload: Payload) -> Result<RRef<T>, RpcError> {
-        self.remote_timeout(dest, handler, payload, self.inner.default_timeout())
+        self.remote_timeout(dest, handler, payload, self.inner.client.default_timeout())
     }
 
     pub fn remote_timeout<T>(
@@ -287,7 +271,7 @@ impl Agent {
 
     /// A reference owned by this worker, holding `value`.
     pub fn rref<T: Serialize + Send + Sync + 'static>(&self, value: T) -> RRef<T> {
-        let id = self.inner.global_id();
+        let id = self.inner.client.global_id();
         let host = self.inner.host();
         let state = self.inner.rrefs.owner_handle(&host, id);
         self.inner.rrefs.set_value(id, Ok(Value::object(value)));
@@ -297,7 +281,7 @@ impl Agent {
     /// A reference owned by this worker holding `value` as it is (an object with its own
     /// encoding, see [`Value::encodable`], or a payload).
     pub fn rref_value<T>(&self, value: Value) -> RRef<T> {
-        let id = self.inner.global_id();
+        let id = self.inner.client.global_id();
         let host = self.inner.host();
         let state = self.inner.rrefs.owner_handle(&host, id);
         self.inner.rrefs.set_value(id, Ok(value));
@@ -308,13 +292,12 @@ impl Agent {
     /// `rpc_async`, `remote`, `to_here`, the proxies); zero means none. Calls already sent
     /// keep the deadline they were sent with.
     pub fn set_default_timeout(&self, timeout: Duration) {
-        let ns = u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX);
-        self.inner.default_timeout_ns.store(ns, Ordering::Relaxed);
+        self.inner.client.set_default_timeout(timeout);
     }
 
     /// The timeout calls get when none is given.
     pub fn default_timeout(&self) -> Duration {
-        self.inner.default_timeout()
+        self.inner.client.default_timeout()
     }
 
     /// Waits until every worker of the group has called `barrier` with the same `key` (each key
@@ -332,7 +315,7 @@ impl Agent {
 
     /// Requests waiting here for a handler slot now.
     pub fn queued_requests(&self) -> usize {
-        self.inner.pool.waiting()
+        self.inner.server.pool.waiting()
     }
 
     /// RRef values this worker owns and still keeps.
@@ -372,13 +355,13 @@ impl Agent {
 
     /// Where this worker listens for pipes.
     pub fn address(&self) -> &str {
-        &self.inner.announce.address
+        &self.inner.peers.announce.address
     }
 
     /// The pipe info of this worker's pipe to `dest`, if one is open.
     pub fn pipe_info(&self, dest: impl Into<Dest>) -> Option<sluice_channel::PipeInfo> {
         let id = self.inner.resolve(&dest.into()).ok()?;
-        let peer = self.inner.peer(id).ok()?;
+        let peer = self.inner.peers.peer(id).ok()?;
         let open = peer.lanes[crate::peers::NORMAL_LANE].open.lock().unwrap();
         open.as_ref().map(|o| o.pipe.info().clone())
     }
@@ -399,28 +382,11 @@ impl AgentInner {
 
     /// Milliseconds since this agent started, to a scheduler tick.
     pub(crate) fn now_ms(&self) -> u64 {
-        self.calls.clock().now_ms()
-    }
-
-    /// A fresh `worker << 48 | counter` id.
-    pub(crate) fn next_id(&self) -> u64 {
-        (self.me.id as u64) << 48 | self.counter.fetch_add(1, Ordering::Relaxed)
+        self.client.calls.clock().now_ms()
     }
 
     /// This agent as the RRef layer sees it.
-    /// The timeout calls get when none is given (zero: none).
-    pub(crate) fn default_timeout(&self) -> Duration {
-        Duration::from_nanos(self.default_timeout_ns.load(Ordering::Relaxed))
-    }
-
     pub(crate) fn host(self: &Arc<Self>) -> Arc<dyn RRefHost> {
         self.clone()
-    }
-
-    pub(crate) fn global_id(&self) -> GlobalId {
-        GlobalId {
-            worker: self.me.id,
-            local: self.counter.fetch_add(1, Ordering::Relaxed),
-        }
     }
 }

@@ -2,7 +2,7 @@
 //! read by the waiting thread or the background reader (see [`crate::reader`]); deadlines and
 //! control messages.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,12 +13,77 @@ use crate::name::WorkerInfo;
 use crate::rref::{RRefHost, RRefState, RRefTable};
 
 use crate::agent::{AgentInner, RpcFuture};
+use crate::calls::Outstanding;
 use crate::completion::Completion;
 use crate::device_map::{self, DeviceMap};
 use crate::error::RpcError;
+use crate::options::AgentOptions;
 use crate::payload::Payload;
 use crate::priority::Priority;
 use crate::wire::{self, Body, Envelope, GlobalId, Request, WireError, WireRRef, WireValue};
+
+/// The client's own state: the calls this worker started and has not completed (and the
+/// agent's clock), the counter of ids, the default timeout, control messages in flight.
+pub(crate) struct Client {
+    /// This worker's id, the high bits of every id made here.
+    worker: u32,
+    pub(crate) calls: Arc<Outstanding>,
+    counter: AtomicU64,
+    /// The default timeout of calls started from now, in nanoseconds (starts as the options'
+    /// `default_timeout`; see [`crate::Agent::set_default_timeout`]).
+    default_timeout_ns: AtomicU64,
+    /// Control messages sent and not yet acknowledged or abandoned (outstanding work for
+    /// shutdown).
+    pub(crate) control_in_flight: AtomicI64,
+    /// Fault injection: control messages still to drop.
+    drop_control: AtomicUsize,
+}
+
+impl Client {
+    pub(crate) fn new(worker: u32, options: &AgentOptions) -> Client {
+        Client {
+            worker,
+            calls: Arc::new(Outstanding::new()),
+            counter: AtomicU64::new(0),
+            default_timeout_ns: AtomicU64::new(nanos(options.default_timeout)),
+            control_in_flight: AtomicI64::new(0),
+            drop_control: AtomicUsize::new(options.faults.drop_control),
+        }
+    }
+
+    /// A fresh `worker << 48 | counter` id.
+    pub(crate) fn next_id(&self) -> u64 {
+        (self.worker as u64) << 48 | self.counter.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub(crate) fn global_id(&self) -> GlobalId {
+        GlobalId {
+            worker: self.worker,
+            local: self.counter.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
+    /// The timeout calls get when none is given (zero: none).
+    pub(crate) fn default_timeout(&self) -> Duration {
+        Duration::from_nanos(self.default_timeout_ns.load(Ordering::Relaxed))
+    }
+
+    pub(crate) fn set_default_timeout(&self, timeout: Duration) {
+        self.default_timeout_ns.store(nanos(timeout), Ordering::Relaxed);
+    }
+
+    /// Fault injection: whether to drop this control message.
+    pub(crate) fn take_drop(&self) -> bool {
+        self.drop_control
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok()
+    }
+}
+
+/// `d` in nanoseconds, saturated.
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
 
 impl AgentInner {
     /// Registers a call and sends it; the returned completion gets the reply or an error.
@@ -32,7 +97,7 @@ impl AgentInner {
         if let Err(e) = self.check_running() {
             return Completion::ready(Err(e));
         }
-        let peer = match self.peer(dest) {
+        let peer = match self.peers.peer(dest) {
             Ok(p) => p,
             Err(e) => return Completion::ready(Err(e)),
         };
@@ -50,7 +115,7 @@ impl AgentInner {
             crate::priority::current()
         };
         let lane = crate::peers::lane_for(priority);
-        let id = self.next_id();
+        let id = self.client.next_id();
         let Outgoing {
             value,
             frames,
@@ -70,9 +135,9 @@ impl AgentInner {
             frames,
             tensors,
         );
-        let slot = self.calls.register(id, dest, timeout);
+        let slot = self.client.calls.register(id, dest, timeout);
         self.activity.fetch_add(1, Ordering::Relaxed);
-        if control && self.drop_control.load(Ordering::Relaxed) > 0 && self.take_drop() {
+        if control && self.client.drop_control.load(Ordering::Relaxed) > 0 && self.client.take_drop() {
             tracing::debug!(id, "fault injection: dropping a control message");
             return Completion::new(slot);
         }
@@ -93,7 +158,9 @@ impl AgentInner {
                     Ok(()) => peer.lanes[lane].sent.mark(),
                     Err(e) => {
                         self.rrefs.undo_forks(&self.host(), &forks);
-                        self.calls.finish(id, Err(RpcError::from_pipe(&peer.info.name, e)));
+                        self.client
+                            .calls
+                            .finish(id, Err(RpcError::from_pipe(&peer.info.name, e)));
                     }
                 }
                 return Completion::driven(slot, open.map(|o| o.reader));
@@ -113,14 +180,14 @@ impl AgentInner {
                     // Same id: the second reply finds no pending call and is dropped.
                     pipe.write(&message)
                         .await
-                        .map_err(|e| RpcError::from_pipe(&inner.name_of(dest), e))?;
+                        .map_err(|e| RpcError::from_pipe(&inner.peers.name_of(dest), e))?;
                 }
                 Ok::<_, RpcError>(())
             }
             .await;
             if let Err(e) = result {
                 inner.rrefs.undo_forks(&inner.host(), &forks);
-                inner.calls.finish(id, Err(e));
+                inner.client.calls.finish(id, Err(e));
             }
         };
         let opening = open.is_none();
@@ -152,12 +219,6 @@ impl AgentInner {
         Completion::driven(slot, driver)
     }
 
-    pub(crate) fn take_drop(&self) -> bool {
-        self.drop_control
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
-            .is_ok()
-    }
-
     /// Prepares a value for `dest`: RRef forks, tensor placement (`reverse` for replies).
     pub(crate) fn outgoing_value(
         self: &Arc<Self>,
@@ -170,7 +231,7 @@ impl AgentInner {
         let dest_name = &if payload.tensors.is_empty() {
             String::new()
         } else {
-            self.name_of(dest)
+            self.peers.name_of(dest)
         };
         let mut tensors = Vec::with_capacity(payload.tensors.len());
         for t in &payload.tensors {
@@ -224,7 +285,7 @@ impl AgentInner {
     }
 
     pub(crate) fn rpc_error(&self, rank: u32, e: WireError) -> RpcError {
-        let worker = self.name_of(rank);
+        let worker = self.peers.name_of(rank);
         match e {
             WireError::Handler(h) => RpcError::Remote {
                 worker,
@@ -250,7 +311,7 @@ impl AgentInner {
         body: Body,
         then: impl FnOnce(&Arc<AgentInner>, Result<(), RpcError>) + Send + 'static,
     ) {
-        self.control_in_flight.fetch_add(1, Ordering::AcqRel);
+        self.client.control_in_flight.fetch_add(1, Ordering::AcqRel);
         let inner = self.clone();
         self.handle.spawn(async move {
             let mut delay = Duration::from_millis(10);
@@ -273,7 +334,7 @@ impl AgentInner {
                     }
                 }
             }
-            inner.control_in_flight.fetch_sub(1, Ordering::AcqRel);
+            inner.client.control_in_flight.fetch_sub(1, Ordering::AcqRel);
         });
     }
 }
@@ -293,7 +354,7 @@ impl RRefHost for AgentInner {
     }
 
     fn worker_info(&self, id: u32) -> WorkerInfo {
-        AgentInner::worker_info(self, id)
+        self.peers.worker_info(id)
     }
 
     fn check_running(&self) -> Result<(), RpcError> {
@@ -301,7 +362,7 @@ impl RRefHost for AgentInner {
     }
 
     fn new_id(&self) -> GlobalId {
-        self.global_id()
+        self.client.global_id()
     }
 
     fn rrefs(&self) -> &RRefTable {
@@ -309,7 +370,7 @@ impl RRefHost for AgentInner {
     }
 
     fn default_timeout(&self) -> Duration {
-        AgentInner::default_timeout(self)
+        self.client.default_timeout()
     }
 
     fn call(self: Arc<Self>, to: u32, body: Body, payload: Payload, timeout: Duration) -> RpcFuture {

@@ -2,8 +2,8 @@
 //! shutdown.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sluice_channel::{Context, Message, Pipe};
@@ -11,19 +11,20 @@ use sluice_channel::{Context, Message, Pipe};
 use crate::agent::Registry;
 use crate::agent::{Agent, AgentInner, DOWN, H_TAKEOVER, RUNNING, RUNNING_STATE};
 use crate::calls::Outstanding;
+use crate::client::Client;
 use crate::device_map::{self, WorkerDevices};
 use crate::error::{HandlerError, InitError, ShutdownError};
-use crate::gpu::{self, StreamPool};
-use crate::membership::{self, Announce, Subscribers};
+use crate::gpu::{self};
+use crate::membership::{self, Announce};
 use crate::name::{validate_name, WorkerInfo};
 use crate::options::{self, AgentOptions, Connect};
 use crate::payload::Payload;
 use crate::peers::watch_members;
-use crate::peers::{Members, Peer};
+use crate::peers::{Peer, Peers};
 use crate::pool::Pool;
 use crate::rref::RRefTable;
 use crate::server::serve_pipe;
-use crate::server::{CallContext, HeldRequests};
+use crate::server::{CallContext, Server};
 use crate::store::{Snapshot, Store, StoreError, StoreServer, StoreUrl};
 use crate::wire::{self, Body, Envelope};
 
@@ -255,38 +256,28 @@ pub(crate) fn init(options: AgentOptions, mut registry: Registry) -> Result<Agen
     let pool = Pool::new(&format!("sluice-handler-{}", options.name), options.pool_threads);
     let inner = Arc::new(AgentInner {
         me,
-        announce: announce.clone(),
-        members: RwLock::new(Members::default()),
-        static_world: resolved.world_size,
         runtime: Mutex::new(None),
         handle: handle.clone(),
         context,
-        registry,
-        pool,
-        store,
-        store_url: resolved.store.clone(),
-        secret: resolved.secret.clone(),
-        store_server: Mutex::new(store_server),
-        subscribers: Subscribers::default(),
-        counter: AtomicU64::new(0),
-        calls: Arc::new(Outstanding::new()),
         state: AtomicU8::new(RUNNING_STATE),
-        handlers_running: AtomicI64::new(0),
-        control_in_flight: AtomicI64::new(0),
         activity: AtomicU64::new(0),
         rrefs: RRefTable::new(announce.id),
-        incoming: Mutex::new(Vec::new()),
-        held: HeldRequests::default(),
-        drop_control: AtomicUsize::new(options.faults.drop_control),
-        recv_pool: Mutex::new(Vec::new()),
-        streams: StreamPool::default(),
-        default_timeout_ns: AtomicU64::new(u64::try_from(options.default_timeout.as_nanos()).unwrap_or(u64::MAX)),
+        client: Client::new(announce.id, &options),
+        server: Server::new(registry, pool, options.max_message_bytes),
+        peers: Peers::new(
+            announce.clone(),
+            resolved.world_size,
+            store,
+            resolved.store.clone(),
+            resolved.secret.clone(),
+            store_server,
+        ),
         options,
     });
     {
-        let mut m = inner.members.write().unwrap();
+        let mut m = inner.peers.members.write().unwrap();
         for a in live.values() {
-            inner.add_member(&mut m, a.clone());
+            inner.peers.add_member(&mut m, a.clone());
         }
     }
 
@@ -300,7 +291,7 @@ pub(crate) fn init(options: AgentOptions, mut registry: Registry) -> Result<Agen
             }
             match accepted {
                 Ok(pipe) => {
-                    inner.incoming.lock().unwrap().push(pipe.clone());
+                    inner.server.incoming.lock().unwrap().push(pipe.clone());
                     tokio::spawn(serve_pipe(inner, pipe));
                 }
                 Err(e) => tracing::warn!(worker = %inner.me, error = %e, "refused an incoming pipe"),
@@ -311,10 +302,10 @@ pub(crate) fn init(options: AgentOptions, mut registry: Registry) -> Result<Agen
         let weak = Arc::downgrade(&inner);
         move |id| {
             weak.upgrade()
-                .map_or_else(|| format!("worker {id}"), |inner| inner.name_of(id))
+                .map_or_else(|| format!("worker {id}"), |inner| inner.peers.name_of(id))
         }
     };
-    handle.spawn(Outstanding::run_timer(Arc::downgrade(&inner.calls), name_of));
+    handle.spawn(Outstanding::run_timer(Arc::downgrade(&inner.client.calls), name_of));
     handle.spawn(watch_members(Arc::downgrade(&inner), listing.revision));
     *inner.runtime.lock().unwrap() = Some(runtime);
 
@@ -324,13 +315,14 @@ pub(crate) fn init(options: AgentOptions, mut registry: Registry) -> Result<Agen
     let result = handle.block_on(async {
         if fixed_start {
             inner
+                .peers
                 .store
-                .barrier("init", inner.static_world, left())
+                .barrier("init", inner.peers.static_world, left())
                 .await
                 .map_err(store_error)?;
         }
         if inner.options.connect == Connect::Eager {
-            let ids: Vec<u32> = inner.members.read().unwrap().by_id.keys().copied().collect();
+            let ids: Vec<u32> = inner.peers.members.read().unwrap().by_id.keys().copied().collect();
             for id in ids {
                 inner.pipe_to(id).await.map_err(|e| InitError::Config(e.to_string()))?;
             }
@@ -350,11 +342,11 @@ impl AgentInner {
     /// that are still here, and every worker that joined it later).
     pub(crate) async fn group_barrier(&self, key: &str, timeout: Duration) -> Result<(), StoreError> {
         let start = Instant::now();
-        self.store.add(key, 1).await?;
+        self.peers.store.add(key, 1).await?;
         loop {
-            let world = self.member_count();
+            let world = self.peers.member_count();
             let step = Duration::from_millis(250).min(timeout.saturating_sub(start.elapsed()));
-            match self.store.wait_count(key, world as i64, step).await {
+            match self.peers.store.wait_count(key, world as i64, step).await {
                 Ok(_) => return Ok(()),
                 Err(StoreError::Timeout { .. }) if start.elapsed() < timeout => continue,
                 Err(e) => return Err(e),
@@ -367,16 +359,21 @@ impl AgentInner {
         let addr = match &self.options.store_listen {
             Some(a) => a.clone(),
             None => {
-                let host = self.announce.address.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
+                let host = self
+                    .peers
+                    .announce
+                    .address
+                    .rsplit_once(':')
+                    .map_or("127.0.0.1", |(h, _)| h);
                 format!("{host}:0")
             }
         };
         let server = self
             .handle
-            .block_on(StoreServer::start_with(&addr, snapshot, self.secret.clone()))?;
+            .block_on(StoreServer::start_with(&addr, snapshot, self.peers.secret.clone()))?;
         let address = server.address().to_owned();
         tracing::info!(worker = %self.me, %address, "took over the store");
-        *self.store_server.lock().unwrap() = Some(server);
+        *self.peers.store_server.lock().unwrap() = Some(server);
         Ok(address)
     }
 
@@ -403,13 +400,13 @@ impl AgentInner {
         // (if we serve it) before our key goes, so the successor hears of the leave as a leave.
         if let Err(e) = self
             .handle
-            .block_on(self.store.set(&membership::left_key(id), Vec::new()))
+            .block_on(self.peers.store.set(&membership::left_key(id), Vec::new()))
         {
             self.teardown();
             return Err(ShutdownError::Store(e.to_string()));
         }
         let handed = self.hand_off_store();
-        if let Err(e) = self.handle.block_on(self.store.delete(&membership::live_key(id))) {
+        if let Err(e) = self.handle.block_on(self.peers.store.delete(&membership::live_key(id))) {
             self.teardown();
             return Err(ShutdownError::Store(e.to_string()));
         }
@@ -421,9 +418,9 @@ impl AgentInner {
             ..Message::default()
         };
         let pipes: Vec<Pipe> = {
-            let m = self.members.read().unwrap();
+            let m = self.peers.members.read().unwrap();
             let mut p: Vec<Pipe> = m.by_id.values().flat_map(|peer| peer.open_pipes()).collect();
-            p.extend(self.incoming.lock().unwrap().iter().cloned());
+            p.extend(self.server.incoming.lock().unwrap().iter().cloned());
             p
         };
         self.handle.block_on(async {
@@ -431,7 +428,7 @@ impl AgentInner {
                 let _ = tokio::time::timeout(Duration::from_millis(500), p.write(&goodbye)).await;
             }
         });
-        self.handle.block_on(self.store.close());
+        self.handle.block_on(self.peers.store.close());
         self.teardown();
         handed?;
         if last > 0 {
@@ -445,10 +442,10 @@ impl AgentInner {
 
     /// If this worker serves the embedded store, hands it to the member with the lowest id.
     pub(crate) fn hand_off_store(self: &Arc<Self>) -> Result<(), ShutdownError> {
-        let guard = self.store_server.lock().unwrap();
+        let guard = self.peers.store_server.lock().unwrap();
         let Some(server) = guard.as_ref() else { return Ok(()) };
         let successor = {
-            let m = self.members.read().unwrap();
+            let m = self.peers.members.read().unwrap();
             m.by_id
                 .values()
                 .filter(|p| p.info.id != self.me.id && !p.down.is_down())
@@ -490,8 +487,10 @@ impl AgentInner {
     }
 
     pub(crate) fn outstanding(&self) -> u64 {
-        let calls = self.calls.len() as i64;
-        let n = calls + self.handlers_running.load(Ordering::Acquire) + self.control_in_flight.load(Ordering::Acquire);
+        let calls = self.client.calls.len() as i64;
+        let n = calls
+            + self.server.handlers_running.load(Ordering::Acquire)
+            + self.client.control_in_flight.load(Ordering::Acquire);
         n.max(0) as u64
     }
 
@@ -506,7 +505,7 @@ impl AgentInner {
         };
         // Every member there is, joiners of a fixed group included: the store's host must
         // not leave before the last of them has read the quiet round.
-        let world_at_start = self.member_count();
+        let world_at_start = self.peers.member_count();
         let result = self.handle.block_on(async {
             let mut round = 0u64;
             let mut last = 0;
@@ -520,9 +519,9 @@ impl AgentInner {
                 let report = self.outstanding() + self.activity.swap(0, Ordering::AcqRel);
                 let sum_key = format!("shutdown/{round}/sum");
                 let r = async {
-                    self.store.add(&sum_key, report as i64).await?;
+                    self.peers.store.add(&sum_key, report as i64).await?;
                     self.group_barrier(&format!("shutdown/{round}/arrive"), left()).await?;
-                    self.store.add(&sum_key, 0).await
+                    self.peers.store.add(&sum_key, 0).await
                 }
                 .await;
                 let sum = match r {
@@ -543,12 +542,13 @@ impl AgentInner {
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
             // Everyone saw the quiet round; the store's host waits until all have read it.
-            let _ = self.store.add("shutdown/left", 1).await;
-            if self.store_server.lock().unwrap().is_some() {
+            let _ = self.peers.store.add("shutdown/left", 1).await;
+            if self.peers.store_server.lock().unwrap().is_some() {
                 // The group as it was when shutdown began: members that finish first leave the
                 // membership, and must not make the host stop waiting for the slower ones.
                 let world = world_at_start;
                 let _ = self
+                    .peers
                     .store
                     .wait_count("shutdown/left", world as i64, left().min(Duration::from_secs(10)))
                     .await;
@@ -572,16 +572,16 @@ impl AgentInner {
         if self.state.swap(DOWN, Ordering::AcqRel) == DOWN {
             return;
         }
-        self.calls.close();
-        let peers: Vec<Arc<Peer>> = self.members.read().unwrap().by_id.values().cloned().collect();
+        self.client.calls.close();
+        let peers: Vec<Arc<Peer>> = self.peers.members.read().unwrap().by_id.values().cloned().collect();
         for p in peers {
             p.close_lanes();
         }
-        for p in self.incoming.lock().unwrap().drain(..) {
+        for p in self.server.incoming.lock().unwrap().drain(..) {
             p.close();
         }
-        self.pool.stop();
-        self.store_server.lock().unwrap().take();
+        self.server.pool.stop();
+        self.peers.store_server.lock().unwrap().take();
         if let Some(rt) = self.runtime.lock().unwrap().take() {
             rt.shutdown_background();
         }

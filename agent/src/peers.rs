@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use sluice_channel::{Allocation, Descriptor, Message, Pipe, PipeError};
@@ -13,11 +13,11 @@ use crate::clock::Activity;
 use crate::completion::Driver;
 use crate::device_map::DeviceMap;
 use crate::error::RpcError;
-use crate::membership::{self, Announce, MembershipEvent};
+use crate::membership::{self, Announce, MembershipEvent, Subscribers};
 use crate::name::{Dest, WorkerInfo};
 use crate::reader::{Replies, ReplyReader};
 use crate::server::{read_message, try_read_message};
-use crate::store::{Listing, Store, StoreUrl};
+use crate::store::{Listing, Store, StoreServer, StoreUrl};
 use crate::wire::{self, Body, Envelope, Request, Response, WireValue};
 
 pub(crate) struct Peer {
@@ -199,67 +199,40 @@ pub(crate) struct Members {
     pub(crate) gone: HashMap<u32, (WorkerInfo, String)>,
 }
 
-/// Applies membership changes from the store as they happen.
-pub(crate) async fn watch_members(weak: std::sync::Weak<AgentInner>, mut revision: u64) {
-    let (url, secret) = match weak.upgrade() {
-        Some(inner) => (inner.store_url.clone(), inner.secret.clone()),
-        None => return,
-    };
-    // Its own connection: a watch is a long poll.
-    let mut watcher: Option<Store> = None;
-    let mut pause = Duration::from_millis(50);
-    loop {
-        let Some(inner) = weak.upgrade() else { return };
-        if inner.is_down() {
-            return;
-        }
-        drop(inner);
-        if watcher.is_none() {
-            let Some(inner) = weak.upgrade() else { return };
-            // Follow the main client's view of where the store is.
-            let url = match &url {
-                StoreUrl::Tcp(_) => StoreUrl::Tcp(inner.store.address()),
-                other => other.clone(),
-            };
-            drop(inner);
-            match Store::connect(&url, Duration::from_secs(2), secret.clone()).await {
-                Ok(s) => watcher = Some(s),
-                Err(e) => {
-                    tracing::debug!(error = %e, "membership watcher cannot reach the store; retrying");
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(2));
-                    continue;
-                }
-            }
-        }
-        let w = watcher.as_ref().expect("connected above");
-        match w.watch("m/", revision, Duration::from_secs(5)).await {
-            Ok(Some(listing)) => {
-                pause = Duration::from_millis(50);
-                revision = listing.revision;
-                let Some(inner) = weak.upgrade() else { return };
-                if w.address() != inner.store.address() {
-                    // The store moved (hand-off): take the main client along and re-assert
-                    // our membership there at once.
-                    inner.store.follow(&w.address()).await;
-                    let _ = inner.store.list("m/live/").await;
-                }
-                inner.apply_listing(&listing).await;
-            }
-            Ok(None) => {}
-            Err(e) => {
-                tracing::debug!(error = %e, "membership watch failed; reconnecting");
-                watcher = None;
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(2));
-            }
-        }
-    }
+/// The peers' own state: the group as this worker knows it, this worker's announcement, the
+/// store membership lives in (and the embedded store, where this worker hosts it), and who
+/// hears of membership changes.
+pub(crate) struct Peers {
+    pub(crate) announce: Announce,
+    pub(crate) members: RwLock<Members>,
+    /// The fixed group's size (zero for an elastic join).
+    pub(crate) static_world: u32,
+    pub(crate) subscribers: Subscribers,
+    pub(crate) store: Store,
+    store_url: StoreUrl,
+    pub(crate) secret: Option<sluice_channel::Secret>,
+    pub(crate) store_server: Mutex<Option<StoreServer>>,
 }
 
-impl AgentInner {
-    pub(crate) fn member_count(&self) -> u32 {
-        self.members.read().unwrap().by_id.len() as u32
+impl Peers {
+    pub(crate) fn new(
+        announce: Announce,
+        static_world: u32,
+        store: Store,
+        store_url: StoreUrl,
+        secret: Option<sluice_channel::Secret>,
+        store_server: Option<StoreServer>,
+    ) -> Peers {
+        Peers {
+            announce,
+            members: RwLock::new(Members::default()),
+            static_world,
+            subscribers: Subscribers::default(),
+            store,
+            store_url,
+            secret,
+            store_server: Mutex::new(store_server),
+        }
     }
 
     pub(crate) fn add_member(&self, m: &mut Members, a: Announce) -> Arc<Peer> {
@@ -273,8 +246,8 @@ impl AgentInner {
             generation: AtomicU64::new(0),
             down: Down::default(),
             leaving: AtomicBool::new(false),
-            map_to: self.options.device_maps.get(&a.name).cloned(),
-            map_from: a.devices.maps.get(&self.me.name).cloned(),
+            map_to: self.announce.devices.maps.get(&a.name).cloned(),
+            map_from: a.devices.maps.get(&self.announce.name).cloned(),
             announce: a,
         });
         // The newest incarnation owns the name.
@@ -284,201 +257,6 @@ impl AgentInner {
         }
         m.by_id.insert(info.id, peer.clone());
         peer
-    }
-
-    /// Diffs a listing of `m/` against the members known here and applies the changes.
-    pub(crate) async fn apply_listing(self: &Arc<Self>, listing: &Listing) {
-        let (live, left) = membership::parse_listing(&listing.entries);
-        let known: HashMap<u32, Announce> = self
-            .members
-            .read()
-            .unwrap()
-            .by_id
-            .iter()
-            .map(|(id, p)| (*id, p.announce.clone()))
-            .collect();
-        let changes = membership::diff(&known, &live, &left);
-        for a in changes.joined {
-            if a.version != wire::AGENT_VERSION {
-                tracing::warn!(worker = %a.name, version = a.version, "a worker with another protocol version joined; ignored");
-                continue;
-            }
-            let info = {
-                let mut m = self.members.write().unwrap();
-                self.add_member(&mut m, a).info.clone()
-            };
-            self.subscribers.publish(MembershipEvent::Joined(info));
-        }
-        for (id, graceful) in changes.removed {
-            if id == self.me.id {
-                if self.is_down() {
-                    continue;
-                }
-                // Our own membership vanished (an expired lease, a store that moved without
-                // us): we are still here, so say so again.
-                tracing::warn!(worker = %self.me, "this worker's membership vanished from the store; re-announcing");
-                if let Ok(bytes) = postcard::to_allocvec(&self.announce) {
-                    let _ = self.store.set_ephemeral(&membership::live_key(id), bytes).await;
-                }
-                continue;
-            }
-            let detail = if graceful {
-                "left the group".to_owned()
-            } else {
-                "its membership expired without a goodbye (crashed, killed or cut off)".to_owned()
-            };
-            self.remove_member(id, graceful, detail);
-        }
-    }
-
-    /// A member is gone for good (left, or its membership expired).
-    pub(crate) fn remove_member(self: &Arc<Self>, id: u32, graceful: bool, detail: String) {
-        let peer = {
-            let mut m = self.members.write().unwrap();
-            let Some(peer) = m.by_id.remove(&id) else { return };
-            if m.by_name.get(&peer.info.name) == Some(&id) {
-                m.by_name.remove(&peer.info.name);
-                // An older incarnation still listed takes the name back only if it is alive.
-                if let Some(other) = m
-                    .by_id
-                    .values()
-                    .filter(|p| p.info.name == peer.info.name)
-                    .map(|p| p.info.id)
-                    .max()
-                {
-                    m.by_name.insert(peer.info.name.clone(), other);
-                }
-            }
-            m.gone.insert(id, (peer.info.clone(), detail.clone()));
-            peer
-        };
-        let was_down = peer.down.remove(detail.clone());
-        self.drop_peer_state(&peer, &detail);
-        if graceful || peer.leaving.load(Ordering::Acquire) {
-            self.subscribers.publish(MembershipEvent::Left(peer.info.clone()));
-        } else if !was_down {
-            self.subscribers.publish(MembershipEvent::Lost {
-                worker: peer.info.clone(),
-                detail,
-            });
-        }
-    }
-
-    /// Closes the peer's pipe, fails its calls and releases what it held here.
-    pub(crate) fn drop_peer_state(self: &Arc<Self>, peer: &Peer, detail: &str) {
-        peer.close_lanes();
-        let name = peer.info.name.clone();
-        self.calls.fail(Some(peer.info.id), |_| RpcError::PeerLost {
-            worker: name.clone(),
-            detail: detail.to_owned(),
-        });
-        self.rrefs.peer_lost(&self.host(), peer.info.id);
-    }
-
-    /// Declares `id` lost (if `generation` is still its pipe's, or always with `None`). While
-    /// it stays a member, a background task tries to reconnect.
-    pub(crate) fn declare_lost(self: &Arc<Self>, id: u32, generation: Option<u64>, detail: String) {
-        if self.is_down() {
-            return;
-        }
-        let Ok(peer) = self.peer(id) else { return };
-        if generation.is_some_and(|g| !peer.is_current(g)) {
-            return;
-        }
-        if !peer.down.set_if_up(&detail) {
-            return;
-        }
-        let leaving = peer.leaving.load(Ordering::Acquire);
-        let detail = if leaving {
-            format!("{detail} (it is leaving the group)")
-        } else {
-            detail
-        };
-        tracing::info!(worker = %self.me, peer = %peer.info, %detail, "peer lost");
-        self.drop_peer_state(&peer, &detail);
-        if leaving {
-            return;
-        }
-        self.subscribers.publish(MembershipEvent::Lost {
-            worker: peer.info.clone(),
-            detail,
-        });
-        if id != self.me.id {
-            self.handle.spawn(reconnect(Arc::downgrade(self), peer));
-        }
-    }
-
-    pub(crate) fn resolve(&self, dest: &Dest) -> Result<u32, RpcError> {
-        let find = |m: &Members| match dest {
-            Dest::Name(n) => m.by_name.get(n).copied(),
-            Dest::Rank(r) => (m.by_id.contains_key(r) || m.gone.contains_key(r)).then_some(*r),
-        };
-        if let Some(id) = find(&self.members.read().unwrap()) {
-            return Ok(id);
-        }
-        // The watcher may not have seen a fresh join yet: ask the store (from plain threads).
-        if tokio::runtime::Handle::try_current().is_err()
-            && !self.is_down()
-            && self.handle.block_on(self.absorb_joins())
-        {
-            if let Some(id) = find(&self.members.read().unwrap()) {
-                return Ok(id);
-            }
-        }
-        // A name that belonged to the group and is gone stays known: calls to it fail as
-        // lost (or left), naming it and how it went (see `peer`), never as unknown.
-        if let Dest::Name(n) = dest {
-            let m = self.members.read().unwrap();
-            if let Some(id) = m
-                .gone
-                .iter()
-                .filter(|(_, (info, _))| &info.name == n)
-                .map(|(id, _)| *id)
-                .max()
-            {
-                return Ok(id);
-            }
-        }
-        Err(RpcError::UnknownWorker {
-            dest: dest.to_string(),
-            world_size: self.member_count(),
-        })
-    }
-
-    /// The live member `id`, or the error that says why there is none.
-    pub(crate) fn peer(&self, id: u32) -> Result<Arc<Peer>, RpcError> {
-        let m = self.members.read().unwrap();
-        if let Some(p) = m.by_id.get(&id) {
-            return Ok(p.clone());
-        }
-        match m.gone.get(&id) {
-            Some((info, detail)) => Err(RpcError::PeerLost {
-                worker: info.name.clone(),
-                detail: format!("{} {detail}", info),
-            }),
-            None => Err(RpcError::UnknownWorker {
-                dest: format!("id {id}"),
-                world_size: m.by_id.len() as u32,
-            }),
-        }
-    }
-
-    pub(crate) fn name_of(&self, id: u32) -> String {
-        self.worker_info(id).name
-    }
-
-    pub(crate) fn worker_info(&self, id: u32) -> WorkerInfo {
-        let m = self.members.read().unwrap();
-        if let Some(p) = m.by_id.get(&id) {
-            return p.info.clone();
-        }
-        match m.gone.get(&id) {
-            Some((info, _)) => info.clone(),
-            None => WorkerInfo {
-                name: format!("worker-{id}"),
-                id,
-            },
-        }
     }
 
     /// True if `id` is (or was: a leaving worker finishing its work) a member, asking the
@@ -515,11 +293,267 @@ impl AgentInner {
         }
         true
     }
+    pub(crate) fn member_count(&self) -> u32 {
+        self.members.read().unwrap().by_id.len() as u32
+    }
+    /// The live member `id`, or the error that says why there is none.
+    pub(crate) fn peer(&self, id: u32) -> Result<Arc<Peer>, RpcError> {
+        let m = self.members.read().unwrap();
+        if let Some(p) = m.by_id.get(&id) {
+            return Ok(p.clone());
+        }
+        match m.gone.get(&id) {
+            Some((info, detail)) => Err(RpcError::PeerLost {
+                worker: info.name.clone(),
+                detail: format!("{} {detail}", info),
+            }),
+            None => Err(RpcError::UnknownWorker {
+                dest: format!("id {id}"),
+                world_size: m.by_id.len() as u32,
+            }),
+        }
+    }
+    pub(crate) fn name_of(&self, id: u32) -> String {
+        self.worker_info(id).name
+    }
+    pub(crate) fn worker_info(&self, id: u32) -> WorkerInfo {
+        let m = self.members.read().unwrap();
+        if let Some(p) = m.by_id.get(&id) {
+            return p.info.clone();
+        }
+        match m.gone.get(&id) {
+            Some((info, _)) => info.clone(),
+            None => WorkerInfo {
+                name: format!("worker-{id}"),
+                id,
+            },
+        }
+    }
+}
+
+/// Applies membership changes from the store as they happen.
+pub(crate) async fn watch_members(weak: std::sync::Weak<AgentInner>, mut revision: u64) {
+    let (url, secret) = match weak.upgrade() {
+        Some(inner) => (inner.peers.store_url.clone(), inner.peers.secret.clone()),
+        None => return,
+    };
+    // Its own connection: a watch is a long poll.
+    let mut watcher: Option<Store> = None;
+    let mut pause = Duration::from_millis(50);
+    loop {
+        let Some(inner) = weak.upgrade() else { return };
+        if inner.is_down() {
+            return;
+        }
+        drop(inner);
+        if watcher.is_none() {
+            let Some(inner) = weak.upgrade() else { return };
+            // Follow the main client's view of where the store is.
+            let url = match &url {
+                StoreUrl::Tcp(_) => StoreUrl::Tcp(inner.peers.store.address()),
+                other => other.clone(),
+            };
+            drop(inner);
+            match Store::connect(&url, Duration::from_secs(2), secret.clone()).await {
+                Ok(s) => watcher = Some(s),
+                Err(e) => {
+                    tracing::debug!(error = %e, "membership watcher cannot reach the store; retrying");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(2));
+                    continue;
+                }
+            }
+        }
+        let w = watcher.as_ref().expect("connected above");
+        match w.watch("m/", revision, Duration::from_secs(5)).await {
+            Ok(Some(listing)) => {
+                pause = Duration::from_millis(50);
+                revision = listing.revision;
+                let Some(inner) = weak.upgrade() else { return };
+                if w.address() != inner.peers.store.address() {
+                    // The store moved (hand-off): take the main client along and re-assert
+                    // our membership there at once.
+                    inner.peers.store.follow(&w.address()).await;
+                    let _ = inner.peers.store.list("m/live/").await;
+                }
+                inner.apply_listing(&listing).await;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::debug!(error = %e, "membership watch failed; reconnecting");
+                watcher = None;
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}
+
+impl AgentInner {
+    /// Diffs a listing of `m/` against the members known here and applies the changes.
+    pub(crate) async fn apply_listing(self: &Arc<Self>, listing: &Listing) {
+        let (live, left) = membership::parse_listing(&listing.entries);
+        let known: HashMap<u32, Announce> = self
+            .peers
+            .members
+            .read()
+            .unwrap()
+            .by_id
+            .iter()
+            .map(|(id, p)| (*id, p.announce.clone()))
+            .collect();
+        let changes = membership::diff(&known, &live, &left);
+        for a in changes.joined {
+            if a.version != wire::AGENT_VERSION {
+                tracing::warn!(worker = %a.name, version = a.version, "a worker with another protocol version joined; ignored");
+                continue;
+            }
+            let info = {
+                let mut m = self.peers.members.write().unwrap();
+                self.peers.add_member(&mut m, a).info.clone()
+            };
+            self.peers.subscribers.publish(MembershipEvent::Joined(info));
+        }
+        for (id, graceful) in changes.removed {
+            if id == self.me.id {
+                if self.is_down() {
+                    continue;
+                }
+                // Our own membership vanished (an expired lease, a store that moved without
+                // us): we are still here, so say so again.
+                tracing::warn!(worker = %self.me, "this worker's membership vanished from the store; re-announcing");
+                if let Ok(bytes) = postcard::to_allocvec(&self.peers.announce) {
+                    let _ = self.peers.store.set_ephemeral(&membership::live_key(id), bytes).await;
+                }
+                continue;
+            }
+            let detail = if graceful {
+                "left the group".to_owned()
+            } else {
+                "its membership expired without a goodbye (crashed, killed or cut off)".to_owned()
+            };
+            self.remove_member(id, graceful, detail);
+        }
+    }
+
+    /// A member is gone for good (left, or its membership expired).
+    pub(crate) fn remove_member(self: &Arc<Self>, id: u32, graceful: bool, detail: String) {
+        let peer = {
+            let mut m = self.peers.members.write().unwrap();
+            let Some(peer) = m.by_id.remove(&id) else { return };
+            if m.by_name.get(&peer.info.name) == Some(&id) {
+                m.by_name.remove(&peer.info.name);
+                // An older incarnation still listed takes the name back only if it is alive.
+                if let Some(other) = m
+                    .by_id
+                    .values()
+                    .filter(|p| p.info.name == peer.info.name)
+                    .map(|p| p.info.id)
+                    .max()
+                {
+                    m.by_name.insert(peer.info.name.clone(), other);
+                }
+            }
+            m.gone.insert(id, (peer.info.clone(), detail.clone()));
+            peer
+        };
+        let was_down = peer.down.remove(detail.clone());
+        self.drop_peer_state(&peer, &detail);
+        if graceful || peer.leaving.load(Ordering::Acquire) {
+            self.peers.subscribers.publish(MembershipEvent::Left(peer.info.clone()));
+        } else if !was_down {
+            self.peers.subscribers.publish(MembershipEvent::Lost {
+                worker: peer.info.clone(),
+                detail,
+            });
+        }
+    }
+
+    /// Closes the peer's pipe, fails its calls and releases what it held here.
+    pub(crate) fn drop_peer_state(self: &Arc<Self>, peer: &Peer, detail: &str) {
+        peer.close_lanes();
+        let name = peer.info.name.clone();
+        self.client.calls.fail(Some(peer.info.id), |_| RpcError::PeerLost {
+            worker: name.clone(),
+            detail: detail.to_owned(),
+        });
+        self.rrefs.peer_lost(&self.host(), peer.info.id);
+    }
+
+    /// Declares `id` lost (if `generation` is still its pipe's, or always with `None`). While
+    /// it stays a member, a background task tries to reconnect.
+    pub(crate) fn declare_lost(self: &Arc<Self>, id: u32, generation: Option<u64>, detail: String) {
+        if self.is_down() {
+            return;
+        }
+        let Ok(peer) = self.peers.peer(id) else { return };
+        if generation.is_some_and(|g| !peer.is_current(g)) {
+            return;
+        }
+        if !peer.down.set_if_up(&detail) {
+            return;
+        }
+        let leaving = peer.leaving.load(Ordering::Acquire);
+        let detail = if leaving {
+            format!("{detail} (it is leaving the group)")
+        } else {
+            detail
+        };
+        tracing::info!(worker = %self.me, peer = %peer.info, %detail, "peer lost");
+        self.drop_peer_state(&peer, &detail);
+        if leaving {
+            return;
+        }
+        self.peers.subscribers.publish(MembershipEvent::Lost {
+            worker: peer.info.clone(),
+            detail,
+        });
+        if id != self.me.id {
+            self.handle.spawn(reconnect(Arc::downgrade(self), peer));
+        }
+    }
+
+    pub(crate) fn resolve(&self, dest: &Dest) -> Result<u32, RpcError> {
+        let find = |m: &Members| match dest {
+            Dest::Name(n) => m.by_name.get(n).copied(),
+            Dest::Rank(r) => (m.by_id.contains_key(r) || m.gone.contains_key(r)).then_some(*r),
+        };
+        if let Some(id) = find(&self.peers.members.read().unwrap()) {
+            return Ok(id);
+        }
+        // The watcher may not have seen a fresh join yet: ask the store (from plain threads).
+        if tokio::runtime::Handle::try_current().is_err()
+            && !self.is_down()
+            && self.handle.block_on(self.peers.absorb_joins())
+        {
+            if let Some(id) = find(&self.peers.members.read().unwrap()) {
+                return Ok(id);
+            }
+        }
+        // A name that belonged to the group and is gone stays known: calls to it fail as
+        // lost (or left), naming it and how it went (see `peer`), never as unknown.
+        if let Dest::Name(n) = dest {
+            let m = self.peers.members.read().unwrap();
+            if let Some(id) = m
+                .gone
+                .iter()
+                .filter(|(_, (info, _))| &info.name == n)
+                .map(|(id, _)| *id)
+                .max()
+            {
+                return Ok(id);
+            }
+        }
+        Err(RpcError::UnknownWorker {
+            dest: dest.to_string(),
+            world_size: self.peers.member_count(),
+        })
+    }
 
     /// The normal pipe to `id`, opened on first use; its reader task delivers replies and its
     /// heartbeat task watches it.
     pub(crate) async fn pipe_to(self: &Arc<Self>, id: u32) -> Result<Pipe, RpcError> {
-        self.pipe_for(&self.peer(id)?, NORMAL_LANE).await
+        self.pipe_for(&self.peers.peer(id)?, NORMAL_LANE).await
     }
 
     /// The pipe of `lane` to a peer already looked up, opened on first use.
@@ -659,7 +693,7 @@ pub(crate) async fn heartbeat(
             sent_at = now;
             let ping = Message {
                 metadata: wire::encode(&Envelope::Request(Request {
-                    id: inner.next_id(),
+                    id: inner.client.next_id(),
                     priority: 0,
                     body: Body::Ping,
                     value: WireValue::default(),
@@ -684,6 +718,7 @@ pub(crate) async fn reconnect(weak: std::sync::Weak<AgentInner>, peer: Arc<Peer>
         let Some(inner) = weak.upgrade() else { return };
         if inner.is_down()
             || !inner
+                .peers
                 .members
                 .read()
                 .unwrap()
@@ -703,6 +738,7 @@ pub(crate) async fn reconnect(weak: std::sync::Weak<AgentInner>, peer: Arc<Peer>
             }
             tracing::info!(worker = %inner.me, peer = %peer.info, "reconnected");
             inner
+                .peers
                 .subscribers
                 .publish(MembershipEvent::Reconnected(peer.info.clone()));
             return;
@@ -736,7 +772,7 @@ impl PeerReplies {
                     Ok(_) => Ok(payload.unwrap_or_default()),
                     Err(e) => Err(inner.rpc_error(id, e)),
                 };
-                if inner.calls.finish(call, result) {
+                if inner.client.calls.finish(call, result) {
                     inner.activity.fetch_add(1, Ordering::Relaxed);
                 }
                 Ok(())
@@ -754,7 +790,7 @@ impl PeerReplies {
 impl Replies for PeerReplies {
     async fn read_one(&self, pipe: &Pipe) -> Result<(), String> {
         let inner = self.inner.upgrade().ok_or("the agent is down")?;
-        let message = read_message(pipe, &inner).await;
+        let message = read_message(pipe, &inner.server).await;
         self.deliver(&inner, message)
     }
 
@@ -762,7 +798,7 @@ impl Replies for PeerReplies {
         let Some(inner) = self.inner.upgrade() else {
             return Some(Err("the agent is down".into()));
         };
-        let message = try_read_message(pipe, &inner)?;
+        let message = try_read_message(pipe, &inner.server)?;
         Some(self.deliver(&inner, message))
     }
 
@@ -780,7 +816,7 @@ impl Replies for PeerReplies {
     fn wanted(&self) -> bool {
         self.inner
             .upgrade()
-            .is_some_and(|inner| inner.calls.pending_to(self.peer.info.id) > 0)
+            .is_some_and(|inner| inner.client.calls.pending_to(self.peer.info.id) > 0)
     }
 
     fn runtime(&self) -> &tokio::runtime::Handle {

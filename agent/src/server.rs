@@ -1,7 +1,7 @@
 //! The server side: requests read from incoming pipes, dispatched to handlers (inline, pool or
 //! async), and answered on the same pipe.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::Poll;
 use std::time::Duration;
@@ -9,15 +9,16 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use sluice_channel::{Allocation, Descriptor, Device, Message, Pipe, PipeError, RecvBuffer, Tensor};
 
-use crate::agent::{Agent, AgentInner, POOL_KEEP, POOL_MIN};
+use crate::agent::{Agent, AgentInner, Registry, POOL_KEEP, POOL_MIN};
 use crate::budget::Budget;
 use crate::clock::Activity;
 use crate::error::{HandlerError, RpcError};
-use crate::gpu::{self};
+use crate::gpu::{self, StreamPool};
 use crate::handler::{BoxFuture, Handler};
 use crate::name::WorkerInfo;
 use crate::payload::Carried;
 use crate::payload::{Payload, Value};
+use crate::pool::Pool;
 use crate::priority::{with_priority, Priority};
 use crate::wire::{self, Body, Envelope, GlobalId, Request, Response, WireError};
 
@@ -34,7 +35,25 @@ pub struct CallContext {
     pub streams: Vec<sluice_channel::Stream>,
 }
 
-impl AgentInner {
+/// The server's own state: the handlers, the pool that runs the slow ones, what the requests
+/// being served hold, and the buffers received requests land in.
+pub(crate) struct Server {
+    registry: Registry,
+    /// The largest message read from a peer (the options' `max_message_bytes`).
+    max_message_bytes: u64,
+    pub(crate) pool: Pool,
+    /// Requests being served that hold bytes of their caller's budget, released by the reply.
+    held: HeldRequests,
+    /// Handlers running (outstanding work for shutdown).
+    pub(crate) handlers_running: AtomicI64,
+    recv_pool: Mutex<Vec<Bytes>>,
+    /// Streams incoming CUDA tensors land on, and fetched RRef values leave from.
+    streams: StreamPool,
+    /// The pipes peers opened to this worker.
+    pub(crate) incoming: Mutex<Vec<Pipe>>,
+}
+
+impl Server {
     /// Memory for an incoming message: recycled CPU buffers for large tensors when possible;
     /// CUDA tensors on their target device, one pooled stream per device. A target this
     /// worker does not have (a peer's stale or hostile map) or a failed device allocation is
@@ -92,7 +111,6 @@ impl AgentInner {
         }
         BytesMut::zeroed(len)
     }
-
     pub(crate) fn keep_for_reuse(&self, b: &Bytes) {
         if b.len() >= POOL_MIN {
             let mut pool = self.recv_pool.lock().unwrap();
@@ -104,6 +122,21 @@ impl AgentInner {
         }
     }
 
+    pub(crate) fn new(registry: Registry, pool: Pool, max_message_bytes: u64) -> Server {
+        Server {
+            registry,
+            max_message_bytes,
+            pool,
+            held: HeldRequests::default(),
+            handlers_running: AtomicI64::new(0),
+            recv_pool: Mutex::new(Vec::new()),
+            streams: StreamPool::default(),
+            incoming: Mutex::new(Vec::new()),
+        }
+    }
+}
+
+impl AgentInner {
     /// Turns a received message into its envelope and value.
     pub(crate) fn receive(
         self: &Arc<Self>,
@@ -122,7 +155,7 @@ impl AgentInner {
                 let shared = matches!(b, RecvBuffer::Shared(_));
                 let buffer = b.freeze();
                 if let (Some(bytes), false) = (buffer.as_cpu(), shared) {
-                    self.keep_for_reuse(bytes);
+                    self.server.keep_for_reuse(bytes);
                 }
                 Tensor {
                     buffer,
@@ -213,7 +246,7 @@ impl AgentInner {
                 let pipe = call.pipe;
                 let value = self.rrefs.value(rref);
                 let inner = self.clone();
-                self.handlers_running.fetch_add(1, Ordering::AcqRel);
+                self.server.handlers_running.fetch_add(1, Ordering::AcqRel);
                 Some(Box::pin(async move {
                     let mut pairs = Vec::new();
                     let result = match value.await {
@@ -221,7 +254,7 @@ impl AgentInner {
                             .to_payload()
                             .and_then(|mut p| {
                                 // Send from a stream that waits for the value's own events.
-                                pairs = gpu::restream(&mut p, &inner.streams)
+                                pairs = gpu::restream(&mut p, &inner.server.streams)
                                     .map_err(|e| RpcError::Encode(format!("ordering the value's CUDA tensors: {e}")))?;
                                 Ok(p)
                             })
@@ -230,7 +263,7 @@ impl AgentInner {
                     };
                     inner.reply(&pipe, caller, id, result).await;
                     gpu::rejoin(&pairs);
-                    inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
+                    inner.server.handlers_running.fetch_sub(1, Ordering::AcqRel);
                 }))
             }
             Body::Method { rref, handler } => self.run_method(ctx, call, rref, handler, payload, None),
@@ -292,17 +325,17 @@ impl AgentInner {
     ) -> Option<BoxFuture<()>> {
         let caller = ctx.caller.id;
         let Call { pipe, id, priority } = call;
-        let Some(method) = self.registry.methods.get(handler.as_str()).cloned() else {
+        let Some(method) = self.server.registry.methods.get(handler.as_str()).cloned() else {
             return Some(self.unknown_handler(pipe, caller, id, &handler, rref));
         };
         let value = self.rrefs.value(target);
         let inner = self.clone();
-        self.handlers_running.fetch_add(1, Ordering::AcqRel);
+        self.server.handlers_running.fetch_add(1, Ordering::AcqRel);
         Some(Box::pin(async move {
             match value.await {
                 Ok(v) => {
                     let pool_inner = inner.clone();
-                    inner.pool.submit_at(priority, move || {
+                    inner.server.pool.submit_at(priority, move || {
                         let result = with_priority(priority, || method(&ctx, &v, payload));
                         let reply = pool_inner.settle(rref, result);
                         pool_inner.reply_from_pool(pipe, caller, id, reply);
@@ -315,7 +348,7 @@ impl AgentInner {
                         inner.rrefs.set_value(r, Err(e.clone()));
                     }
                     inner.reply(&pipe, caller, id, Err(typed(e))).await;
-                    inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
+                    inner.server.handlers_running.fetch_sub(1, Ordering::AcqRel);
                 }
             }
         }))
@@ -395,10 +428,10 @@ impl AgentInner {
     ) -> Option<BoxFuture<()>> {
         let caller = ctx.caller.id;
         let Call { pipe, id, priority } = call;
-        let Some(handler) = self.registry.handlers.get(name).cloned() else {
+        let Some(handler) = self.server.registry.handlers.get(name).cloned() else {
             return Some(self.unknown_handler(pipe, caller, id, name, rref));
         };
-        self.handlers_running.fetch_add(1, Ordering::AcqRel);
+        self.server.handlers_running.fetch_add(1, Ordering::AcqRel);
         let inner = self.clone();
         let finish = move |inner: &Arc<AgentInner>, result: Result<Value, HandlerError>| inner.settle(rref, result);
         match handler {
@@ -406,7 +439,7 @@ impl AgentInner {
             // for a slot (it would be overtaken): run right here, on the thread that read the
             // request (the serve loop hands its read role on if the handler blocks after all).
             Handler::Sync(f, pace)
-                if pace.inline() && crate::pool::may_inline() && !self.pool.waiting_above(priority) =>
+                if pace.inline() && crate::pool::may_inline() && !self.server.pool.waiting_above(priority) =>
             {
                 let result = with_priority(priority, || pace.run(|| f(&ctx, payload)));
                 let reply = finish(&inner, result);
@@ -415,17 +448,17 @@ impl AgentInner {
                 let (message, forks) = inner.reply_message(caller, id, reply);
                 if let Some(written) = pipe.try_write(&message) {
                     inner.reply_written(caller, written, &forks);
-                    inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
+                    inner.server.handlers_running.fetch_sub(1, Ordering::AcqRel);
                     return None;
                 }
                 Some(Box::pin(async move {
                     let written = pipe.write(&message).await;
                     inner.reply_written(caller, written, &forks);
-                    inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
+                    inner.server.handlers_running.fetch_sub(1, Ordering::AcqRel);
                 }))
             }
             Handler::Sync(f, pace) => {
-                self.pool.submit_at(priority, move || {
+                self.server.pool.submit_at(priority, move || {
                     // A handler that computed for long last time (without blocking) claims
                     // a core from this host's spinners while it runs (see `occupy_core`),
                     // given back before the reply.
@@ -443,7 +476,7 @@ impl AgentInner {
 
                 let reply = finish(&inner, result);
                 inner.reply(&pipe, caller, id, reply).await;
-                inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
+                inner.server.handlers_running.fetch_sub(1, Ordering::AcqRel);
             })),
         }
     }
@@ -464,7 +497,7 @@ impl AgentInner {
             let inner = self.clone();
             self.handle.spawn(async move {
                 inner.reply(&pipe, caller, id, result).await;
-                inner.handlers_running.fetch_sub(1, Ordering::AcqRel);
+                inner.server.handlers_running.fetch_sub(1, Ordering::AcqRel);
             });
         } else {
             let (message, forks) = self.reply_message(caller, id, result);
@@ -473,7 +506,7 @@ impl AgentInner {
                 None => self.handle.block_on(pipe.write(&message)),
             };
             self.reply_written(caller, written, &forks);
-            self.handlers_running.fetch_sub(1, Ordering::AcqRel);
+            self.server.handlers_running.fetch_sub(1, Ordering::AcqRel);
         }
     }
 
@@ -506,10 +539,10 @@ impl AgentInner {
         id: u64,
         result: Result<Payload, WireError>,
     ) -> (Message, Vec<GlobalId>) {
-        self.held.release(caller, id);
+        self.server.held.release(caller, id);
         // The caller's map matters only for tensors; skip the lookup otherwise.
         let needs_map = result.as_ref().is_ok_and(|p| !p.tensors.is_empty());
-        let peer = if needs_map { self.peer(caller).ok() } else { None };
+        let peer = if needs_map { self.peers.peer(caller).ok() } else { None };
         let map = peer.as_ref().and_then(|p| p.map_from.as_ref());
         let (result, frames, tensors, forks) = match result {
             Ok(payload) => match self.outgoing_value(&payload, caller, map, true) {
@@ -594,28 +627,30 @@ pub(crate) fn message_bytes(d: &Descriptor) -> u64 {
 
 /// Reads one whole message from `pipe`, refusing one larger than `max_message_bytes` before
 /// allocating anything for it.
-pub(crate) async fn read_message(pipe: &Pipe, inner: &AgentInner) -> Result<(Descriptor, Allocation), PipeError> {
+pub(crate) async fn read_message(pipe: &Pipe, server: &Server) -> Result<(Descriptor, Allocation), PipeError> {
     pipe.read_message(|d| {
-        within_limit(pipe, inner, message_bytes(d))?;
-        allocate(pipe, inner, d)
+        within_limit(pipe, server, message_bytes(d))?;
+        allocate(pipe, server, d)
     })
     .await
 }
 
 /// [`read_message`] if the message is here whole and small: taken at once, with no future;
 /// `None` when it must be read by `read_message`.
-pub(crate) fn try_read_message(pipe: &Pipe, inner: &AgentInner) -> Option<Result<(Descriptor, Allocation), PipeError>> {
-    pipe.try_read_message(|d| Some(within_limit(pipe, inner, message_bytes(d)).and_then(|()| allocate(pipe, inner, d))))
+pub(crate) fn try_read_message(pipe: &Pipe, server: &Server) -> Option<Result<(Descriptor, Allocation), PipeError>> {
+    pipe.try_read_message(|d| {
+        Some(within_limit(pipe, server, message_bytes(d)).and_then(|()| allocate(pipe, server, d)))
+    })
 }
 
 /// Refuses a message of `size` bytes above `max_message_bytes` (a protocol error).
-fn within_limit(pipe: &Pipe, inner: &AgentInner, size: u64) -> Result<(), PipeError> {
-    if size > inner.options.max_message_bytes {
+fn within_limit(pipe: &Pipe, server: &Server, size: u64) -> Result<(), PipeError> {
+    if size > server.max_message_bytes {
         return Err(PipeError::Protocol {
             peer: pipe.info().peer.clone(),
             detail: format!(
                 "a message of {size} bytes exceeds this worker's limit of {} bytes (max_message_bytes)",
-                inner.options.max_message_bytes
+                server.max_message_bytes
             ),
         });
     }
@@ -624,8 +659,8 @@ fn within_limit(pipe: &Pipe, inner: &AgentInner, size: u64) -> Result<(), PipeEr
 
 /// The allocation for a message, or the protocol error that refuses it (a tensor this worker
 /// cannot place).
-fn allocate(pipe: &Pipe, inner: &AgentInner, d: &Descriptor) -> Result<Allocation, PipeError> {
-    inner.allocate(d).map_err(|detail| PipeError::Protocol {
+fn allocate(pipe: &Pipe, server: &Server, d: &Descriptor) -> Result<Allocation, PipeError> {
+    server.allocate(d).map_err(|detail| PipeError::Protocol {
         peer: pipe.info().peer.clone(),
         detail,
     })
@@ -640,12 +675,12 @@ pub(crate) async fn finish_read(
     budget: &Budget,
     size: u64,
 ) -> Result<(Descriptor, Allocation), PipeError> {
-    if let Err(e) = within_limit(pipe, inner, size) {
+    if let Err(e) = within_limit(pipe, &inner.server, size) {
         pipe.close();
         return Err(e);
     }
     budget.acquire(size).await;
-    let allocation = match allocate(pipe, inner, &d) {
+    let allocation = match allocate(pipe, &inner.server, &d) {
         Ok(a) => a,
         Err(e) => {
             budget.release(size);
@@ -675,7 +710,7 @@ async fn next_request(
         let acquired = std::cell::Cell::new(0);
         let read = pipe.try_read_message(|d| {
             let size = message_bytes(d);
-            if let Err(e) = within_limit(pipe, inner, size) {
+            if let Err(e) = within_limit(pipe, &inner.server, size) {
                 return Some(Err(e));
             }
             // Over the budget, the general path waits for room.
@@ -683,7 +718,7 @@ async fn next_request(
                 return None;
             }
             acquired.set(size);
-            Some(allocate(pipe, inner, d))
+            Some(allocate(pipe, &inner.server, d))
         })?;
         Some(match read {
             Ok((d, a)) => Ok((d, a, acquired.get())),
@@ -714,13 +749,13 @@ async fn next_request(
 /// Serves one incoming pipe: requests in, replies out. A caller that heartbeats and then
 /// falls silent for `heartbeat_misses` of its intervals is declared lost.
 pub(crate) async fn serve_pipe(inner: Arc<AgentInner>, pipe: Pipe) {
-    let (caller, silence) = match read_message(&pipe, &inner).await {
+    let (caller, silence) = match read_message(&pipe, &inner.server).await {
         Ok((d, _)) => match wire::decode(&d.metadata) {
             Ok(Envelope::Hello {
                 rank,
                 version,
                 heartbeat_ms,
-            }) if version == wire::AGENT_VERSION && inner.known_or_refreshed(rank).await => {
+            }) if version == wire::AGENT_VERSION && inner.peers.known_or_refreshed(rank).await => {
                 let silence = (heartbeat_ms > 0).then(|| {
                     Duration::from_millis(heartbeat_ms.min(3_600_000)) * inner.options.heartbeat_misses.max(1)
                 });
@@ -752,7 +787,7 @@ pub(crate) async fn serve_pipe(inner: Arc<AgentInner>, pipe: Pipe) {
         ));
     }
     serve_requests(Arc::new(Served {
-        caller: inner.worker_info(caller),
+        caller: inner.peers.worker_info(caller),
         inner,
         pipe,
         budget,
@@ -865,7 +900,7 @@ pub(crate) async fn serve_loop(served: Arc<Served>) {
                     batched += 1;
                 }
                 // Held until the reply goes out (`reply` releases it), whenever it runs.
-                inner.held.hold(caller, request.id, budget, size);
+                inner.server.held.hold(caller, request.id, budget, size);
                 // A call that carries user references runs only once their owners confirmed
                 // them (as PyTorch does), so a handler never sees a half-registered reference;
                 // meanwhile this pipe goes on serving.
@@ -902,7 +937,7 @@ pub(crate) async fn serve_loop(served: Arc<Served>) {
                 }
             }
             Ok((Envelope::Goodbye, _)) => {
-                if let Ok(p) = inner.peer(caller) {
+                if let Ok(p) = inner.peers.peer(caller) {
                     p.leaving.store(true, Ordering::Release);
                 }
             }
