@@ -33,6 +33,10 @@ pub struct CallContext {
     /// them is ordered after the tensors' arrival, with no synchronize. Empty without CUDA
     /// tensors.
     pub streams: Vec<sluice_channel::Stream>,
+    /// Whether the handler's result stays on this worker (the value of a `remote`'s RRef)
+    /// rather than going back to the caller as the reply: a handler whose result is only sent
+    /// may encode it at once.
+    pub kept: bool,
 }
 
 /// The server's own state: the handlers, the pool that runs the slow ones, what the requests
@@ -221,6 +225,7 @@ impl AgentInner {
             },
             caller: caller_info.clone(),
             streams: payload.streams(),
+            kept: matches!(request.body, Body::Remote { .. } | Body::RemoteMethod { .. }),
         };
         let id = request.id;
         let Some(priority) = Priority::new(request.priority) else {

@@ -232,13 +232,21 @@ def _pack(obj):
         p.tensors, p.rrefs = [], []
 
 
-def _pack_call(func, args, kwargs):
-    """A call's ``(func, args, kwargs)`` packed for the callee, the function by reference
-    where it can be (see ``_ref``)."""
-    call = (_ref(func), tuple(args or ()), kwargs or {})
-    if type(call[0]) is str and (not call[1] or _plain(call[1])) and (not call[2] or _plain(call[2])):
-        return pickle.dumps(call, pickle.HIGHEST_PROTOCOL), [], []
-    return _pack(call)
+def _request(to, func, args, kwargs, timeout):
+    """The request the agent sends for a call of ``func(*args, **kwargs)`` on ``to``: the
+    destination, the handler, the callee's pace key, the pickled ``(func, args, kwargs)`` (the
+    function by reference where it can be, see ``_ref``) with the tensors and RRefs lifted out
+    of it, and the timeout."""
+    try:
+        ref, handler, key = _meta[func]
+    except (KeyError, TypeError):
+        ref, handler, key = _meta_of(func)
+    call = (ref, tuple(args) if args else (), kwargs or {})
+    if type(ref) is str and (not args or _plain(call[1])) and (not kwargs or _plain(kwargs)):
+        data, tensors, rrefs = pickle.dumps(call, pickle.HIGHEST_PROTOCOL), [], []
+    else:
+        data, tensors, rrefs = _pack(call)
+    return (to, handler, key, data, tensors, rrefs, None if timeout == -1.0 else _timeout(timeout))
 
 
 def _unpack(data, tensors, rrefs):
@@ -251,6 +259,10 @@ def _unpack(data, tensors, rrefs):
         return pickle.loads(data)
     finally:
         _local.received = previous
+
+
+# The reply path's unpickler when nothing was lifted out (called from the binding).
+_loads = pickle.loads
 
 
 def _unpack_tuple(t):
@@ -279,7 +291,7 @@ def _serve_call(data, tensors, rrefs):
 # callable objects) is pickled with the call as before.
 
 _FUNCTION_TYPES = (types.FunctionType, types.BuiltinFunctionType)
-_refs = {}
+_meta = {}
 _resolved = {}
 
 
@@ -290,15 +302,22 @@ def _lookup(module, qualname):
     return obj
 
 
-def _ref(func):
-    """``func``'s reference string, or ``func`` itself when it cannot travel by reference."""
+def _meta_of(func):
+    """What a call of ``func`` sends besides its arguments: ``(_ref(func), _handler(func),
+    _key(func))``, worked out once per (hashable) function."""
     try:
-        return _refs[func]
+        return _meta[func]
     except KeyError:
         pass
     except TypeError:  # unhashable
-        return func
-    ref = func
+        return func, _handler(func), _key(func)
+    m = (_ref(func), _handler(func), _key(func))
+    _meta[func] = m
+    return m
+
+
+def _ref(func):
+    """``func``'s reference string, or ``func`` itself when it cannot travel by reference."""
     module = getattr(func, "__module__", None)
     qualname = getattr(func, "__qualname__", None)
     if (
@@ -309,11 +328,10 @@ def _ref(func):
     ):
         try:
             if _lookup(module, qualname) is func:
-                ref = f"{module}:{qualname}"
+                return f"{module}:{qualname}"
         except Exception:
             pass
-    _refs[func] = ref
-    return ref
+    return func
 
 
 def _function(ref):
@@ -523,21 +541,10 @@ def _copy_into_asyncio(f, aio):
 # --- calls -----------------------------------------------------------------------------------
 
 
-_keys = {}
-
-
 def _key(func):
     """The callee's pace key: which function this is (the callee runs functions it has not
     seen be quick as work that may block)."""
-    try:
-        return _keys[func]
-    except (KeyError, TypeError):
-        k = f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__qualname__)}"
-        try:
-            _keys[func] = k
-        except TypeError:
-            pass
-        return k
+    return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__qualname__)}"
 
 
 def _handler(func):
@@ -593,30 +600,28 @@ def rpc_sync(to, func, args=None, kwargs=None, timeout: float = -1.0, priority: 
     """Runs ``func(*args, **kwargs)`` on ``to`` (a name, rank or WorkerInfo) and returns its
     result. ``timeout`` in seconds; negative: the default; 0: none. ``priority``: this call's
     level (see ``priority()``); None: the thread's."""
-    data, tensors, rrefs = _pack_call(func, args, kwargs)
-    request = (to, _handler(func), _key(func), data, tensors, rrefs, _timeout(timeout))
+    request = _request(to, func, args, kwargs, timeout)
+    agent = _agent if _agent is not None else _require_agent()
     if priority is None:
-        out = _require_agent().call_sync(request)
-    else:
-        with _at(priority):
-            out = _require_agent().call_sync(request)
-    return _unpack(*out)
+        return agent.call_sync(request)
+    with _at(priority):
+        return agent.call_sync(request)
 
 
 def rpc_async(to, func, args=None, kwargs=None, timeout: float = -1.0, priority: Optional[int] = None) -> Future:
     """Like ``rpc_sync``, returning a ``Future`` at once."""
-    data, tensors, rrefs = _pack_call(func, args, kwargs)
+    request = _request(to, func, args, kwargs, timeout)
     with _at(priority):
-        native = _require_agent().call((to, _handler(func), _key(func), data, tensors, rrefs, _timeout(timeout)))
+        native = _require_agent().call(request)
     return Future(_native=native, _decode=_unpack_tuple)
 
 
 def remote(to, func, args=None, kwargs=None, timeout: float = -1.0, priority: Optional[int] = None) -> "RRef":
     """Runs ``func`` on ``to``, which keeps the result (as the object itself) and owns it;
     returns a reference at once."""
-    data, tensors, rrefs = _pack_call(func, args, kwargs)
+    request = _request(to, func, args, kwargs, timeout)
     with _at(priority):
-        native = _require_agent().remote((to, _handler(func), _key(func), data, tensors, rrefs, _timeout(timeout)))
+        native = _require_agent().remote(request)
     return RRef._wrap(native)
 
 

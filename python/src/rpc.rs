@@ -44,6 +44,7 @@ static SERVE_CALL: Hook = Hook::new("_serve_call");
 static SERVE_METHOD: Hook = Hook::new("_serve_method");
 static PACK: Hook = Hook::new("_pack");
 static UNPACK: Hook = Hook::new("_unpack");
+static LOADS: Hook = Hook::new("_loads");
 static DESCRIBE: Hook = Hook::new("_describe");
 static REMOTE_ERROR: Hook = Hook::new("_remote_error");
 
@@ -52,17 +53,32 @@ pub struct PyObj(Py<PyAny>);
 
 impl Encode for PyObj {
     fn encode(&self) -> Result<Payload, RpcError> {
-        crate::gil::attach(|py| {
-            let packed = PACK.get(py).and_then(|f| f.call1((self.0.bind(py),)));
-            packed
-                .and_then(|p| {
-                    let (data, tensors, rrefs): (Bound<'_, PyBytes>, Bound<'_, PyList>, Bound<'_, PyList>) =
-                        p.extract()?;
-                    payload("", &data, &tensors, &rrefs)
-                })
-                .map_err(|e| RpcError::Encode(format!("the result cannot be pickled: {e}")))
-        })
+        crate::gil::attach(|py| pack(py, self.0.bind(py)))
     }
+}
+
+/// `obj` pickled (its tensors and RRefs lifted out) as a payload.
+fn pack(py: Python<'_>, obj: &Bound<'_, PyAny>) -> Result<Payload, RpcError> {
+    PACK.get(py)
+        .and_then(|f| f.call1((obj,)))
+        .and_then(|p| {
+            let (data, tensors, rrefs): (Bound<'_, PyBytes>, Bound<'_, PyList>, Bound<'_, PyList>) = p.extract()?;
+            payload("", &data, &tensors, &rrefs)
+        })
+        .map_err(|e| RpcError::Encode(format!("the result cannot be pickled: {e}")))
+}
+
+/// A handler's result: pickled while the handler still holds the GIL when it goes back to
+/// the caller (one GIL hold per call instead of two), kept as the object itself when it stays
+/// here (a `remote`'s value) or cannot be pickled (encoding it later gives the error, as it
+/// would have).
+fn result_value(py: Python<'_>, obj: Bound<'_, PyAny>, kept: bool) -> Value {
+    if !kept {
+        if let Ok(p) = pack(py, &obj) {
+            return Value::Payload(p);
+        }
+    }
+    Value::encodable(PyObj(obj.unbind()))
 }
 
 /// A payload from the callee's pace key (the function's name; empty for results), pickle
@@ -88,19 +104,45 @@ fn payload(
 }
 
 /// The pace key a payload starts with (without decoding the rest).
-fn key_of(p: &Payload) -> String {
-    postcard::take_from_bytes::<String>(p.bytes())
+fn key_of(payload_bytes: &[u8]) -> &str {
+    postcard::take_from_bytes::<&str>(payload_bytes)
         .map(|(k, _)| k)
         .unwrap_or_default()
 }
 
 /// `(pickle bytes, [Received], [_RRef])` from a payload.
 fn unpack<'py>(py: Python<'py>, mut p: Payload) -> PyResult<Bound<'py, PyTuple>> {
+    let (rrefs, bytes) = decode(&p)?;
+    unpack_parts(py, bytes, p.take_tensors(), rrefs)
+}
+
+/// A payload's RRefs and pickle bytes.
+fn decode(p: &Payload) -> PyResult<(Vec<RRef<()>>, Bytes)> {
     let (_key, rrefs, bytes): (String, Vec<RRef<()>>, Bytes) = p
         .decode()
         .map_err(|e| PyValueError::new_err(format!("a malformed Python payload: {e}")))?;
+    Ok((rrefs, bytes))
+}
+
+/// The object a reply's payload holds: unpickled here when it carries no tensors and no
+/// RRefs (no tuple, lists or Python frame of `_unpack` on the way), else by `_unpack`.
+fn unpack_value<'py>(py: Python<'py>, mut p: Payload) -> PyResult<Bound<'py, PyAny>> {
+    let (rrefs, bytes) = decode(&p)?;
+    let tensors = p.take_tensors();
+    if tensors.is_empty() && rrefs.is_empty() {
+        return LOADS.get(py)?.call1((PyBytes::new(py, &bytes),));
+    }
+    UNPACK.get(py)?.call1(unpack_parts(py, bytes, tensors, rrefs)?)
+}
+
+fn unpack_parts<'py>(
+    py: Python<'py>,
+    bytes: Bytes,
+    received: Vec<sluice_channel::Tensor>,
+    rrefs: Vec<RRef<()>>,
+) -> PyResult<Bound<'py, PyTuple>> {
     let tensors = PyList::empty(py);
-    for t in p.take_tensors() {
+    for t in received {
         tensors.append(Received::new(t)?)?;
     }
     let refs = PyList::empty(py);
@@ -154,8 +196,8 @@ static PACE: std::sync::LazyLock<Mutex<HashMap<String, bool>>> = std::sync::Lazy
 /// Quick: under the agent's own bar for running inline.
 const QUICK: Duration = Duration::from_micros(200);
 
-fn paced<R>(key: String, run: impl FnOnce() -> R) -> R {
-    let quick = PACE.lock().expect("pace map").get(&key).copied().unwrap_or(false);
+fn paced<R>(key: &str, run: impl FnOnce() -> R) -> R {
+    let quick = PACE.lock().expect("pace map").get(key).copied().unwrap_or(false);
     let start = std::time::Instant::now();
     let r = if quick {
         run()
@@ -164,30 +206,33 @@ fn paced<R>(key: String, run: impl FnOnce() -> R) -> R {
     };
     let now_quick = start.elapsed() < QUICK;
     if now_quick != quick {
-        PACE.lock().expect("pace map").insert(key, now_quick);
+        PACE.lock().expect("pace map").insert(key.to_owned(), now_quick);
     }
     r
 }
 
-fn serve_call(payload: Payload) -> Result<Value, HandlerError> {
-    paced(key_of(&payload), || serve_call_now(payload))
+fn serve_call(payload: Payload, kept: bool) -> Result<Value, HandlerError> {
+    // The key borrows the payload's bytes (a second handle on them); the call takes the payload.
+    let bytes = payload.bytes().clone();
+    paced(key_of(&bytes), || serve_call_now(payload, kept))
 }
 
-fn serve_call_now(payload: Payload) -> Result<Value, HandlerError> {
+fn serve_call_now(payload: Payload, kept: bool) -> Result<Value, HandlerError> {
     crate::gil::attach(|py| {
         let args = unpack(py, payload).map_err(|e| describe(py, e))?;
         match SERVE_CALL.get(py).and_then(|f| f.call1(args)) {
-            Ok(v) => Ok(Value::encodable(PyObj(v.unbind()))),
+            Ok(v) => Ok(result_value(py, v, kept)),
             Err(e) => Err(describe(py, e)),
         }
     })
 }
 
-fn serve_method(value: &Value, payload: Payload) -> Result<Value, HandlerError> {
-    paced(key_of(&payload), || serve_method_now(value, payload))
+fn serve_method(value: &Value, payload: Payload, kept: bool) -> Result<Value, HandlerError> {
+    let bytes = payload.bytes().clone();
+    paced(key_of(&bytes), || serve_method_now(value, payload, kept))
 }
 
-fn serve_method_now(value: &Value, payload: Payload) -> Result<Value, HandlerError> {
+fn serve_method_now(value: &Value, payload: Payload, kept: bool) -> Result<Value, HandlerError> {
     crate::gil::attach(|py| {
         let target = match value.object_ref::<PyObj>() {
             Some(o) => o.0.bind(py).clone(),
@@ -210,7 +255,7 @@ fn serve_method_now(value: &Value, payload: Payload) -> Result<Value, HandlerErr
             .get(py)
             .and_then(|f| f.call1((target, data, tensors, rrefs)))
         {
-            Ok(v) => Ok(Value::encodable(PyObj(v.unbind()))),
+            Ok(v) => Ok(result_value(py, v, kept)),
             Err(e) => Err(describe(py, e)),
         }
     })
@@ -263,9 +308,9 @@ fn registry() -> Registry {
     // Distributed autograd's and remote tensors' handlers: a Python worker can own remote
     // tensors that Rust or Python workers record.
     sluice_autograd::dist::install(&mut r);
-    r.value_handler("py.call", |_cx, payload| serve_call(payload));
+    r.value_handler("py.call", |cx, payload| serve_call(payload, cx.kept));
     r.value_async_handler("py.call_async", |_cx, payload| serve_async(payload));
-    r.value_method("py.method", |_cx, value, payload| serve_method(value, payload));
+    r.value_method("py.method", |cx, value, payload| serve_method(value, payload, cx.kept));
     r
 }
 
@@ -393,11 +438,12 @@ impl PyAgent {
         Ok(PyFuture { fut })
     }
 
-    /// A call and its wait in one step (the `rpc_sync` path: no future object).
-    fn call_sync<'py>(&self, py: Python<'py>, request: Request<'py>) -> PyResult<Bound<'py, PyTuple>> {
+    /// A call and its wait in one step (the `rpc_sync` path: no future object); returns the
+    /// result itself.
+    fn call_sync<'py>(&self, py: Python<'py>, request: Request<'py>) -> PyResult<Bound<'py, PyAny>> {
         let (dest, handler, p, t) = self.prepare(request)?;
         let result = py.detach(|| self.agent.rpc_sync_timeout(dest, &handler, p, t));
-        unpack(py, result.map_err(|e| rpc_err(py, e))?)
+        unpack_value(py, result.map_err(|e| rpc_err(py, e))?)
     }
 
     /// The `remote` form: the callee keeps the result as the new RRef's value.

@@ -462,7 +462,7 @@ def references(rank, world):
     if rank == 0:
         # By reference: module functions, through a class, builtins.
         assert rpc._ref(rpcfns.add) == "rpcfns:add"
-        assert pickle.loads(rpc._pack_call(rpcfns.add, (1, 2), None)[0]) == ("rpcfns:add", (1, 2), {})
+        assert pickle.loads(rpc._request("worker1", rpcfns.add, (1, 2), None, -1.0)[3]) == ("rpcfns:add", (1, 2), {})
         assert rpc._ref(rpcfns.Holder.double) == "rpcfns:Holder.double"
         assert rpc._ref(operator.add) == "_operator:add"
         assert rpc.rpc_sync("worker1", rpcfns.add, (2, 3)) == 5
@@ -486,7 +486,7 @@ def references(rank, world):
         for ref in ("no_such_module_xyz:f", "rpcfns:no_such_function", "rpcfns", "rpcfns:Offset.n"):
             data = pickle.dumps((ref, (), {}))
             try:
-                rpc._unpack(*agent.call_sync(("worker1", "py.call", "k", data, [], [], None)))
+                agent.call_sync(("worker1", "py.call", "k", data, [], [], None))
                 raise AssertionError(f"{ref} was resolved")
             except RuntimeError as e:
                 assert "cannot load the call" in str(e), e
