@@ -4,6 +4,9 @@
 //!
 //! `cargo run --release -p sluice-benches --example pipe_small -- [SECONDS] [basic|cma] [tensor|empty]`
 //!
+//! `... --example pipe_small -- transport [SECONDS]` runs 64 B round trips on the shared-memory
+//! transport itself instead (adaptive, then busy-polling), against the same echo.
+//!
 //! `... --example pipe_small -- cost` measures instead the CPU cost of one write and one read
 //! with nothing to wait for: a pipe to itself in this process, 64 messages written, then read.
 use std::io::BufRead;
@@ -27,6 +30,8 @@ async fn main() -> anyhow::Result<()> {
     if args.get(1).map(String::as_str) == Some("cost") {
         return cost().await;
     }
+    let transport_only = args.get(1).map(String::as_str) == Some("transport");
+    let args: Vec<String> = if transport_only { args[1..].to_vec() } else { args };
     let seconds: f64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(3.0);
     let channel = match args.get(2).map(String::as_str) {
         Some("cma") => ChannelKind::Cma,
@@ -40,6 +45,9 @@ async fn main() -> anyhow::Result<()> {
         .spawn()?;
     let mut line = String::new();
     std::io::BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line)?;
+    if transport_only {
+        return transport(line.trim(), seconds, child).await;
+    }
     let ctx = Context::new(ContextOptions {
         channels: vec![channel],
         ..ContextOptions::default()
@@ -69,6 +77,31 @@ async fn main() -> anyhow::Result<()> {
         p50(bare.clone()) / 1e3,
         bare.len()
     );
+    child.kill()?;
+    Ok(())
+}
+
+/// 64 B round trips on the shm transport, adaptive then busy-polling, for `seconds` in all.
+async fn transport(peer: &str, seconds: f64, mut child: std::process::Child) -> anyhow::Result<()> {
+    use sluice_transport::shm::ShmTransport;
+    let (shm, shm_busy) = sluice_benches::run::shm_addresses(peer).await?;
+    let budget = Duration::from_secs_f64(seconds / 2.0);
+    for (name, options, addr) in [
+        ("shm", sluice_transport::shm::ShmOptions::default(), shm),
+        ("shm+busy", sluice_benches::run::busy_shm(), shm_busy),
+    ] {
+        let t = ShmTransport::new(options);
+        let mut samples = Vec::new();
+        let start = std::time::Instant::now();
+        while start.elapsed() < budget {
+            samples.extend(sluice_benches::run::transport_rtt(&t, &addr, 64, budget).await?);
+        }
+        println!(
+            "{name}: 64 B p50 {:.3} µs ({} samples)",
+            p50(samples.clone()) / 1e3,
+            samples.len()
+        );
+    }
     child.kill()?;
     Ok(())
 }

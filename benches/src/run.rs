@@ -68,7 +68,7 @@ struct Directory {
 }
 
 /// Shared-memory options with busy polling on (see [`ShmOptions::busy_poll`]).
-pub(crate) fn busy_shm() -> ShmOptions {
+pub fn busy_shm() -> ShmOptions {
     ShmOptions {
         busy_poll: true,
         ..ShmOptions::default()
@@ -77,6 +77,12 @@ pub(crate) fn busy_shm() -> ShmOptions {
 
 /// Sizes at which busy polling is measured: the small ones, where waiting is the cost.
 const BUSY_MAX: usize = 1 << 10;
+
+/// The bench peer's shared-memory transport addresses, adaptive and busy-polling.
+pub async fn shm_addresses(peer: &str) -> anyhow::Result<(String, String)> {
+    let d = directory(peer).await?;
+    Ok((d.shm, d.shm_busy))
+}
 
 async fn directory(addr: &str) -> anyhow::Result<Directory> {
     let pipe = Context::new(ContextOptions::default())?.connect(addr).await?;
@@ -294,7 +300,7 @@ pub async fn run(options: &BenchOptions, addr: &str) -> anyhow::Result<Vec<Recor
     Ok(out)
 }
 
-async fn transport_rtt<T: Transport>(t: &T, addr: &str, size: usize, budget: Duration) -> anyhow::Result<Vec<f64>> {
+pub async fn transport_rtt<T: Transport>(t: &T, addr: &str, size: usize, budget: Duration) -> anyhow::Result<Vec<f64>> {
     let (mut r, mut w) = t.connect(addr).await?.split();
     w.write(&[b"echo"]).await?;
     let out = vec![7u8; size];
