@@ -1,30 +1,29 @@
-//! The agent: one per process. [`Agent`] is the public handle; [`AgentInner`] composes the
-//! parts, each of which owns its state as a struct of its own:
+//! The agent's public API: [`Agent`] (defined in `crate::hub` with the state it shares) is
+//! one per process. How the agent is put together:
 //!
-//! - [`crate::client::Client`]: the call core ([`crate::calls::Outstanding`], which owns the
-//!   pending calls, their deadlines' timer and the clock), ids, the default timeout, control
-//!   messages in flight. A call becomes an entry there, a request on this worker's own pipe to
-//!   the peer, and a reply read by the waiting thread or the background reader
-//!   ([`crate::reader`]).
-//! - [`crate::server::Server`]: the handlers, the pool that runs the slow ones, the budget
-//!   held by requests being served, receive buffers and CUDA streams. Requests read from
-//!   incoming pipes are dispatched to handlers (inline on the reading thread when quick, on
-//!   the pool, or polled as futures) and answered on the same pipe.
-//! - [`crate::peers::Peers`]: the members as applied from the store, the store itself, and
-//!   membership subscribers; each [`crate::peers::Peer`] owns its lanes (pipes and read
-//!   roles), heartbeats, loss and reconnection.
-//! - [`crate::lifecycle`]: init, the group barrier, leave with the store hand-off, shutdown.
+//! - `crate::parts`: each part's own state as a struct of its own, with what it does alone:
+//!   - `Client`: the call core
+//!     (`crate::calls::Outstanding`, which owns the pending calls, their deadlines' timer and
+//!     the clock), ids, the default timeout, control messages in flight;
+//!   - `Server`: the budget held by requests being served,
+//!     the pool that runs slow handlers, receive buffers and CUDA streams, and reading a
+//!     request within the worker's limits;
+//!   - `Peers`: the members as applied from the store, the
+//!     store, membership subscribers; each `Peer` owns its lanes
+//!     (pipes and read roles) and whether it is down.
+//! - `crate::hub`: `AgentInner` composes the parts with what every
+//!   part shares (name, options, runtime, pipe context, running state, handlers, RRef table).
+//! - The drivers, which work across parts as `impl AgentInner` blocks: `crate::client` (a
+//!   call becomes an entry in the call table, a request on this worker's own pipe to the peer,
+//!   and a reply read by the waiting thread or the background reader, `crate::reader`; RRef
+//!   control messages), `crate::server` (requests read from incoming pipes, dispatched to
+//!   handlers inline on the reading thread when quick, on the pool, or polled as futures, and
+//!   answered on the same pipe), `crate::peers` (membership applied from the store, opening
+//!   pipes, heartbeats, loss and reconnection), `crate::lifecycle` (init, the group barrier,
+//!   leave with the store hand-off, shutdown).
 //!
-//! What a part does with its own state alone is a method of its struct (`Peers::peer`,
-//! `Client::next_id`, `Server::allocate`, ...). What crosses parts (a call needs a peer's pipe,
-//! a loss fails calls and releases RRefs, a request is dispatched and answered) is an
-//! `impl AgentInner` in the module of the part that starts it; the hub holds only what every
-//! part shares: this worker's name, the options, the runtime, the pipe context, the
-//! running state and the RRef table.
-//!
-//! Dependencies: those cross-part methods are why client, server, peers and lifecycle still
-//! import this module while it imports their structs. A part's struct uses leaf modules
-//! (wire, payload, calls, reader, store, ...) only.
+//! Dependencies point one way: this module uses the hub and the drivers; the drivers use the
+//! hub, the parts and leaf modules; the hub uses the parts; the parts use leaf modules only.
 //!
 //! Pipes: each worker opens its own pipe to each peer it calls (lazily by default) and sends
 //! its requests there; the callee answers on the same pipe. So a pipe carries requests one way
@@ -40,78 +39,26 @@
 //! Threads: a tokio runtime (`io_threads`) drives pipes, timers and async handlers; a pool
 //! (`pool_threads`) runs synchronous handlers that have shown they block or take long.
 
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use sluice_channel::Context;
 
-use crate::client::Client;
 use crate::completion::Completion;
 use crate::error::{InitError, RpcError, ShutdownError};
 use crate::membership::MembershipEvent;
 use crate::name::{Dest, WorkerInfo};
 use crate::options::AgentOptions;
 use crate::payload::{Payload, Value};
-use crate::peers::Peers;
 use crate::priority::Priority;
-use crate::rref::{RRef, RRefHost, RRefTable};
-use crate::server::CallContext;
-use crate::server::Server;
+use crate::rref::RRef;
 use crate::wire::Body;
 
 pub use crate::completion::RpcFuture;
-
-/// Every handler and method of a worker, fixed at init.
-pub type Registry = crate::handler::Handlers<CallContext>;
-
-/// Only one agent runs in a process at a time.
-pub(crate) static RUNNING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-pub(crate) const RUNNING_STATE: u8 = 0;
-pub(crate) const DOWN: u8 = 2;
-
-/// Received buffers at least this large are recycled once every user has dropped them.
-pub(crate) const POOL_MIN: usize = 256 << 10;
-pub(crate) const POOL_KEEP: usize = 8;
-
-/// The internal handler that takes over the embedded store from a leaving host.
-pub(crate) const H_TAKEOVER: &str = "sluice.store.takeover";
-
-pub(crate) struct AgentInner {
-    pub(crate) me: WorkerInfo,
-    pub(crate) options: AgentOptions,
-    pub(crate) runtime: Mutex<Option<tokio::runtime::Runtime>>,
-    pub(crate) handle: tokio::runtime::Handle,
-    pub(crate) context: Context,
-    pub(crate) state: AtomicU8,
-    /// Requests and replies seen since the last shutdown round.
-    pub(crate) activity: AtomicU64,
-    pub(crate) rrefs: RRefTable,
-    /// The calls this worker makes: the call table and its ids.
-    pub(crate) client: Client,
-    /// The requests this worker serves: handlers, their pool and what they hold.
-    pub(crate) server: Server,
-    /// The group and the pipes to it: members, the store, membership events.
-    pub(crate) peers: Peers,
-}
-
-/// A handle to this process's agent. Cheap to clone.
-#[derive(Clone)]
-pub struct Agent {
-    pub(crate) inner: Arc<AgentInner>,
-    /// The priority of this handle's calls; `None`: the calling thread's (see
-    /// [`crate::priority`]).
-    pub(crate) priority: Option<Priority>,
-}
-
-impl std::fmt::Debug for Agent {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Agent").field("me", &self.inner.me).finish()
-    }
-}
+use crate::hub::RUNNING;
+pub use crate::hub::{Agent, Registry};
 
 impl Agent {
     /// Joins the group: starts the store (on the store rank of a fixed group), publishes this
@@ -362,31 +309,7 @@ impl Agent {
     pub fn pipe_info(&self, dest: impl Into<Dest>) -> Option<sluice_channel::PipeInfo> {
         let id = self.inner.resolve(&dest.into()).ok()?;
         let peer = self.inner.peers.peer(id).ok()?;
-        let open = peer.lanes[crate::peers::NORMAL_LANE].open.lock().unwrap();
+        let open = peer.lanes[crate::parts::peers::NORMAL_LANE].open.lock().unwrap();
         open.as_ref().map(|o| o.pipe.info().clone())
-    }
-}
-
-impl AgentInner {
-    pub(crate) fn is_down(&self) -> bool {
-        self.state.load(Ordering::Acquire) == DOWN
-    }
-
-    pub(crate) fn check_running(&self) -> Result<(), RpcError> {
-        if self.is_down() {
-            Err(RpcError::Shutdown)
-        } else {
-            Ok(())
-        }
-    }
-
-    /// Milliseconds since this agent started, to a scheduler tick.
-    pub(crate) fn now_ms(&self) -> u64 {
-        self.client.calls.clock().now_ms()
-    }
-
-    /// This agent as the RRef layer sees it.
-    pub(crate) fn host(self: &Arc<Self>) -> Arc<dyn RRefHost> {
-        self.clone()
     }
 }

@@ -1,8 +1,11 @@
 //! The client side: a call becomes a pending entry, a request on the peer's pipe, and a reply
 //! read by the waiting thread or the background reader (see [`crate::reader`]); deadlines and
 //! control messages.
+//!
+//! The client's driver: `impl AgentInner` work across parts (see [`crate::agent`] for the layout); its
+//! own state is in [`crate::parts`].
 
-use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,78 +15,14 @@ use sluice_channel::Tensor;
 use crate::name::WorkerInfo;
 use crate::rref::{RRefHost, RRefState, RRefTable};
 
-use crate::agent::{AgentInner, RpcFuture};
-use crate::calls::Outstanding;
 use crate::completion::Completion;
+use crate::completion::RpcFuture;
 use crate::device_map::{self, DeviceMap};
 use crate::error::RpcError;
-use crate::options::AgentOptions;
+use crate::hub::AgentInner;
 use crate::payload::Payload;
 use crate::priority::Priority;
 use crate::wire::{self, Body, Envelope, GlobalId, Request, WireError, WireRRef, WireValue};
-
-/// The client's own state: the calls this worker started and has not completed (and the
-/// agent's clock), the counter of ids, the default timeout, control messages in flight.
-pub(crate) struct Client {
-    /// This worker's id, the high bits of every id made here.
-    worker: u32,
-    pub(crate) calls: Arc<Outstanding>,
-    counter: AtomicU64,
-    /// The default timeout of calls started from now, in nanoseconds (starts as the options'
-    /// `default_timeout`; see [`crate::Agent::set_default_timeout`]).
-    default_timeout_ns: AtomicU64,
-    /// Control messages sent and not yet acknowledged or abandoned (outstanding work for
-    /// shutdown).
-    pub(crate) control_in_flight: AtomicI64,
-    /// Fault injection: control messages still to drop.
-    drop_control: AtomicUsize,
-}
-
-impl Client {
-    pub(crate) fn new(worker: u32, options: &AgentOptions) -> Client {
-        Client {
-            worker,
-            calls: Arc::new(Outstanding::new()),
-            counter: AtomicU64::new(0),
-            default_timeout_ns: AtomicU64::new(nanos(options.default_timeout)),
-            control_in_flight: AtomicI64::new(0),
-            drop_control: AtomicUsize::new(options.faults.drop_control),
-        }
-    }
-
-    /// A fresh `worker << 48 | counter` id.
-    pub(crate) fn next_id(&self) -> u64 {
-        (self.worker as u64) << 48 | self.counter.fetch_add(1, Ordering::Relaxed)
-    }
-
-    pub(crate) fn global_id(&self) -> GlobalId {
-        GlobalId {
-            worker: self.worker,
-            local: self.counter.fetch_add(1, Ordering::Relaxed),
-        }
-    }
-
-    /// The timeout calls get when none is given (zero: none).
-    pub(crate) fn default_timeout(&self) -> Duration {
-        Duration::from_nanos(self.default_timeout_ns.load(Ordering::Relaxed))
-    }
-
-    pub(crate) fn set_default_timeout(&self, timeout: Duration) {
-        self.default_timeout_ns.store(nanos(timeout), Ordering::Relaxed);
-    }
-
-    /// Fault injection: whether to drop this control message.
-    pub(crate) fn take_drop(&self) -> bool {
-        self.drop_control
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
-            .is_ok()
-    }
-}
-
-/// `d` in nanoseconds, saturated.
-fn nanos(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
-}
 
 impl AgentInner {
     /// Registers a call and sends it; the returned completion gets the reply or an error.
@@ -114,7 +53,7 @@ impl AgentInner {
         } else {
             crate::priority::current()
         };
-        let lane = crate::peers::lane_for(priority);
+        let lane = crate::parts::peers::lane_for(priority);
         let id = self.client.next_id();
         let Outgoing {
             value,
@@ -137,7 +76,7 @@ impl AgentInner {
         );
         let slot = self.client.calls.register(id, dest, timeout);
         self.activity.fetch_add(1, Ordering::Relaxed);
-        if control && self.client.drop_control.load(Ordering::Relaxed) > 0 && self.client.take_drop() {
+        if control && self.client.take_drop() {
             tracing::debug!(id, "fault injection: dropping a control message");
             return Completion::new(slot);
         }

@@ -1,5 +1,8 @@
 //! Lifecycle: init (join, store, pipes), the group barrier, leave with the store hand-off, and
 //! shutdown.
+//!
+//! The lifecycle driver: `impl AgentInner` work across parts (see [`crate::agent`] for the layout); its
+//! own state is in [`crate::parts`].
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
@@ -8,25 +11,27 @@ use std::time::{Duration, Instant};
 
 use sluice_channel::{Context, Message, Pipe};
 
-use crate::agent::Registry;
-use crate::agent::{Agent, AgentInner, DOWN, H_TAKEOVER, RUNNING, RUNNING_STATE};
 use crate::calls::Outstanding;
-use crate::client::Client;
 use crate::device_map::{self, WorkerDevices};
 use crate::error::{HandlerError, InitError, ShutdownError};
 use crate::gpu::{self};
+use crate::hub::{Agent, AgentInner, CallContext, Registry, DOWN, RUNNING, RUNNING_STATE};
 use crate::membership::{self, Announce};
 use crate::name::{validate_name, WorkerInfo};
 use crate::options::{self, AgentOptions, Connect};
+use crate::parts::client::Client;
+use crate::parts::peers::{Peer, Peers};
+use crate::parts::server::Server;
 use crate::payload::Payload;
 use crate::peers::watch_members;
-use crate::peers::{Peer, Peers};
 use crate::pool::Pool;
 use crate::rref::RRefTable;
 use crate::server::serve_pipe;
-use crate::server::{CallContext, Server};
 use crate::store::{Snapshot, Store, StoreError, StoreServer, StoreUrl};
 use crate::wire::{self, Body, Envelope};
+
+/// The internal handler that takes over the embedded store from a leaving host.
+pub(crate) const H_TAKEOVER: &str = "sluice.store.takeover";
 
 pub(crate) fn store_error(e: StoreError) -> InitError {
     match e {
@@ -263,7 +268,8 @@ pub(crate) fn init(options: AgentOptions, mut registry: Registry) -> Result<Agen
         activity: AtomicU64::new(0),
         rrefs: RRefTable::new(announce.id),
         client: Client::new(announce.id, &options),
-        server: Server::new(registry, pool, options.max_message_bytes),
+        registry,
+        server: Server::new(pool, options.max_message_bytes),
         peers: Peers::new(
             announce.clone(),
             resolved.world_size,

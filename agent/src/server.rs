@@ -1,144 +1,29 @@
 //! The server side: requests read from incoming pipes, dispatched to handlers (inline, pool or
 //! async), and answered on the same pipe.
+//!
+//! The server's driver: `impl AgentInner` work across parts (see [`crate::agent`] for the layout); its
+//! own state is in [`crate::parts`].
 
-use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
-use sluice_channel::{Allocation, Descriptor, Device, Message, Pipe, PipeError, RecvBuffer, Tensor};
+use sluice_channel::{Allocation, Descriptor, Message, Pipe, PipeError, RecvBuffer, Tensor};
 
-use crate::agent::{Agent, AgentInner, Registry, POOL_KEEP, POOL_MIN};
 use crate::budget::Budget;
 use crate::clock::Activity;
 use crate::error::{HandlerError, RpcError};
-use crate::gpu::{self, StreamPool};
+use crate::gpu::{self};
 use crate::handler::{BoxFuture, Handler};
+use crate::hub::CallContext;
+use crate::hub::{Agent, AgentInner};
 use crate::name::WorkerInfo;
+use crate::parts::server::{allocate, message_bytes, read_message, within_limit};
 use crate::payload::Carried;
 use crate::payload::{Payload, Value};
-use crate::pool::Pool;
 use crate::priority::{with_priority, Priority};
 use crate::wire::{self, Body, Envelope, GlobalId, Request, Response, WireError};
-
-/// What a handler sees besides its argument.
-#[derive(Clone)]
-pub struct CallContext {
-    /// This worker's agent, for nested calls.
-    pub agent: Agent,
-    /// Who called.
-    pub caller: WorkerInfo,
-    /// The streams the request's CUDA tensors arrived on (one per device): work queued on
-    /// them is ordered after the tensors' arrival, with no synchronize. Empty without CUDA
-    /// tensors.
-    pub streams: Vec<sluice_channel::Stream>,
-    /// Whether the handler's result stays on this worker (the value of a `remote`'s RRef)
-    /// rather than going back to the caller as the reply: a handler whose result is only sent
-    /// may encode it at once.
-    pub kept: bool,
-}
-
-/// The server's own state: the handlers, the pool that runs the slow ones, what the requests
-/// being served hold, and the buffers received requests land in.
-pub(crate) struct Server {
-    registry: Registry,
-    /// The largest message read from a peer (the options' `max_message_bytes`).
-    max_message_bytes: u64,
-    pub(crate) pool: Pool,
-    /// Requests being served that hold bytes of their caller's budget, released by the reply.
-    held: HeldRequests,
-    /// Handlers running (outstanding work for shutdown).
-    pub(crate) handlers_running: AtomicI64,
-    recv_pool: Mutex<Vec<Bytes>>,
-    /// Streams incoming CUDA tensors land on, and fetched RRef values leave from.
-    streams: StreamPool,
-    /// The pipes peers opened to this worker.
-    pub(crate) incoming: Mutex<Vec<Pipe>>,
-}
-
-impl Server {
-    /// Memory for an incoming message: recycled CPU buffers for large tensors when possible;
-    /// CUDA tensors on their target device, one pooled stream per device. A target this
-    /// worker does not have (a peer's stale or hostile map) or a failed device allocation is
-    /// an error: the message cannot be placed.
-    pub(crate) fn allocate(&self, d: &Descriptor) -> Result<Allocation, String> {
-        let mut streams: Vec<(u32, sluice_channel::Stream)> = Vec::new();
-        let mut tensors = Vec::with_capacity(d.tensors.len());
-        for t in &d.tensors {
-            let len = t.buffer_len();
-            tensors.push(match t.target_device.unwrap_or(Device::Cpu) {
-                Device::Cuda(i) => {
-                    let stream = match streams.iter().find(|(d, _)| *d == i) {
-                        Some((_, s)) => s.clone(),
-                        None => {
-                            let s = self
-                                .streams
-                                .next(i)
-                                .map_err(|e| format!("cannot place a tensor on cuda:{i}: {e}"))?;
-                            streams.push((i, s.clone()));
-                            s
-                        }
-                    };
-                    RecvBuffer::Cuda(
-                        sluice_channel::CudaBuffer::alloc_cached(len, &stream)
-                            .map_err(|e| format!("cannot allocate {len} bytes on cuda:{i}: {e}"))?,
-                    )
-                }
-                _ => RecvBuffer::Cpu(self.recv_buffer(len)),
-            });
-        }
-        Ok(Allocation {
-            payloads: d
-                .payload_lengths
-                .iter()
-                .map(|&l| BytesMut::zeroed(l as usize))
-                .collect(),
-            tensors,
-        })
-    }
-
-    pub(crate) fn recv_buffer(&self, len: usize) -> BytesMut {
-        if len >= POOL_MIN {
-            let mut pool = self.recv_pool.lock().unwrap();
-            let mut i = 0;
-            while i < pool.len() {
-                if pool[i].len() == len && pool[i].is_unique() {
-                    let b = pool.swap_remove(i);
-                    if let Ok(m) = b.try_into_mut() {
-                        return m;
-                    }
-                } else {
-                    i += 1;
-                }
-            }
-        }
-        BytesMut::zeroed(len)
-    }
-    pub(crate) fn keep_for_reuse(&self, b: &Bytes) {
-        if b.len() >= POOL_MIN {
-            let mut pool = self.recv_pool.lock().unwrap();
-            if pool.len() >= POOL_KEEP {
-                // Forget the oldest; it is freed when its user drops it.
-                pool.remove(0);
-            }
-            pool.push(b.clone());
-        }
-    }
-
-    pub(crate) fn new(registry: Registry, pool: Pool, max_message_bytes: u64) -> Server {
-        Server {
-            registry,
-            max_message_bytes,
-            pool,
-            held: HeldRequests::default(),
-            handlers_running: AtomicI64::new(0),
-            recv_pool: Mutex::new(Vec::new()),
-            streams: StreamPool::default(),
-            incoming: Mutex::new(Vec::new()),
-        }
-    }
-}
 
 impl AgentInner {
     /// Turns a received message into its envelope and value.
@@ -330,7 +215,7 @@ impl AgentInner {
     ) -> Option<BoxFuture<()>> {
         let caller = ctx.caller.id;
         let Call { pipe, id, priority } = call;
-        let Some(method) = self.server.registry.methods.get(handler.as_str()).cloned() else {
+        let Some(method) = self.registry.methods.get(handler.as_str()).cloned() else {
             return Some(self.unknown_handler(pipe, caller, id, &handler, rref));
         };
         let value = self.rrefs.value(target);
@@ -433,7 +318,7 @@ impl AgentInner {
     ) -> Option<BoxFuture<()>> {
         let caller = ctx.caller.id;
         let Call { pipe, id, priority } = call;
-        let Some(handler) = self.server.registry.handlers.get(name).cloned() else {
+        let Some(handler) = self.registry.handlers.get(name).cloned() else {
             return Some(self.unknown_handler(pipe, caller, id, name, rref));
         };
         self.server.handlers_running.fetch_add(1, Ordering::AcqRel);
@@ -572,103 +457,6 @@ pub(crate) struct Call {
     pub(crate) pipe: Pipe,
     pub(crate) id: u64,
     pub(crate) priority: Priority,
-}
-
-/// Requests being served that hold bytes of their caller's budget (see [`Budget`]): each
-/// is released when its reply goes out. A request of no bytes (a small call, its value inline)
-/// holds nothing and costs no lock; nor does a reply while nothing is held.
-#[derive(Default)]
-pub(crate) struct HeldRequests {
-    /// How many entries `map` has (changed under its lock).
-    count: AtomicUsize,
-    /// SipHash, not FxHash: the request ids are the peer's to choose.
-    map: Mutex<std::collections::HashMap<(u32, u64), Hold>>,
-}
-
-/// What a request holds: bytes of its caller's budget.
-type Hold = (Arc<Budget>, u64);
-
-impl HeldRequests {
-    /// Request `id` from `caller` holds `size` bytes of `budget` until [`release`](Self::release).
-    pub(crate) fn hold(&self, caller: u32, id: u64, budget: &Arc<Budget>, size: u64) {
-        if size == 0 {
-            return;
-        }
-        let mut map = self.map.lock().unwrap();
-        if let Some((earlier, n)) = map.insert((caller, id), (budget.clone(), size)) {
-            // A peer that reused an id in flight: the earlier hold is released, not leaked.
-            earlier.release(n);
-        }
-        self.count.store(map.len(), Ordering::Release);
-    }
-
-    /// The reply to request `id` from `caller` is going out: what it held is released.
-    pub(crate) fn release(&self, caller: u32, id: u64) {
-        // A request that held bytes was counted before it was dispatched, so its reply sees
-        // a count of at least one.
-        if self.count.load(Ordering::Acquire) == 0 {
-            return;
-        }
-        let held = {
-            let mut map = self.map.lock().unwrap();
-            let held = map.remove(&(caller, id));
-            self.count.store(map.len(), Ordering::Release);
-            held
-        };
-        if let Some((budget, size)) = held {
-            budget.release(size);
-        }
-    }
-}
-
-/// Bytes a message will occupy once received.
-pub(crate) fn message_bytes(d: &Descriptor) -> u64 {
-    let payloads: u64 = d.payload_lengths.iter().fold(0u64, |a, &l| a.saturating_add(l));
-    d.tensors
-        .iter()
-        .fold(payloads, |a, t| a.saturating_add(t.length))
-        .saturating_add(d.metadata.len() as u64)
-}
-
-/// Reads one whole message from `pipe`, refusing one larger than `max_message_bytes` before
-/// allocating anything for it.
-pub(crate) async fn read_message(pipe: &Pipe, server: &Server) -> Result<(Descriptor, Allocation), PipeError> {
-    pipe.read_message(|d| {
-        within_limit(pipe, server, message_bytes(d))?;
-        allocate(pipe, server, d)
-    })
-    .await
-}
-
-/// [`read_message`] if the message is here whole and small: taken at once, with no future;
-/// `None` when it must be read by `read_message`.
-pub(crate) fn try_read_message(pipe: &Pipe, server: &Server) -> Option<Result<(Descriptor, Allocation), PipeError>> {
-    pipe.try_read_message(|d| {
-        Some(within_limit(pipe, server, message_bytes(d)).and_then(|()| allocate(pipe, server, d)))
-    })
-}
-
-/// Refuses a message of `size` bytes above `max_message_bytes` (a protocol error).
-fn within_limit(pipe: &Pipe, server: &Server, size: u64) -> Result<(), PipeError> {
-    if size > server.max_message_bytes {
-        return Err(PipeError::Protocol {
-            peer: pipe.info().peer.clone(),
-            detail: format!(
-                "a message of {size} bytes exceeds this worker's limit of {} bytes (max_message_bytes)",
-                server.max_message_bytes
-            ),
-        });
-    }
-    Ok(())
-}
-
-/// The allocation for a message, or the protocol error that refuses it (a tensor this worker
-/// cannot place).
-fn allocate(pipe: &Pipe, server: &Server, d: &Descriptor) -> Result<Allocation, PipeError> {
-    server.allocate(d).map_err(|detail| PipeError::Protocol {
-        peer: pipe.info().peer.clone(),
-        detail,
-    })
 }
 
 /// Reads the message whose descriptor `d` (of `size` bytes) was just read, within the
@@ -968,34 +756,5 @@ fn typed(e: RpcError) -> WireError {
         RpcError::UnknownHandler { handler, .. } => WireError::UnknownHandler(handler),
         RpcError::Remote { kind, message, .. } => WireError::Handler(HandlerError { kind, message }),
         other => WireError::Failed(format!("RRef creation failed: {other}")),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Each hold is released exactly once: by its reply, or by a request that reused its id
-    /// while it was in flight; a request of no bytes holds nothing.
-    #[test]
-    fn held_requests_release_each_hold_once() {
-        let budget = Arc::new(Budget::new(1000));
-        let held = HeldRequests::default();
-        assert!(budget.try_acquire(300));
-        held.hold(1, 7, &budget, 0);
-        held.release(1, 7);
-        assert_eq!(budget.used(), 300, "a request of no bytes held nothing");
-        held.hold(1, 7, &budget, 100);
-        held.hold(2, 7, &budget, 200);
-        held.release(1, 7);
-        assert_eq!(budget.used(), 200);
-        held.release(1, 7);
-        assert_eq!(budget.used(), 200, "a second reply releases nothing");
-        assert!(budget.try_acquire(50));
-        held.hold(2, 7, &budget, 50);
-        assert_eq!(budget.used(), 50, "the reused id's earlier hold was released");
-        held.release(2, 7);
-        assert_eq!(budget.used(), 0);
-        assert_eq!(held.count.load(Ordering::Acquire), 0);
     }
 }
