@@ -147,6 +147,7 @@ impl AgentInner {
             m.gone.insert(id, (peer.info.clone(), detail.clone()));
             peer
         };
+        let _order = peer.events.lock().unwrap();
         let was_down = peer.down.remove(detail.clone());
         self.drop_peer_state(&peer, &detail);
         if graceful || peer.leaving.load(Ordering::Acquire) {
@@ -180,6 +181,7 @@ impl AgentInner {
         if generation.is_some_and(|g| !peer.is_current(g)) {
             return;
         }
+        let order = peer.events.lock().unwrap();
         if !peer.down.set_if_up(&detail) {
             return;
         }
@@ -198,6 +200,7 @@ impl AgentInner {
             worker: peer.info.clone(),
             detail,
         });
+        drop(order);
         if id != self.me.id {
             self.handle.spawn(reconnect(Arc::downgrade(self), peer));
         }
@@ -421,6 +424,7 @@ pub(crate) async fn reconnect(weak: std::sync::Weak<AgentInner>, peer: Arc<Peer>
         let _connecting = peer.lanes[NORMAL_LANE].connecting.lock().await;
         let attempt = tokio::time::timeout(Duration::from_secs(5), inner.open_pipe(&peer, NORMAL_LANE)).await;
         if let Ok(Ok(_)) = attempt {
+            let _order = peer.events.lock().unwrap();
             if !peer.down.clear() {
                 // Removed from the group while the pipe was opening (`remove_member` closes
                 // it): no reconnect to announce.

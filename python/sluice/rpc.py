@@ -304,15 +304,14 @@ def _lookup(module, qualname):
 
 def _meta_of(func):
     """What a call of ``func`` sends besides its arguments: ``(_ref(func), _handler(func),
-    _key(func))``, worked out once per (hashable) function."""
-    try:
-        return _meta[func]
-    except KeyError:
-        pass
-    except TypeError:  # unhashable
-        return func, _handler(func), _key(func)
-    m = (_ref(func), _handler(func), _key(func))
-    _meta[func] = m
+    _key(func))``, kept for a function that travels by reference (one its module names: a
+    bounded set, and only the ``async_execution`` decorator, at definition, changes its
+    handler). Anything else (lambdas made per call, bound methods, callable objects) is worked
+    out per call and never kept alive here."""
+    ref = _ref(func)
+    m = (ref, _handler(func), _key(func))
+    if type(ref) is str:
+        _meta[func] = m
     return m
 
 

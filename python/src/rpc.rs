@@ -69,16 +69,27 @@ fn pack(py: Python<'_>, obj: &Bound<'_, PyAny>) -> Result<Payload, RpcError> {
 }
 
 /// A handler's result: pickled while the handler still holds the GIL when it goes back to
-/// the caller (one GIL hold per call instead of two), kept as the object itself when it stays
-/// here (a `remote`'s value) or cannot be pickled (encoding it later gives the error, as it
-/// would have).
+/// the caller (one GIL hold per call instead of two; the pickling counts in the handler's
+/// pace), kept as the object itself when it stays here (a `remote`'s value). A result that
+/// cannot be pickled gives the error encoding it later would have.
 fn result_value(py: Python<'_>, obj: Bound<'_, PyAny>, kept: bool) -> Value {
-    if !kept {
-        if let Ok(p) = pack(py, &obj) {
-            return Value::Payload(p);
-        }
+    if kept {
+        return Value::encodable(PyObj(obj.unbind()));
     }
-    Value::encodable(PyObj(obj.unbind()))
+    match pack(py, &obj) {
+        Ok(p) => Value::Payload(p),
+        // Pickled once: the reply carries this error, as encoding the object later would.
+        Err(e) => Value::encodable(Unpicklable(e)),
+    }
+}
+
+/// A result that could not be pickled, as the error its encoding gives.
+struct Unpicklable(RpcError);
+
+impl Encode for Unpicklable {
+    fn encode(&self) -> Result<Payload, RpcError> {
+        Err(self.0.clone())
+    }
 }
 
 /// A payload from the callee's pace key (the function's name; empty for results), pickle

@@ -28,6 +28,11 @@ pub(crate) struct Peer {
     pub(crate) generation: AtomicU64,
     /// Set while the peer is lost and not reconnected; new calls fail at once with it.
     pub(crate) down: Down,
+    /// Held while the peer goes down, comes back or is removed, until the event that says so is
+    /// published: subscribers hear the changes in the order they happened (never `Reconnected`
+    /// after the `Left` of a removal that came between). Not `down`'s lock: subscribers run
+    /// while this is held, and may ask `down`.
+    pub(crate) events: Mutex<()>,
     /// The peer said goodbye: its pipes closing is a leave, not a loss.
     pub(crate) leaving: AtomicBool,
     /// My device map to this peer, and its map to me (for responses).
@@ -243,6 +248,7 @@ impl Peers {
             lanes: Default::default(),
             generation: AtomicU64::new(0),
             down: Down::default(),
+            events: Mutex::new(()),
             leaving: AtomicBool::new(false),
             map_to: self.announce.devices.maps.get(&a.name).cloned(),
             map_from: a.devices.maps.get(&self.announce.name).cloned(),
