@@ -238,14 +238,17 @@ def _request(to, func, args, kwargs, timeout):
     function by reference where it can be, see ``_ref``) with the tensors and RRefs lifted out
     of it, and the timeout."""
     try:
-        ref, handler, key = _meta[func]
+        ref, handler, key, bare = _meta[func]
     except (KeyError, TypeError):
-        ref, handler, key = _meta_of(func)
-    call = (ref, tuple(args) if args else (), kwargs or {})
-    if type(ref) is str and (not args or _plain(call[1])) and (not kwargs or _plain(kwargs)):
-        data, tensors, rrefs = pickle.dumps(call, pickle.HIGHEST_PROTOCOL), [], []
+        ref, handler, key, bare = _meta_of(func)
+    if bare is not None and not args and not kwargs:
+        data, tensors, rrefs = bare, [], []
     else:
-        data, tensors, rrefs = _pack(call)
+        call = (ref, tuple(args) if args else (), kwargs or {})
+        if bare is not None and (not args or _plain(call[1])) and (not kwargs or _plain(kwargs)):
+            data, tensors, rrefs = pickle.dumps(call, pickle.HIGHEST_PROTOCOL), [], []
+        else:
+            data, tensors, rrefs = _pack(call)
     return (to, handler, key, data, tensors, rrefs, None if timeout == -1.0 else _timeout(timeout))
 
 
@@ -261,8 +264,10 @@ def _unpack(data, tensors, rrefs):
         _local.received = previous
 
 
-# The reply path's unpickler when nothing was lifted out (called from the binding).
+# The reply path's unpickler when nothing was lifted out, and the result path's pickler for
+# plain scalars (both called from the binding).
 _loads = pickle.loads
+_dumps = functools.partial(pickle.dumps, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _unpack_tuple(t):
@@ -304,14 +309,16 @@ def _lookup(module, qualname):
 
 def _meta_of(func):
     """What a call of ``func`` sends besides its arguments: ``(_ref(func), _handler(func),
-    _key(func))``, kept for a function that travels by reference (one its module names: a
+    _key(func), the pickled call without arguments or None)``, kept for a function that travels by reference (one its module names: a
     bounded set, and only the ``async_execution`` decorator, at definition, changes its
     handler). Anything else (lambdas made per call, bound methods, callable objects) is worked
     out per call and never kept alive here."""
     ref = _ref(func)
-    m = (ref, _handler(func), _key(func))
-    if type(ref) is str:
-        _meta[func] = m
+    if type(ref) is not str:
+        return ref, _handler(func), _key(func), None
+    # The call without arguments, pickled once (a getter's every call).
+    bare = pickle.dumps((ref, (), {}), pickle.HIGHEST_PROTOCOL)
+    m = _meta[func] = (ref, _handler(func), _key(func), bare)
     return m
 
 

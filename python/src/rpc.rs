@@ -16,7 +16,7 @@ use bytes::Bytes;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyFloat, PyInt, PyList, PyString, PyTuple};
 use sluice_agent::{
     Agent, AgentOptions, Device, Encode, HandlerError, Payload, RRef, Registry, RpcError, RpcFuture, Value,
 };
@@ -45,6 +45,7 @@ static SERVE_METHOD: Hook = Hook::new("_serve_method");
 static PACK: Hook = Hook::new("_pack");
 static UNPACK: Hook = Hook::new("_unpack");
 static LOADS: Hook = Hook::new("_loads");
+static DUMPS: Hook = Hook::new("_dumps");
 static DESCRIBE: Hook = Hook::new("_describe");
 static REMOTE_ERROR: Hook = Hook::new("_remote_error");
 
@@ -57,8 +58,16 @@ impl Encode for PyObj {
     }
 }
 
-/// `obj` pickled (its tensors and RRefs lifted out) as a payload.
+/// `obj` pickled (its tensors and RRefs lifted out) as a payload; a plain scalar (the common
+/// result of a call made for its effect) by the C pickler alone, with no Python frame.
 fn pack(py: Python<'_>, obj: &Bound<'_, PyAny>) -> Result<Payload, RpcError> {
+    if plain_scalar(obj) {
+        return DUMPS
+            .get(py)
+            .and_then(|f| f.call1((obj,)))
+            .and_then(|data| encode_payload("", data.cast::<PyBytes>()?.as_bytes(), Vec::new(), Vec::new()))
+            .map_err(|e| RpcError::Encode(format!("the result cannot be pickled: {e}")));
+    }
     PACK.get(py)
         .and_then(|f| f.call1((obj,)))
         .and_then(|p| {
@@ -108,10 +117,29 @@ fn payload(
         .iter()
         .map(|t| to_channel(&t, None))
         .collect::<PyResult<Vec<_>>>()?;
-    let bytes = Bytes::copy_from_slice(data.as_bytes());
+    encode_payload(key, data.as_bytes(), rrefs, tensors)
+}
+
+fn encode_payload(
+    key: &str,
+    data: &[u8],
+    rrefs: Vec<RRef<()>>,
+    tensors: Vec<sluice_channel::Tensor>,
+) -> PyResult<Payload> {
+    let bytes = Bytes::copy_from_slice(data);
     Ok(Payload::encode(&(key, rrefs, bytes))
         .map_err(|e| PyValueError::new_err(e.to_string()))?
         .with_tensors(tensors))
+}
+
+/// None, or an object of an exact builtin scalar type: its pickle has nothing to lift out.
+fn plain_scalar(obj: &Bound<'_, PyAny>) -> bool {
+    obj.is_none()
+        || obj.is_exact_instance_of::<PyInt>()
+        || obj.is_exact_instance_of::<PyFloat>()
+        || obj.is_exact_instance_of::<PyString>()
+        || obj.is_exact_instance_of::<PyBool>()
+        || obj.is_exact_instance_of::<PyBytes>()
 }
 
 /// The pace key a payload starts with (without decoding the rest).
