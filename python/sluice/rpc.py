@@ -309,10 +309,10 @@ def _lookup(module, qualname):
 
 def _meta_of(func):
     """What a call of ``func`` sends besides its arguments: ``(_ref(func), _handler(func),
-    _key(func), the pickled call without arguments or None)``, kept for a function that travels by reference (one its module names: a
-    bounded set, and only the ``async_execution`` decorator, at definition, changes its
-    handler). Anything else (lambdas made per call, bound methods, callable objects) is worked
-    out per call and never kept alive here."""
+    _key(func), the call without arguments pickled, or None)``. Kept for a function that
+    travels by reference (one its module names: a bounded set, whose handler only the
+    ``async_execution`` decorator changes, at definition); anything else (lambdas made per
+    call, bound methods, callable objects) is worked out per call and never kept alive here."""
     ref = _ref(func)
     if type(ref) is not str:
         return ref, _handler(func), _key(func), None

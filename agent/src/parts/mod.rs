@@ -11,3 +11,43 @@
 pub(crate) mod client;
 pub(crate) mod peers;
 pub(crate) mod server;
+
+#[cfg(test)]
+mod tests {
+    /// Modules above the parts: the hub, the drivers and the public handle.
+    const ABOVE: [&str; 6] = [
+        "crate::hub",
+        "crate::agent",
+        "crate::client",
+        "crate::server",
+        "crate::peers",
+        "crate::lifecycle",
+    ];
+
+    /// Code lines of a source file (comments may name any module).
+    fn code(src: &str) -> impl Iterator<Item = &str> {
+        src.lines().filter(|l| !l.trim_start().starts_with("//"))
+    }
+
+    /// The rule that keeps the agent's dependencies a tree: the parts use none of the modules
+    /// above them, and the hub uses the parts, not the drivers or the public handle.
+    #[test]
+    fn dependencies_point_one_way() {
+        for (file, src) in [
+            ("parts/client.rs", include_str!("client.rs")),
+            ("parts/server.rs", include_str!("server.rs")),
+            ("parts/peers.rs", include_str!("peers.rs")),
+        ] {
+            for line in code(src) {
+                for above in ABOVE {
+                    assert!(!line.contains(above), "{file} uses {above}: {line}");
+                }
+            }
+        }
+        for line in code(include_str!("../hub.rs")) {
+            for above in &ABOVE[1..] {
+                assert!(!line.contains(above), "hub.rs uses {above}: {line}");
+            }
+        }
+    }
+}
