@@ -61,20 +61,18 @@ impl Encode for PyObj {
 /// `obj` pickled (its tensors and RRefs lifted out) as a payload; a plain scalar (the common
 /// result of a call made for its effect) by the C pickler alone, with no Python frame.
 fn pack(py: Python<'_>, obj: &Bound<'_, PyAny>) -> Result<Payload, RpcError> {
-    if plain_scalar(obj) {
-        return DUMPS
+    let packed = if plain_scalar(obj) {
+        DUMPS
             .get(py)
             .and_then(|f| f.call1((obj,)))
             .and_then(|data| encode_payload("", data.cast::<PyBytes>()?.as_bytes(), Vec::new(), Vec::new()))
-            .map_err(|e| RpcError::Encode(format!("the result cannot be pickled: {e}")));
-    }
-    PACK.get(py)
-        .and_then(|f| f.call1((obj,)))
-        .and_then(|p| {
+    } else {
+        PACK.get(py).and_then(|f| f.call1((obj,))).and_then(|p| {
             let (data, tensors, rrefs): (Bound<'_, PyBytes>, Bound<'_, PyList>, Bound<'_, PyList>) = p.extract()?;
             payload("", &data, &tensors, &rrefs)
         })
-        .map_err(|e| RpcError::Encode(format!("the result cannot be pickled: {e}")))
+    };
+    packed.map_err(|e| RpcError::Encode(format!("the result cannot be pickled: {e}")))
 }
 
 /// A handler's result: pickled while the handler still holds the GIL when it goes back to
