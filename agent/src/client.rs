@@ -2,8 +2,8 @@
 //! read by the waiting thread or the background reader (see [`crate::reader`]); deadlines and
 //! control messages.
 //!
-//! The client's driver: `impl AgentInner` work across parts (see [`crate::agent`] for the layout); its
-//! own state is in [`crate::parts`].
+//! The client's driver: `impl AgentInner` work across parts (see [`crate::agent`] for the
+//! layout); its own state is in [`crate::parts`].
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

@@ -1,8 +1,8 @@
 //! Lifecycle: init (join, store, pipes), the group barrier, leave with the store hand-off, and
 //! shutdown.
 //!
-//! The lifecycle driver: `impl AgentInner` work across parts (see [`crate::agent`] for the layout); its
-//! own state is in [`crate::parts`].
+//! The lifecycle driver: `impl AgentInner` work across parts (see [`crate::agent`] for the
+//! layout); its own state is in [`crate::parts`].
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
@@ -14,7 +14,7 @@ use sluice_channel::{Context, Message, Pipe};
 use crate::calls::Outstanding;
 use crate::device_map::{self, WorkerDevices};
 use crate::error::{HandlerError, InitError, ShutdownError};
-use crate::gpu::{self};
+use crate::gpu;
 use crate::hub::{Agent, AgentInner, CallContext, Registry, DOWN, RUNNING, RUNNING_STATE};
 use crate::membership::{self, Announce};
 use crate::name::{validate_name, WorkerInfo};

@@ -1,8 +1,8 @@
 //! Peers: the group as this worker knows it (membership applied from the store), the pipe to
 //! each peer and its read role, heartbeats, loss and reconnection.
 //!
-//! The peers' driver: `impl AgentInner` work across parts (see [`crate::agent`] for the layout); its
-//! own state is in [`crate::parts`].
+//! The peers' driver: `impl AgentInner` work across parts (see [`crate::agent`] for the
+//! layout); its own state is in [`crate::parts`].
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;

@@ -1,8 +1,8 @@
 //! The server side: requests read from incoming pipes, dispatched to handlers (inline, pool or
 //! async), and answered on the same pipe.
 //!
-//! The server's driver: `impl AgentInner` work across parts (see [`crate::agent`] for the layout); its
-//! own state is in [`crate::parts`].
+//! The server's driver: `impl AgentInner` work across parts (see [`crate::agent`] for the
+//! layout); its own state is in [`crate::parts`].
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -14,7 +14,7 @@ use sluice_channel::{Allocation, Descriptor, Message, Pipe, PipeError, RecvBuffe
 use crate::budget::Budget;
 use crate::clock::Activity;
 use crate::error::{HandlerError, RpcError};
-use crate::gpu::{self};
+use crate::gpu;
 use crate::handler::{BoxFuture, Handler};
 use crate::hub::CallContext;
 use crate::hub::{Agent, AgentInner};
