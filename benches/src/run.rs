@@ -212,6 +212,10 @@ pub async fn run(options: &BenchOptions, addr: &str) -> anyhow::Result<Vec<Recor
                     let mut r = Record::rtt("transport", "shm+busy", size, samples);
                     r.against(&shm_rtt[i]);
                     out.push(r);
+                    let (g, n) = transport_bw(&shm, &dir.shm_busy, size, budget).await?;
+                    let mut r = Record::bw("transport", "shm+busy", size, g, n);
+                    r.against(&memcpy[i]);
+                    out.push(r);
                 }
             }
         }

@@ -1064,6 +1064,53 @@ mod tests {
         assert_eq!(adaptive_spin(Duration::ZERO, 0), Duration::ZERO);
     }
 
+    /// Frames and room flow both ways between a busy-polling side and a side that parks at
+    /// every wait (no spin), through rings small enough that both writers wait for room: the
+    /// busy side still wakes the parked one (a wake-up lost leaves that side asleep: the
+    /// watchdog).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_busy_side_and_a_parking_side_lose_no_wake_up() {
+        let options = |busy_poll| ShmOptions {
+            ring_capacity: ring::MIN_CAPACITY,
+            spin: Duration::ZERO,
+            busy_poll,
+            ..ShmOptions::default()
+        };
+        let (busy, parking) = (ShmTransport::new(options(true)), ShmTransport::new(options(false)));
+        let mut listener = parking.listen("").await.unwrap();
+        let addr = listener.address();
+        let (b, p) = tokio::join!(busy.connect(&addr), listener.accept());
+        let (b, p) = (b.unwrap(), p.unwrap());
+
+        const FRAMES: usize = 2_000;
+        let frame = |i: usize| vec![(i % 251) as u8; 1_000 + i % 700];
+        async fn send(mut w: impl FrameWriter, frame: impl Fn(usize) -> Vec<u8>) {
+            for i in 0..FRAMES {
+                w.write(&[&frame(i)]).await.unwrap();
+            }
+        }
+        async fn receive(mut r: impl FrameReader, frame: impl Fn(usize) -> Vec<u8>) {
+            let mut buf = vec![0u8; 4096];
+            for i in 0..FRAMES {
+                let n = r.read(&mut buf).await.unwrap();
+                assert!(buf[..n] == frame(i)[..], "frame {i}");
+            }
+        }
+        let ((br, bw), (pr, pw)) = (b.split(), p.split());
+        let all = async {
+            tokio::join!(
+                tokio::spawn(send(bw, frame)),
+                tokio::spawn(receive(pr, frame)),
+                tokio::spawn(send(pw, frame)),
+                tokio::spawn(receive(br, frame)),
+            )
+        };
+        let (a, b, c, d) = tokio::time::timeout(Duration::from_secs(30), all)
+            .await
+            .expect("a side left asleep: a wake-up was lost");
+        (a.unwrap(), b.unwrap(), c.unwrap(), d.unwrap());
+    }
+
     /// The average follows a change of pattern within a few waits; one idle gap after a run of
     /// millisecond waits sends the side back to the configured spin until it learns again.
     #[test]
