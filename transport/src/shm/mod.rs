@@ -1105,10 +1105,12 @@ mod tests {
                 tokio::spawn(receive(br, frame)),
             )
         };
-        let (a, b, c, d) = tokio::time::timeout(Duration::from_secs(30), all)
+        let tasks = tokio::time::timeout(Duration::from_secs(30), all)
             .await
             .expect("a side left asleep: a wake-up was lost");
-        (a.unwrap(), b.unwrap(), c.unwrap(), d.unwrap());
+        for task in <[_; 4]>::from(tasks) {
+            task.unwrap();
+        }
     }
 
     /// The average follows a change of pattern within a few waits; one idle gap after a run of
