@@ -181,6 +181,12 @@ fn main() -> anyhow::Result<()> {
                 .map(|b| format!("{} B p50 {:.0} us p99 {:.0} us", b.bytes, b.p50_us, b.p99_us))
                 .collect();
             eprintln!("soak: {:>3} workers by tensor size: {}", s.workers, sizes.join("; "));
+            eprintln!(
+                "soak: {:>3} workers opened their pipes to each other ({} first calls) in {:.2} s before the load",
+                s.workers,
+                s.workers * s.workers.saturating_sub(1),
+                s.connect_seconds
+            );
         }
         let clean = summaries
             .iter()

@@ -309,6 +309,21 @@ fn agent_options(rank: u32) -> AgentOptions {
     o
 }
 
+/// Opens this worker's pipes before the timed load: a no-op call to every other worker. Pipes
+/// open on a worker's first call to a peer, so without this the first seconds of a run with
+/// many workers are a storm of N·(N−1) pipe setups (64 workers: about 4,000, some 5 s of this
+/// machine's two cores) in which calls wait seconds, and a short run's rate and tail measure
+/// that storm rather than calls. The setup is timed on its own ([`Summary::connect_seconds`]).
+fn connect_all(agent: &Agent, workers: u32) -> anyhow::Result<()> {
+    for rank in 0..workers {
+        let peer = format!("soak{rank}");
+        if peer != agent.info().name {
+            agent.call::<_, ()>(&peer, "soak.noop", &())?;
+        }
+    }
+    Ok(())
+}
+
 /// Runs this worker's share of the load for the soak's duration, against every other worker.
 fn load(agent: &Agent, options: &SoakOptions) -> WorkerReport {
     let stop = Arc::new(AtomicBool::new(false));
@@ -334,6 +349,8 @@ pub fn worker(options: &SoakOptions) -> anyhow::Result<()> {
     let rank: u32 = std::env::var("RANK")?.parse()?;
     let agent = Agent::init(agent_options(rank), registry(Arc::default()))?;
     agent.barrier("start")?;
+    connect_all(&agent, options.workers)?;
+    agent.barrier("connected")?;
     let report = load(&agent, options);
     agent.call::<_, ()>("soak0", "soak.report", &report)?;
     agent.shutdown()?;
@@ -345,6 +362,9 @@ pub fn worker(options: &SoakOptions) -> anyhow::Result<()> {
 pub struct Summary {
     pub workers: u32,
     pub in_flight: u32,
+    /// How long every worker took to open its pipes to every other (one no-op call to each),
+    /// before the timed load.
+    pub connect_seconds: f64,
     pub seconds: f64,
     pub calls: u64,
     pub calls_per_second: f64,
@@ -406,6 +426,10 @@ pub fn run(
     // Every other worker waits at the barrier (parked) while ranks 0 and 1 measure the baseline.
     let baseline = baseline_rate(&agent, options.baseline_seconds)?;
     agent.barrier("start")?;
+    let connecting = Instant::now();
+    connect_all(&agent, options.workers)?;
+    agent.barrier("connected")?;
+    let connect_seconds = connecting.elapsed().as_secs_f64();
     let started = Instant::now();
     let mine = load(&agent, options);
     let elapsed = started.elapsed().as_secs_f64();
@@ -454,6 +478,7 @@ pub fn run(
     let rate = calls as f64 / elapsed;
     Ok(Summary {
         workers: options.workers,
+        connect_seconds,
         in_flight: (options.in_flight / options.workers).max(1) * options.workers,
         seconds: elapsed,
         calls,
