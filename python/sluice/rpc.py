@@ -242,11 +242,11 @@ def _request(to, func, args, kwargs, timeout):
     except (KeyError, TypeError):
         ref, handler, key, bare = _meta_of(func)
     if bare is not None and not args and not kwargs:
-        data, tensors, rrefs = bare, [], []
+        data, tensors, rrefs = bare, (), ()
     else:
         call = (ref, tuple(args) if args else (), kwargs or {})
         if bare is not None and (not args or _plain(call[1])) and (not kwargs or _plain(kwargs)):
-            data, tensors, rrefs = pickle.dumps(call, pickle.HIGHEST_PROTOCOL), [], []
+            data, tensors, rrefs = pickle.dumps(call, pickle.HIGHEST_PROTOCOL), (), ()
         else:
             data, tensors, rrefs = _pack(call)
     return (to, handler, key, data, tensors, rrefs, None if timeout == -1.0 else _timeout(timeout))
@@ -278,13 +278,33 @@ def _unpack_tuple(t):
 
 
 def _serve_call(data, tensors, rrefs):
+    if data[:1] != _PICKLED:
+        # A function by reference, called without arguments (see `_meta_of`).
+        return _callee_function(data)()
     try:
         func, args, kwargs = _unpack(data, tensors, rrefs)
-        if type(func) is str:
-            func = _function(func)
     except Exception as e:
-        raise RuntimeError(f"{_me()} cannot load the call: {type(e).__name__}: {e}") from e
+        raise _cannot_load(e) from e
+    if type(func) is str:
+        func = _callee_function(func)
     return func(*args, **kwargs)
+
+
+# Every pickle made here opens with protocol 2+'s PROTO opcode; a reference string never does.
+_PICKLED = b"\x80"
+
+
+def _callee_function(ref):
+    """The function a call to run here names by reference (a str; bytes: the whole call, one
+    without arguments), or the error the caller gets."""
+    try:
+        return _function(ref.decode() if type(ref) is bytes else ref)
+    except Exception as e:
+        raise _cannot_load(e) from e
+
+
+def _cannot_load(e):
+    return RuntimeError(f"{_me()} cannot load the call: {type(e).__name__}: {e}")
 
 
 # --- functions named by reference ------------------------------------------------------------
@@ -309,15 +329,16 @@ def _lookup(module, qualname):
 
 def _meta_of(func):
     """What a call of ``func`` sends besides its arguments: ``(_ref(func), _handler(func),
-    _key(func), the call without arguments pickled, or None)``. Kept for a function that
+    _key(func), the bytes of a call without arguments, or None)``. Kept for a function that
     travels by reference (one its module names: a bounded set, whose handler only the
     ``async_execution`` decorator changes, at definition); anything else (lambdas made per
     call, bound methods, callable objects) is worked out per call and never kept alive here."""
     ref = _ref(func)
     if type(ref) is not str:
         return ref, _handler(func), _key(func), None
-    # The call without arguments, pickled once (a getter's every call).
-    bare = pickle.dumps((ref, (), {}), pickle.HIGHEST_PROTOCOL)
+    # The call without arguments (a getter's every call) is the reference alone, not a pickle:
+    # the callee resolves it once and calls the function with nothing to unpickle.
+    bare = ref.encode()
     m = _meta[func] = (ref, _handler(func), _key(func), bare)
     return m
 

@@ -48,6 +48,7 @@ static LOADS: Hook = Hook::new("_loads");
 static DUMPS: Hook = Hook::new("_dumps");
 static DESCRIBE: Hook = Hook::new("_describe");
 static REMOTE_ERROR: Hook = Hook::new("_remote_error");
+static CALLEE_FUNCTION: Hook = Hook::new("_callee_function");
 
 /// A Python object as an agent value: kept as it is on its owner, pickled to travel.
 pub struct PyObj(Py<PyAny>);
@@ -61,14 +62,16 @@ impl Encode for PyObj {
 /// `obj` pickled (its tensors and RRefs lifted out) as a payload; a plain scalar (the common
 /// result of a call made for its effect) by the C pickler alone, with no Python frame.
 fn pack(py: Python<'_>, obj: &Bound<'_, PyAny>) -> Result<Payload, RpcError> {
-    let packed = if plain_scalar(obj) {
+    let packed = if obj.is_none() {
+        encode_payload("", NONE_PICKLED, Vec::new(), Vec::new())
+    } else if plain_scalar(obj) {
         DUMPS
             .get(py)
             .and_then(|f| f.call1((obj,)))
             .and_then(|data| encode_payload("", data.cast::<PyBytes>()?.as_bytes(), Vec::new(), Vec::new()))
     } else {
         PACK.get(py).and_then(|f| f.call1((obj,))).and_then(|p| {
-            let (data, tensors, rrefs): (Bound<'_, PyBytes>, Bound<'_, PyList>, Bound<'_, PyList>) = p.extract()?;
+            let (data, tensors, rrefs): (Bound<'_, PyBytes>, Bound<'_, PyAny>, Bound<'_, PyAny>) = p.extract()?;
             payload("", &data, &tensors, &rrefs)
         })
     };
@@ -101,19 +104,20 @@ impl Encode for Unpicklable {
 
 /// A payload from the callee's pace key (the function's name; empty for results), pickle
 /// bytes, the tensors lifted out of them and the RRefs they mention.
+/// `tensors` and `rrefs`: sequences (lists, or `()` when a call lifted nothing out).
 fn payload(
     key: &str,
     data: &Bound<'_, PyBytes>,
-    tensors: &Bound<'_, PyList>,
-    rrefs: &Bound<'_, PyList>,
+    tensors: &Bound<'_, PyAny>,
+    rrefs: &Bound<'_, PyAny>,
 ) -> PyResult<Payload> {
     let rrefs = rrefs
-        .iter()
-        .map(|r| Ok(r.cast::<PyRRef>()?.get().rref.clone()))
+        .try_iter()?
+        .map(|r| Ok(r?.cast::<PyRRef>()?.get().rref.clone()))
         .collect::<PyResult<Vec<RRef<()>>>>()?;
     let tensors = tensors
-        .iter()
-        .map(|t| to_channel(&t, None))
+        .try_iter()?
+        .map(|t| to_channel(&t?, None))
         .collect::<PyResult<Vec<_>>>()?;
     encode_payload(key, data.as_bytes(), rrefs, tensors)
 }
@@ -129,6 +133,10 @@ fn encode_payload(
         .map_err(|e| PyValueError::new_err(e.to_string()))?
         .with_tensors(tensors))
 }
+
+/// `pickle.dumps(None, 5)`: the result of every call made for its effect, so neither side runs
+/// the pickler for it.
+const NONE_PICKLED: &[u8] = b"\x80\x05N.";
 
 /// None, or an object of an exact builtin scalar type: its pickle has nothing to lift out.
 fn plain_scalar(obj: &Bound<'_, PyAny>) -> bool {
@@ -167,6 +175,9 @@ fn unpack_value<'py>(py: Python<'py>, mut p: Payload) -> PyResult<Bound<'py, PyA
     let (rrefs, bytes) = decode(&p)?;
     let tensors = p.take_tensors();
     if tensors.is_empty() && rrefs.is_empty() {
+        if bytes == NONE_PICKLED {
+            return Ok(py.None().into_bound(py));
+        }
         return LOADS.get(py)?.call1((PyBytes::new(py, &bytes),));
     }
     UNPACK.get(py)?.call1(unpack_parts(py, bytes, tensors, rrefs)?)
@@ -254,14 +265,52 @@ fn serve_call(payload: Payload, kept: bool) -> Result<Value, HandlerError> {
     paced(key_of(&bytes), || serve_call_now(payload, kept))
 }
 
-fn serve_call_now(payload: Payload, kept: bool) -> Result<Value, HandlerError> {
+fn serve_call_now(mut payload: Payload, kept: bool) -> Result<Value, HandlerError> {
     crate::gil::attach(|py| {
-        let args = unpack(py, payload).map_err(|e| describe(py, e))?;
-        match SERVE_CALL.get(py).and_then(|f| f.call1(args)) {
+        let mut call = || {
+            let (rrefs, bytes) = decode(&payload)?;
+            let tensors = payload.take_tensors();
+            if rrefs.is_empty() && tensors.is_empty() && bytes.first() != Some(&PICKLED) {
+                return function_by_reference(py, &bytes)?.call0();
+            }
+            SERVE_CALL.get(py)?.call1(unpack_parts(py, bytes, tensors, rrefs)?)
+        };
+        match call() {
             Ok(v) => Ok(result_value(py, v, kept)),
             Err(e) => Err(describe(py, e)),
         }
     })
+}
+
+/// The first byte of every pickle the package makes (protocol ≥ 2 opens with `PROTO`). The
+/// bytes of a call by reference without arguments are its reference string instead, which as
+/// UTF-8 never starts with it (see `_meta_of` in `rpc.py`).
+const PICKLED: u8 = 0x80;
+
+/// Functions called by reference without arguments, by reference string: resolved by
+/// `_callee_function` once, then called from here with no Python frame, pickle or tuple on the
+/// way. Only resolved functions are kept (the set `_callee_function` itself caches).
+static BY_REFERENCE: std::sync::LazyLock<Mutex<HashMap<Box<str>, Py<PyAny>>>> =
+    std::sync::LazyLock::new(Mutex::default);
+
+fn function_by_reference<'py>(py: Python<'py>, reference: &[u8]) -> PyResult<Bound<'py, PyAny>> {
+    let name = std::str::from_utf8(reference).ok();
+    if let Some(f) = name.and_then(|n| {
+        BY_REFERENCE
+            .lock()
+            .expect("by-reference map")
+            .get(n)
+            .map(|f| f.clone_ref(py))
+    }) {
+        return Ok(f.into_bound(py));
+    }
+    // Not held across the call: resolving may import a module, which may release the GIL.
+    let f = CALLEE_FUNCTION.get(py)?.call1((PyBytes::new(py, reference),))?;
+    if let Some(n) = name {
+        let mut map = BY_REFERENCE.lock().expect("by-reference map");
+        map.insert(n.into(), f.clone().unbind());
+    }
+    Ok(f)
 }
 
 fn serve_method(value: &Value, payload: Payload, kept: bool) -> Result<Value, HandlerError> {
@@ -531,8 +580,8 @@ pub struct Request<'py>(
     String,
     String,
     Bound<'py, PyBytes>,
-    Bound<'py, PyList>,
-    Bound<'py, PyList>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
     Option<f64>,
 );
 
@@ -648,8 +697,8 @@ impl PyRRef {
         py: Python<'_>,
         key: &str,
         data: &Bound<'_, PyBytes>,
-        tensors: &Bound<'_, PyList>,
-        rrefs: &Bound<'_, PyList>,
+        tensors: &Bound<'_, PyAny>,
+        rrefs: &Bound<'_, PyAny>,
         timeout: f64,
     ) -> PyResult<PyFuture> {
         let p = payload(key, data, tensors, rrefs)?;
@@ -664,8 +713,8 @@ impl PyRRef {
         py: Python<'_>,
         key: &str,
         data: &Bound<'_, PyBytes>,
-        tensors: &Bound<'_, PyList>,
-        rrefs: &Bound<'_, PyList>,
+        tensors: &Bound<'_, PyAny>,
+        rrefs: &Bound<'_, PyAny>,
         timeout: f64,
     ) -> PyResult<PyRRef> {
         let p = payload(key, data, tensors, rrefs)?;

@@ -471,6 +471,28 @@ def references(rank, world):
         assert rpc.rpc_sync("worker1", math.sqrt, (16.0,)) == 4.0
         assert rpc.rpc_async("worker1", rpcfns.add, (1, 1)).wait() == 2
         assert rpc.remote("worker1", rpcfns.add, (4, 4)).to_here() == 8
+        # Without arguments the call is the reference alone (no pickle): the callee resolves it
+        # once and calls it straight, sync, async, remote, async_execution, raising, and again.
+        assert rpc._request("worker1", rpcfns.whoami, None, None, -1.0)[3] == b"rpcfns:whoami"
+        for _ in range(2):
+            # None, the result of every call made for its effect, is a constant both ways.
+            assert rpc.rpc_sync("worker1", rpcfns.noop) is None
+            assert rpc.rpc_async("worker1", rpcfns.noop).wait() is None
+            assert rpc.remote("worker1", rpcfns.noop).to_here() is None
+            assert rpc.rpc_sync("worker1", rpcfns.echo, (None,)) == ((None,), {})
+            assert rpc.rpc_sync("worker1", rpcfns.whoami) == "worker1"
+            assert rpc.rpc_async("worker1", rpcfns.whoami).wait() == "worker1"
+            assert rpc.remote("worker1", rpcfns.whoami).to_here() == "worker1"
+            try:
+                rpc.rpc_async("worker1", rpcfns.fails_later).wait()
+                raise AssertionError("no exception")
+            except RuntimeError as e:
+                assert "failed asynchronously" in str(e), e
+            try:
+                rpc.rpc_sync("worker1", rpcfns.key_error)
+                raise AssertionError("no exception")
+            except KeyError as e:
+                assert "missing" in str(e), e
         # Pickled: bound methods, callable objects, partials.
         c = rpcfns.Offset(5)
         for f in (c.get, c, functools.partial(rpcfns.add, 10)):
@@ -483,12 +505,14 @@ def references(rank, world):
         assert torch.equal(rpc.rpc_sync("worker1", rpcfns.scale, (t, 3)), t * 3)
         # A reference that names nothing: the callee says so, and serves the next call.
         agent = rpc._require_agent()
-        for ref in ("no_such_module_xyz:f", "rpcfns:no_such_function", "rpcfns", "rpcfns:Offset.n"):
-            data = pickle.dumps((ref, (), {}))
-            try:
-                agent.call_sync(("worker1", "py.call", "k", data, [], [], None))
-                raise AssertionError(f"{ref} was resolved")
-            except RuntimeError as e:
-                assert "cannot load the call" in str(e), e
+        refs = ("no_such_module_xyz:f", "rpcfns:no_such_function", "rpcfns", "rpcfns:Offset.n")
+        calls = [pickle.dumps((ref, (), {})) for ref in refs] + [ref.encode() for ref in refs] + [b"\xff\xfe:f"]
+        for data in calls:
+            for handler in ("py.call", "py.call_async"):
+                try:
+                    agent.call_sync(("worker1", handler, "k", data, [], [], None))
+                    raise AssertionError(f"{data!r} was resolved")
+                except RuntimeError as e:
+                    assert "cannot load the call" in str(e), e
         assert rpc.rpc_sync("worker1", rpcfns.add, (2, 2)) == 4
     rpc.shutdown()
