@@ -1,7 +1,8 @@
 """RPC shaped like ``torch.distributed.rpc``, on Sluice's agent.
 
 Functions are named by reference, as PyTorch does: a call pickles ``(func, args, kwargs)`` and
-the callee imports ``func`` by module and qualified name. Every tensor inside the arguments or
+the callee imports ``func`` by module and qualified name (a call without arguments sends the
+reference alone). Every tensor inside the arguments or
 the result (anything with ``__dlpack__``) is lifted out of the pickle and moved by the pipe's
 channels without a copy; it arrives as the sender's framework type. Errors the callee raises
 arrive as the same exception type, with its message and the remote traceback.
@@ -235,8 +236,9 @@ def _pack(obj):
 def _request(to, func, args, kwargs, timeout):
     """The request the agent sends for a call of ``func(*args, **kwargs)`` on ``to``: the
     destination, the handler, the callee's pace key, the pickled ``(func, args, kwargs)`` (the
-    function by reference where it can be, see ``_ref``) with the tensors and RRefs lifted out
-    of it, and the timeout."""
+    function by reference where it can be, see ``_ref``; for a call by reference without
+    arguments, the reference alone) with the tensors and RRefs lifted out of it, and the
+    timeout."""
     try:
         ref, handler, key, bare = _meta[func]
     except (KeyError, TypeError):
@@ -303,6 +305,13 @@ def _callee_function(ref):
         raise _cannot_load(e) from e
 
 
+def _callee_function_kept(ref):
+    """``(_callee_function(ref), whether ref is the name its callers send)``: the binding
+    keeps only those, one per function, as ``_function`` does."""
+    func = _callee_function(ref)
+    return func, ref.decode() in _resolved
+
+
 def _cannot_load(e):
     return RuntimeError(f"{_me()} cannot load the call: {type(e).__name__}: {e}")
 
@@ -337,8 +346,12 @@ def _meta_of(func):
     if type(ref) is not str:
         return ref, _handler(func), _key(func), None
     # The call without arguments (a getter's every call) is the reference alone, not a pickle:
-    # the callee resolves it once and calls the function with nothing to unpickle.
-    bare = ref.encode()
+    # the callee resolves it once and calls the function with nothing to unpickle. (A name
+    # that is not valid UTF-8, a lone surrogate, is pickled as any call is.)
+    try:
+        bare = ref.encode()
+    except UnicodeEncodeError:
+        bare = pickle.dumps((ref, (), {}), pickle.HIGHEST_PROTOCOL)
     m = _meta[func] = (ref, _handler(func), _key(func), bare)
     return m
 
@@ -373,7 +386,10 @@ def _function(ref):
     func = _lookup(module, qualname)
     if not callable(func):
         raise TypeError(f"{ref} is not callable")
-    _resolved[ref] = func
+    # Kept under the one name a caller sends for it (`_ref`), so a peer cannot grow the cache
+    # with aliases (`os:getcwd`, `posix:getcwd`) or attribute chains; others resolve each time.
+    if _ref(func) == ref:
+        _resolved[ref] = func
     return func
 
 

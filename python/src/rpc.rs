@@ -1,8 +1,9 @@
 //! The RPC level: an agent whose handlers run Python functions (see `sluice/rpc.py` for the
 //! API shaped like `torch.distributed.rpc`).
 //!
-//! A call's payload is `(rrefs, pickle bytes)` in postcard plus the tensors the pickler lifted
-//! out, which the pipe's channels move. Three handlers serve Python: `py.call` (a function,
+//! A call's payload is `(pace key, rrefs, pickle bytes)` in postcard plus the tensors the
+//! pickler lifted out, which the pipe's channels move; a call by reference without arguments
+//! carries its reference string in place of the pickle (see [`function_by_reference`]). Three handlers serve Python: `py.call` (a function,
 //! whose result stays an unencoded object when it becomes an RRef's value), `py.call_async`
 //! (a function decorated `async_execution`: its future settles the reply, no thread held) and
 //! the method `py.method` (a method on an RRef's value, on its owner).
@@ -48,7 +49,7 @@ static LOADS: Hook = Hook::new("_loads");
 static DUMPS: Hook = Hook::new("_dumps");
 static DESCRIBE: Hook = Hook::new("_describe");
 static REMOTE_ERROR: Hook = Hook::new("_remote_error");
-static CALLEE_FUNCTION: Hook = Hook::new("_callee_function");
+static CALLEE_FUNCTION: Hook = Hook::new("_callee_function_kept");
 
 /// A Python object as an agent value: kept as it is on its owner, pickled to travel.
 pub struct PyObj(Py<PyAny>);
@@ -59,8 +60,9 @@ impl Encode for PyObj {
     }
 }
 
-/// `obj` pickled (its tensors and RRefs lifted out) as a payload; a plain scalar (the common
-/// result of a call made for its effect) by the C pickler alone, with no Python frame.
+/// `obj` pickled (its tensors and RRefs lifted out) as a payload; None (the result of a call
+/// made for its effect) as a constant, a plain scalar by the C pickler alone, with no Python
+/// frame.
 fn pack(py: Python<'_>, obj: &Bound<'_, PyAny>) -> Result<Payload, RpcError> {
     let packed = if obj.is_none() {
         encode_payload("", NONE_PICKLED, Vec::new(), Vec::new())
@@ -104,20 +106,20 @@ impl Encode for Unpicklable {
 
 /// A payload from the callee's pace key (the function's name; empty for results), pickle
 /// bytes, the tensors lifted out of them and the RRefs they mention.
-/// `tensors` and `rrefs`: sequences (lists, or `()` when a call lifted nothing out).
+/// `tensors` and `rrefs`: lists, or tuples (`()` when a call lifted nothing out).
 fn payload(
     key: &str,
     data: &Bound<'_, PyBytes>,
     tensors: &Bound<'_, PyAny>,
     rrefs: &Bound<'_, PyAny>,
 ) -> PyResult<Payload> {
-    let rrefs = rrefs
-        .try_iter()?
-        .map(|r| Ok(r?.cast::<PyRRef>()?.get().rref.clone()))
+    let rrefs = items(rrefs, "RRefs")?
+        .iter()
+        .map(|r| Ok(r.cast::<PyRRef>()?.get().rref.clone()))
         .collect::<PyResult<Vec<RRef<()>>>>()?;
-    let tensors = tensors
-        .try_iter()?
-        .map(|t| to_channel(&t?, None))
+    let tensors = items(tensors, "tensors")?
+        .iter()
+        .map(|t| to_channel(t, None))
         .collect::<PyResult<Vec<_>>>()?;
     encode_payload(key, data.as_bytes(), rrefs, tensors)
 }
@@ -134,14 +136,27 @@ fn encode_payload(
         .with_tensors(tensors))
 }
 
+/// The items of a list or a tuple (anything else, a str included, is refused).
+fn items<'py>(seq: &Bound<'py, PyAny>, what: &str) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    if let Ok(l) = seq.cast::<PyList>() {
+        return Ok(l.iter().collect());
+    }
+    if let Ok(t) = seq.cast::<PyTuple>() {
+        return Ok(t.iter().collect());
+    }
+    Err(pyo3::exceptions::PyTypeError::new_err(format!(
+        "{what} must be a list or a tuple, not {}",
+        seq.get_type().name()?
+    )))
+}
+
 /// `pickle.dumps(None, 5)`: the result of every call made for its effect, so neither side runs
 /// the pickler for it.
 const NONE_PICKLED: &[u8] = b"\x80\x05N.";
 
-/// None, or an object of an exact builtin scalar type: its pickle has nothing to lift out.
+/// An object of an exact builtin scalar type: its pickle has nothing to lift out.
 fn plain_scalar(obj: &Bound<'_, PyAny>) -> bool {
-    obj.is_none()
-        || obj.is_exact_instance_of::<PyInt>()
+    obj.is_exact_instance_of::<PyInt>()
         || obj.is_exact_instance_of::<PyFloat>()
         || obj.is_exact_instance_of::<PyString>()
         || obj.is_exact_instance_of::<PyBool>()
@@ -288,8 +303,9 @@ fn serve_call_now(mut payload: Payload, kept: bool) -> Result<Value, HandlerErro
 const PICKLED: u8 = 0x80;
 
 /// Functions called by reference without arguments, by reference string: resolved by
-/// `_callee_function` once, then called from here with no Python frame, pickle or tuple on the
-/// way. Only resolved functions are kept (the set `_callee_function` itself caches).
+/// `_callee_function_kept` once, then called from here with no Python frame, pickle or tuple
+/// on the way. Kept only under the one name callers send for each function (what `rpc.py`'s
+/// `_function` keeps too), so a peer cannot grow it with aliases; other names resolve each time.
 static BY_REFERENCE: std::sync::LazyLock<Mutex<HashMap<Box<str>, Py<PyAny>>>> =
     std::sync::LazyLock::new(Mutex::default);
 
@@ -305,10 +321,14 @@ fn function_by_reference<'py>(py: Python<'py>, reference: &[u8]) -> PyResult<Bou
         return Ok(f.into_bound(py));
     }
     // Not held across the call: resolving may import a module, which may release the GIL.
-    let f = CALLEE_FUNCTION.get(py)?.call1((PyBytes::new(py, reference),))?;
-    if let Some(n) = name {
+    let (f, keep): (Bound<'py, PyAny>, bool) = CALLEE_FUNCTION
+        .get(py)?
+        .call1((PyBytes::new(py, reference),))?
+        .extract()?;
+    if let Some(n) = name.filter(|_| keep) {
+        // A first resolution kept, never replaced: no reference is dropped under the lock.
         let mut map = BY_REFERENCE.lock().expect("by-reference map");
-        map.insert(n.into(), f.clone().unbind());
+        map.entry(n.into()).or_insert_with(|| f.clone().unbind());
     }
     Ok(f)
 }
@@ -572,8 +592,9 @@ impl PyAgent {
     }
 }
 
-/// A call as Python hands it over: `(dest, handler, pace key, pickle bytes, tensors, RRefs,
-/// timeout)`; `handler` is `py.call` or `py.call_async`.
+/// A call as Python hands it over: `(dest, handler, pace key, pickle bytes or a reference,
+/// tensors, RRefs, timeout)`; `handler` is `py.call` or `py.call_async`; tensors and RRefs in
+/// a list or a tuple.
 #[derive(FromPyObject)]
 pub struct Request<'py>(
     Bound<'py, PyAny>,

@@ -54,6 +54,13 @@ def whoami():
     return rpc.get_worker_info().name
 
 
+alias_of_whoami = whoami
+
+
+def resolved_refs():
+    return sorted(rpc._resolved)
+
+
 def data_ptr_of(t):
     return t.data_ptr() if isinstance(t, torch.Tensor) else t.__array_interface__["data"][0]
 

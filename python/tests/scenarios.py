@@ -514,5 +514,16 @@ def references(rank, world):
                     raise AssertionError(f"{data!r} was resolved")
                 except RuntimeError as e:
                     assert "cannot load the call" in str(e), e
+        # An alias resolves but is not kept: one cache entry per function, whatever peers send.
+        for _ in range(2):
+            assert agent.call_sync(("worker1", "py.call", "k", b"rpcfns:alias_of_whoami", (), (), None)) == "worker1"
+        kept = rpc.rpc_sync("worker1", rpcfns.resolved_refs)
+        assert "rpcfns:whoami" in kept and "rpcfns:alias_of_whoami" not in kept, kept
+        # Tensors and RRefs come in a list or a tuple, nothing else.
+        try:
+            agent.call_sync(("worker1", "py.call", "k", b"rpcfns:noop", "ab", (), None))
+            raise AssertionError("a str taken for a list of tensors")
+        except TypeError as e:
+            assert "list or a tuple" in str(e), e
         assert rpc.rpc_sync("worker1", rpcfns.add, (2, 2)) == 4
     rpc.shutdown()
