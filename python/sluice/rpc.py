@@ -184,28 +184,10 @@ def _rref(i):
     return RRef._wrap(_local.received[1][i])
 
 
-# Values that pickle the same with or without the tensor- and RRef-lifting pickler: builtin
-# scalars, and small tuples, lists and dicts of them (checked to a small depth).
-_PLAIN = frozenset((int, float, complex, str, bytes, bool, type(None)))
-_PLAIN_DEPTH = 3
-_PLAIN_LEN = 16
-
-
-def _plain(obj, depth=_PLAIN_DEPTH):
-    t = type(obj)
-    if t in _PLAIN:
-        return True
-    if not depth or (t is not tuple and t is not list and t is not dict) or len(obj) > _PLAIN_LEN:
-        return False
-    if t is dict:
-        for k, v in obj.items():
-            if type(k) not in _PLAIN or not _plain(v, depth - 1):
-                return False
-        return True
-    for x in obj:
-        if not _plain(x, depth - 1):
-            return False
-    return True
+# Values that pickle the same with or without the tensor- and RRef-lifting pickler: None or an
+# exact builtin scalar, or an exact tuple, list or dict (scalar keys) of at most 16 plain
+# items, three levels deep. The binding's test (a Python one walked every call's arguments).
+_plain = _sluice._plain
 
 
 def _pack(obj):

@@ -61,5 +61,6 @@ fn _sluice(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tensor::_send_view, m)?)?;
     m.add_function(wrap_pyfunction!(rpc::_set_priority, m)?)?;
     m.add_function(wrap_pyfunction!(rpc::_current_priority, m)?)?;
+    m.add_function(wrap_pyfunction!(rpc::_plain, m)?)?;
     Ok(())
 }

@@ -17,7 +17,7 @@ use bytes::Bytes;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyBytes, PyFloat, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyComplex, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use sluice_agent::{
     Agent, AgentOptions, Device, Encode, HandlerError, Payload, RRef, Registry, RpcError, RpcFuture, Value,
 };
@@ -154,6 +154,37 @@ fn items<'py>(seq: &Bound<'py, PyAny>, what: &str) -> PyResult<Vec<Bound<'py, Py
 /// the pickler for it.
 const NONE_PICKLED: &[u8] = b"\x80\x05N.";
 
+/// Whether `obj` is plain data, with nothing for the lifting pickler to find: None or an exact
+/// builtin scalar, or an exact tuple, list or dict (scalar keys) of at most 16 plain items, at
+/// most three levels deep. `rpc.py`'s `_plain`: the caller's test before pickling arguments
+/// with the C pickler alone.
+#[pyfunction]
+pub fn _plain(obj: &Bound<'_, PyAny>) -> bool {
+    plain_within(obj, 3)
+}
+
+const PLAIN_LEN: usize = 16;
+
+fn plain_within(obj: &Bound<'_, PyAny>, depth: u32) -> bool {
+    let scalar = |o: &Bound<'_, PyAny>| o.is_none() || o.is_exact_instance_of::<PyComplex>() || plain_scalar(o);
+    if scalar(obj) {
+        return true;
+    }
+    if depth == 0 {
+        return false;
+    }
+    if let Ok(t) = obj.cast_exact::<PyTuple>() {
+        return t.len() <= PLAIN_LEN && t.iter().all(|x| plain_within(&x, depth - 1));
+    }
+    if let Ok(l) = obj.cast_exact::<PyList>() {
+        return l.len() <= PLAIN_LEN && l.iter().all(|x| plain_within(&x, depth - 1));
+    }
+    if let Ok(d) = obj.cast_exact::<PyDict>() {
+        return d.len() <= PLAIN_LEN && d.iter().all(|(k, v)| scalar(&k) && plain_within(&v, depth - 1));
+    }
+    false
+}
+
 /// An object of an exact builtin scalar type: its pickle has nothing to lift out.
 fn plain_scalar(obj: &Bound<'_, PyAny>) -> bool {
     obj.is_exact_instance_of::<PyInt>()
@@ -285,8 +316,13 @@ fn serve_call_now(mut payload: Payload, kept: bool) -> Result<Value, HandlerErro
         let mut call = || {
             let (rrefs, bytes) = decode(&payload)?;
             let tensors = payload.take_tensors();
-            if rrefs.is_empty() && tensors.is_empty() && bytes.first() != Some(&PICKLED) {
-                return function_by_reference(py, &bytes)?.call0();
+            if rrefs.is_empty() && tensors.is_empty() {
+                if bytes.first() != Some(&PICKLED) {
+                    return function_by_reference(py, &bytes)?.call0();
+                }
+                if let Some((func, args, kwargs)) = plain_call(py, &bytes) {
+                    return func.call(args, (!kwargs.is_empty()).then_some(&kwargs));
+                }
             }
             SERVE_CALL.get(py)?.call1(unpack_parts(py, bytes, tensors, rrefs)?)
         };
@@ -295,6 +331,24 @@ fn serve_call_now(mut payload: Payload, kept: bool) -> Result<Value, HandlerErro
             Err(e) => Err(describe(py, e)),
         }
     })
+}
+
+/// A pickled call with nothing lifted out, taken apart here: `(function, args, kwargs)` with
+/// the function resolved (by reference, as [`function_by_reference`] does, or as unpickled), and
+/// no Python frame on the way. None when anything about it is unusual (it does not unpickle,
+/// has the wrong shape, or names nothing): `_serve_call` then runs it and reports what is
+/// wrong, exactly as before; nothing here calls the function, so it never runs twice.
+fn plain_call<'py>(
+    py: Python<'py>,
+    bytes: &[u8],
+) -> Option<(Bound<'py, PyAny>, Bound<'py, PyTuple>, Bound<'py, PyDict>)> {
+    let call = LOADS.get(py).ok()?.call1((PyBytes::new(py, bytes),)).ok()?;
+    let (func, args, kwargs): (Bound<'py, PyAny>, Bound<'py, PyTuple>, Bound<'py, PyDict>) = call.extract().ok()?;
+    let func = match func.cast::<PyString>() {
+        Ok(name) => function_by_reference(py, name.to_cow().ok()?.as_bytes()).ok()?,
+        Err(_) => func,
+    };
+    Some((func, args, kwargs))
 }
 
 /// The first byte of every pickle the package makes (protocol ≥ 2 opens with `PROTO`). The

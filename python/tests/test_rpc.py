@@ -45,3 +45,21 @@ def test_call_priorities_from_python(group):
 
 def test_functions_travel_by_reference_or_pickled(group):
     group("references")
+
+
+def test_plain_values_are_told_apart():
+    """The binding's `_plain`: what the caller may pickle without the lifting pickler."""
+    from sluice import rpc
+
+    class Int(int):
+        pass
+
+    plain = [None, 1, 1.5, 2j, "s", b"b", True, (), [], {}, (1, "a"), [1, [2, [3]]],
+             {"k": (1, 2)}, {None: 1, 2j: [b"x"]}, tuple(range(16)), {str(i): i for i in range(16)}]
+    not_plain = [tuple(range(17)), list(range(17)), {str(i): i for i in range(17)}, [[[[1]]]],
+                 {(1,): 1}, object(), rpc, Int(1), (Int(1),), {"k": object()}, [1, object()],
+                 {1, 2}, bytearray(b"x"), range(3)]
+    for v in plain:
+        assert rpc._plain(v) is True, v
+    for v in not_plain:
+        assert rpc._plain(v) is False, v
