@@ -3,10 +3,12 @@
 //!
 //! A call's payload is `(pace key, rrefs, pickle bytes)` in postcard plus the tensors the
 //! pickler lifted out, which the pipe's channels move; a call by reference without arguments
-//! carries its reference string in place of the pickle (see [`function_by_reference`]). Three handlers serve Python: `py.call` (a function,
-//! whose result stays an unencoded object when it becomes an RRef's value), `py.call_async`
-//! (a function decorated `async_execution`: its future settles the reply, no thread held) and
-//! the method `py.method` (a method on an RRef's value, on its owner).
+//! carries its reference string in place of the pickle (see [`function_by_reference`]).
+//!
+//! Three handlers serve Python: `py.call` (a function, whose result stays an unencoded object
+//! when it becomes an RRef's value), `py.call_async` (a function decorated `async_execution`:
+//! its future settles the reply, no thread held) and the method `py.method` (a method on an
+//! RRef's value, on its owner).
 
 use std::collections::HashMap;
 use std::str::FromStr;
@@ -320,7 +322,8 @@ fn serve_call_now(mut payload: Payload, kept: bool) -> Result<Value, HandlerErro
                 if bytes.first() != Some(&PICKLED) {
                     return function_by_reference(py, &bytes)?.call0();
                 }
-                if let Some((func, args, kwargs)) = plain_call(py, &bytes) {
+                if let Some(call) = plain_call(py, &bytes) {
+                    let (func, args, kwargs) = call?;
                     return func.call(args, (!kwargs.is_empty()).then_some(&kwargs));
                 }
             }
@@ -333,22 +336,25 @@ fn serve_call_now(mut payload: Payload, kept: bool) -> Result<Value, HandlerErro
     })
 }
 
+/// A call taken apart: the function, its positional and its keyword arguments.
+type Call<'py> = (Bound<'py, PyAny>, Bound<'py, PyTuple>, Bound<'py, PyDict>);
+
 /// A pickled call with nothing lifted out, taken apart here: `(function, args, kwargs)` with
-/// the function resolved (by reference, as [`function_by_reference`] does, or as unpickled), and
-/// no Python frame on the way. None when anything about it is unusual (it does not unpickle,
-/// has the wrong shape, or names nothing): `_serve_call` then runs it and reports what is
-/// wrong, exactly as before; nothing here calls the function, so it never runs twice.
-fn plain_call<'py>(
-    py: Python<'py>,
-    bytes: &[u8],
-) -> Option<(Bound<'py, PyAny>, Bound<'py, PyTuple>, Bound<'py, PyDict>)> {
+/// the function resolved (by reference, as [`function_by_reference`] does, with its error when
+/// the name resolves to nothing; or as unpickled), and no Python frame on the way. None when
+/// the bytes do not unpickle to that shape: `_serve_call` then runs them and reports what is
+/// wrong, exactly as before. Nothing here calls the function, so it never runs twice.
+fn plain_call<'py>(py: Python<'py>, bytes: &[u8]) -> Option<PyResult<Call<'py>>> {
     let call = LOADS.get(py).ok()?.call1((PyBytes::new(py, bytes),)).ok()?;
-    let (func, args, kwargs): (Bound<'py, PyAny>, Bound<'py, PyTuple>, Bound<'py, PyDict>) = call.extract().ok()?;
+    let (func, args, kwargs): Call<'py> = call.extract().ok()?;
     let func = match func.cast::<PyString>() {
-        Ok(name) => function_by_reference(py, name.to_cow().ok()?.as_bytes()).ok()?,
+        Ok(name) => match function_by_reference(py, name.to_cow().ok()?.as_bytes()) {
+            Ok(f) => f,
+            Err(e) => return Some(Err(e)),
+        },
         Err(_) => func,
     };
-    Some((func, args, kwargs))
+    Some(Ok((func, args, kwargs)))
 }
 
 /// The first byte of every pickle the package makes (protocol ≥ 2 opens with `PROTO`). The
