@@ -2,9 +2,9 @@
 
 Functions are named by reference, as PyTorch does: a call pickles ``(func, args, kwargs)`` and
 the callee imports ``func`` by module and qualified name (a call without arguments sends the
-reference alone). Every tensor inside the arguments or
-the result (anything with ``__dlpack__``) is lifted out of the pickle and moved by the pipe's
-channels without a copy; it arrives as the sender's framework type. Errors the callee raises
+reference alone). Every tensor inside the arguments or the result (anything with
+``__dlpack__``) is lifted out of the pickle and moved by the pipe's channels without a copy;
+it arrives as the sender's framework type. Errors the callee raises
 arrive as the same exception type, with its message and the remote traceback.
 
 Every wait releases the GIL; handlers run on the agent's pool with it, so a handler that blocks
