@@ -85,16 +85,14 @@ pub trait Float:
     fn cos(self) -> Self;
     fn sqrt(self) -> Self;
     fn max(self, other: Self) -> Self;
-    /// `c = alpha * a·b + beta * c` over strided matrices (see `cpu::gemm`).
-    #[allow(clippy::too_many_arguments)]
+    /// `a·b` over strided matrices, row-major (see `cpu::gemm`).
     fn gemm(
         m: usize,
         k: usize,
         n: usize,
         a: (&[Self], usize, isize, isize),
         b: (&[Self], usize, isize, isize),
-        c: &mut [Self],
-    );
+    ) -> Vec<Self>;
 }
 
 macro_rules! float_impl {
@@ -135,9 +133,8 @@ macro_rules! float_impl {
                 n: usize,
                 a: (&[Self], usize, isize, isize),
                 b: (&[Self], usize, isize, isize),
-                c: &mut [Self],
-            ) {
-                crate::cpu::gemm::$gemm(m, k, n, a, b, c)
+            ) -> Vec<Self> {
+                crate::cpu::gemm::$gemm(m, k, n, a, b)
             }
         }
     };

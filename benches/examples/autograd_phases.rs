@@ -4,7 +4,8 @@
 //! local step's phases, medians over a fixed time; then the same step with the optimizer's
 //! step taken in the backward's answer (`DistributedOptimizer::backward_and_step`).
 //!
-//! `cargo run --release -p sluice-benches --example autograd_phases -- [SECONDS]`
+//! `cargo run --release -p sluice-benches --example autograd_phases -- [SECONDS] [dist]`: with
+//! `dist`, only the distributed step runs after the local one (for a profiler).
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -51,6 +52,7 @@ fn main() -> anyhow::Result<()> {
         return sluice_benches::rpc::worker(&args[2]);
     }
     let seconds: f64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(3.0);
+    let only_dist = args.get(2).map(String::as_str) == Some("dist");
     let scale = 1.0 / 32.0;
     let local = [
         Parameter::new("weight", Tensor::uniform(&[1024, 1024], -scale, scale, 1, DType::F32)?),
@@ -82,15 +84,17 @@ fn main() -> anyhow::Result<()> {
     let batch = sluice_agent::Payload::empty().with_tensors(vec![sluice_channel::Tensor::cpu(bytes::Bytes::from(
         vec![1u8; 128 << 10],
     ))]);
-    timed("rpc_sync no-op", [], seconds, |_| {
-        agent.rpc_sync(1u32, "noop", sluice_agent::Payload::empty()).unwrap();
-    });
-    timed("rpc_sync echo 128 KiB", [], seconds, |_| {
-        agent.rpc_sync(1u32, "echo", batch.clone()).unwrap();
-    });
-    timed("rpc_sync of a handler that spins 500 µs", [], seconds, |_| {
-        agent.rpc_sync(1u32, "work", sluice_agent::Payload::empty()).unwrap();
-    });
+    if !only_dist {
+        timed("rpc_sync no-op", [], seconds, |_| {
+            agent.rpc_sync(1u32, "noop", sluice_agent::Payload::empty()).unwrap();
+        });
+        timed("rpc_sync echo 128 KiB", [], seconds, |_| {
+            agent.rpc_sync(1u32, "echo", batch.clone()).unwrap();
+        });
+        timed("rpc_sync of a handler that spins 500 µs", [], seconds, |_| {
+            agent.rpc_sync(1u32, "work", sluice_agent::Payload::empty()).unwrap();
+        });
+    }
     let rrefs: Vec<RRef<Parameter>> = agent.call(1u32, "bench.linear_params", &())?;
     let dopt = DistributedOptimizer::new(&agent, OptimizerKind::sgd(LR), &rrefs, UpdateMode::Locked)?;
     timed(
@@ -111,12 +115,23 @@ fn main() -> anyhow::Result<()> {
             m[4] = Instant::now();
         },
     );
+    if !only_dist {
+        in_turns(&agent, &dopt, &x, seconds);
+    }
+    drop(dopt);
+    agent.shutdown()?;
+    child.wait()?;
+    Ok(())
+}
+
+fn in_turns(agent: &Agent, dopt: &DistributedOptimizer, x: &Tensor, seconds: f64) {
+    let loss = |y: &Tensor| y.mul(y).and_then(|z| z.mean());
     // The same step with the optimizer's step in the backward's answer, in turns with the
     // two-call step, so that a slow spell of the host falls on both alike.
     let step = |fused: bool| {
         let t0 = Instant::now();
-        let ctx = Context::new(&agent).unwrap();
-        let y: Tensor = dist::rpc_sync(&agent, 1u32, "bench.linear", &x).unwrap();
+        let ctx = Context::new(agent).unwrap();
+        let y: Tensor = dist::rpc_sync(agent, 1u32, "bench.linear", x).unwrap();
         let l = loss(&y).unwrap();
         if fused {
             dopt.backward_and_step(&ctx, &[l]).unwrap();
@@ -139,8 +154,4 @@ fn main() -> anyhow::Result<()> {
         median(&mut fused),
         fused.len()
     );
-    drop(dopt);
-    agent.shutdown()?;
-    child.wait()?;
-    Ok(())
 }

@@ -215,14 +215,12 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let (m, k, n) = (a.shape()[0], a.shape()[1], b.shape()[1]);
     dispatch!(a, "matmul", T => {
         let (sa, sb) = (a.storage::<T>()?, b.storage::<T>()?);
-        let mut c = vec![T::ZERO; m * n];
-        T::gemm(
+        let c = T::gemm(
             m,
             k,
             n,
             (&sa, a.inner.offset, a.strides()[0] as isize, a.strides()[1] as isize),
             (&sb, b.inner.offset, b.strides()[0] as isize, b.strides()[1] as isize),
-            &mut c,
         );
         Ok(Tensor::from_vec_unchecked(c, vec![m, n]))
     })
