@@ -182,6 +182,10 @@ fn main() -> anyhow::Result<()> {
                 .collect();
             eprintln!("soak: {:>3} workers by tensor size: {}", s.workers, sizes.join("; "));
             eprintln!(
+                "soak: {:>3} workers by leg: request (call to handler) p50 {:.0} us p99 {:.0} us; reply (handler to caller resumed) p50 {:.0} us p99 {:.0} us",
+                s.workers, s.request_p50_us, s.request_p99_us, s.reply_p50_us, s.reply_p99_us
+            );
+            eprintln!(
                 "soak: {:>3} workers opened their pipes to each other ({} first calls) in {:.2} s before the load",
                 s.workers,
                 s.workers * s.workers.saturating_sub(1),

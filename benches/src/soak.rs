@@ -37,9 +37,11 @@ pub struct WorkerReport {
     pub duplicates: u64,
     pub outstanding_at_end: u64,
     pub bytes: u64,
-    /// Round-trip latencies in microseconds with each call's tensor size (a uniform sample of
-    /// the calls).
-    pub latencies_us: Vec<(u32, u32)>,
+    /// A uniform sample of the calls: (tensor size, round trip, request leg), in
+    /// microseconds. The request leg runs from the call's start to its handler's start (the
+    /// host's monotonic clock, read in both processes); the rest of the round trip is the
+    /// reply leg.
+    pub latencies_us: Vec<(u32, u32, u32)>,
     /// Private resident memory (`RssAnon`) in KiB, sampled about every second.
     pub rss_kib: Vec<u64>,
     /// Resident shared memory (`RssShmem`, the rings) in KiB, sampled with it.
@@ -52,6 +54,8 @@ struct Call {
     seq: u64,
     dest: String,
     checksum: u64,
+    /// The caller's monotonic clock when the call started, in ns.
+    sent_ns: u64,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -60,6 +64,15 @@ struct Echo {
     seq: u64,
     responder: String,
     checksum: u64,
+    /// The responder's monotonic clock when its handler started, in ns.
+    served_ns: u64,
+}
+
+/// The host's monotonic clock in ns: one clock for every process here, so one process's
+/// reading can be subtracted from another's.
+fn now_ns() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .map_or(0, |t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
 }
 
 fn checksum(b: &[u8]) -> u64 {
@@ -101,6 +114,7 @@ fn rss_kib() -> (u64, u64) {
 fn registry(reports: Arc<Mutex<Vec<WorkerReport>>>) -> Registry {
     let mut r = Registry::new();
     r.raw_handler("soak.echo", |cx: &CallContext, mut payload: Payload| {
+        let served_ns = now_ns();
         let call: Call = payload
             .decode()
             .map_err(|e| HandlerError::new("Decode", e.to_string()))?;
@@ -110,6 +124,7 @@ fn registry(reports: Arc<Mutex<Vec<WorkerReport>>>) -> Registry {
             seq: call.seq,
             responder: cx.agent.info().name.clone(),
             checksum: call.checksum,
+            served_ns,
         };
         let reply = Payload::encode(&echo).map_err(|e| HandlerError::new("Encode", e.to_string()))?;
         Ok(reply.with_tensors(data))
@@ -133,7 +148,7 @@ struct LaneStats {
     bad_replies: u64,
     duplicates: u64,
     bytes: u64,
-    latencies_us: Vec<(u32, u32)>,
+    latencies_us: Vec<(u32, u32, u32)>,
 }
 
 /// Latency samples kept per worker, shared out over its call loops; each loop keeps a uniform
@@ -185,7 +200,7 @@ fn drive(agent: &Agent, in_flight: u32, stop: Arc<AtomicBool>, peers: Vec<String
             let keep = (LATENCIES_PER_WORKER / in_flight.max(1) as usize).max(16);
             tasks.push(tokio::spawn(async move {
                 let mut st = LaneStats::default();
-                st.latencies_us.resize(keep, (0, 0));
+                st.latencies_us.resize(keep, (0, 0, 0));
                 st.latencies_us.clear();
                 // The highest sequence number echoed so far: a loop's sequence numbers only
                 // grow, so an echo that does not is a duplicate or stale reply.
@@ -199,19 +214,21 @@ fn drive(agent: &Agent, in_flight: u32, stop: Arc<AtomicBool>, peers: Vec<String
                     let size = size_for(r >> 8);
                     let bytes = data.iter().find(|b| b.len() == size).cloned().unwrap_or_default();
                     let seq = next_seq.fetch_add(1, Ordering::Relaxed);
+                    let sent_ns = now_ns();
                     let call = Call {
                         caller: id,
                         seq,
                         dest: dest.clone(),
                         checksum: checksum(&bytes),
+                        sent_ns,
                     };
                     let payload = Payload::encode(&call)
                         .unwrap()
                         .with_tensors(vec![Tensor::cpu(bytes.clone())]);
-                    let start = Instant::now();
                     st.sent += 1;
                     let result = agent.rpc_async(dest.as_str(), "soak.echo", payload).await;
-                    let us = start.elapsed().as_micros().min(u32::MAX as u128) as u32;
+                    let us = |ns: u64| (ns / 1000).min(u32::MAX as u64) as u32;
+                    let total = us(now_ns().saturating_sub(sent_ns));
                     match result {
                         Ok(mut reply) => {
                             let echo: Option<Echo> = reply.decode().ok();
@@ -231,7 +248,8 @@ fn drive(agent: &Agent, in_flight: u32, stop: Arc<AtomicBool>, peers: Vec<String
                             }
                             st.completed += 1;
                             st.bytes += 2 * size as u64;
-                            let sample = (size as u32, us);
+                            let request = echo.as_ref().map_or(0, |e| us(e.served_ns.saturating_sub(sent_ns)));
+                            let sample = (size as u32, total, request.min(total));
                             if st.latencies_us.len() < keep {
                                 st.latencies_us.push(sample);
                             } else {
@@ -390,6 +408,13 @@ pub struct Summary {
     pub p99_over_p50: f64,
     /// The latency by tensor size: where the tail comes from.
     pub by_size: Vec<SizeLatency>,
+    /// The round trip's two legs: call start to handler start (the request: the caller's
+    /// write, the callee's queue and read), and handler start to the caller's task resumed
+    /// (the handler, the reply's write, the caller's read and wake-up).
+    pub request_p50_us: f64,
+    pub request_p99_us: f64,
+    pub reply_p50_us: f64,
+    pub reply_p99_us: f64,
 }
 
 /// Latency of the calls carrying one tensor size.
@@ -445,9 +470,14 @@ pub fn run(
     }
     let mut all = reports.lock().unwrap().clone();
     all.push(mine);
-    let mut latencies: Vec<u32> = all.iter().flat_map(|r| r.latencies_us.iter().map(|l| l.1)).collect();
-    latencies.sort_unstable();
+    let sorted = |f: fn(&(u32, u32, u32)) -> u32| {
+        let mut v: Vec<u32> = all.iter().flat_map(|r| r.latencies_us.iter().map(f)).collect();
+        v.sort_unstable();
+        v
+    };
+    let latencies = sorted(|l| l.1);
     let pct = |p: f64| quantile(&latencies, p);
+    let (request, reply) = (sorted(|l| l.2), sorted(|l| l.1 - l.2));
     let mut sizes: Vec<u32> = all.iter().flat_map(|r| r.latencies_us.iter().map(|l| l.0)).collect();
     sizes.sort_unstable();
     sizes.dedup();
@@ -501,5 +531,9 @@ pub fn run(
             .map(|r| end(r) as f64 / warm(r).max(1) as f64)
             .fold(0.0, f64::max),
         by_size,
+        request_p50_us: quantile(&request, 0.5),
+        request_p99_us: quantile(&request, 0.99),
+        reply_p50_us: quantile(&reply, 0.5),
+        reply_p99_us: quantile(&reply, 0.99),
     })
 }
