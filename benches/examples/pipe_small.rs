@@ -7,6 +7,11 @@
 //! `... --example pipe_small -- transport [SECONDS]` runs 64 B round trips on the shared-memory
 //! transport itself instead (adaptive, then busy-polling), against the same echo.
 //!
+//! `... --example pipe_small -- stream [SECONDS] [MIB]` streams MIB-sized frames (default 1)
+//! through the shared-memory transport into the peer's sink, in runs of 300 ms (the bench's
+//! `shm bw` row), each after a run of the raw cross-core stream of the same size, printing both
+//! rates and where the transport's waiting went.
+//!
 //! `... --example pipe_small -- cost` measures instead the CPU cost of one write and one read
 //! with nothing to wait for: a pipe to itself in this process, 64 messages written, then read.
 use std::io::BufRead;
@@ -31,7 +36,12 @@ async fn main() -> anyhow::Result<()> {
         return cost().await;
     }
     let transport_only = args.get(1).map(String::as_str) == Some("transport");
-    let args: Vec<String> = if transport_only { args[1..].to_vec() } else { args };
+    let stream_only = args.get(1).map(String::as_str) == Some("stream");
+    let args: Vec<String> = if transport_only || stream_only {
+        args[1..].to_vec()
+    } else {
+        args
+    };
     let seconds: f64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(3.0);
     let channel = match args.get(2).map(String::as_str) {
         Some("cma") => ChannelKind::Cma,
@@ -47,6 +57,10 @@ async fn main() -> anyhow::Result<()> {
     std::io::BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line)?;
     if transport_only {
         return transport(line.trim(), seconds, child).await;
+    }
+    if stream_only {
+        let mib: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1);
+        return stream(line.trim(), seconds, mib << 20, child).await;
     }
     let ctx = Context::new(ContextOptions {
         channels: vec![channel],
@@ -100,6 +114,28 @@ async fn transport(peer: &str, seconds: f64, mut child: std::process::Child) -> 
             "{name}: 64 B p50 {:.3} µs ({} samples)",
             p50(samples.clone()) / 1e3,
             samples.len()
+        );
+    }
+    child.kill()?;
+    Ok(())
+}
+
+async fn stream(peer: &str, seconds: f64, size: usize, mut child: std::process::Child) -> anyhow::Result<()> {
+    use sluice_transport::shm::ShmTransport;
+    let (shm, _) = sluice_benches::run::shm_addresses(peer).await?;
+    let t = ShmTransport::default();
+    let start = std::time::Instant::now();
+    while start.elapsed().as_secs_f64() < seconds {
+        let (raw, _) = tokio::task::spawn_blocking(move || {
+            sluice_benches::raw::shm_copy_stream(size, Duration::from_millis(300))
+        })
+        .await?;
+        let meter = sluice_benches::report::StageMeter::start();
+        let (gbps, n) = sluice_benches::run::transport_bw(&t, &shm, size, Duration::from_millis(300)).await?;
+        println!(
+            "{gbps:6.2} GB/s ({:.2}x the raw stream's {raw:.2} just before), {n} frames, {:?}",
+            gbps / raw,
+            meter.stop()
         );
     }
     child.kill()?;

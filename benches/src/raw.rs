@@ -101,6 +101,93 @@ pub fn shm_copy_pingpong(len: usize, budget: Duration, max_iters: usize) -> Vec<
     samples
 }
 
+/// A one-way stream of `len`-byte messages the way a shared-memory transport must move them:
+/// the sender copies each, in pieces of at most 256 KiB, into a 2 MiB ring (the transport's
+/// default size) and the receiver, another thread and so another core, copies the pieces out
+/// into its message, both busy-polling. The floor for a shared-memory stream of `len`-byte
+/// messages: two copies a byte through a cache-sized ring, and the cache lines' trip between
+/// the cores, which on a shared VM swings with where the host runs them. GB/s.
+pub fn shm_copy_stream(len: usize, budget: Duration) -> (f64, u64) {
+    let len = len.max(1);
+    let piece = len.min(256 << 10);
+    let pieces_per_message = len.div_ceil(piece) as u64;
+    let slots = ((2 << 20) / piece).max(2) as u64;
+    let mut ring = vec![0u8; slots as usize * piece];
+    // Both threads copy through raw pointers into disjoint slots, handed over by the counters;
+    // `ring` outlives the reader thread (joined below).
+    let base = ring.as_mut_ptr() as usize;
+    // Pieces written and pieces taken, counted from the start.
+    let written = Arc::new(CachePadded::new(AtomicU64::new(0)));
+    let taken = Arc::new(CachePadded::new(AtomicU64::new(0)));
+    let stop = u64::MAX;
+    let piece_len = move |k: u64| {
+        let at = (k % pieces_per_message) as usize * piece;
+        (at, piece.min(len - at))
+    };
+    let reader = {
+        let (written, taken) = (written.clone(), taken.clone());
+        std::thread::spawn(move || {
+            let mut mine = vec![0u8; len];
+            let mut next = 0u64;
+            loop {
+                let w = written.load(Ordering::Acquire);
+                if w == stop {
+                    return;
+                }
+                if w > next {
+                    let (at, n) = piece_len(next);
+                    // SAFETY: `written > next` hands slot `next % slots` (inside `ring`, which
+                    // outlives this thread) to this thread until `taken` passes `next`; `mine`
+                    // has `at + n <= len` bytes.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            (base as *const u8).add((next % slots) as usize * piece),
+                            mine.as_mut_ptr().add(at),
+                            n,
+                        )
+                    };
+                    std::hint::black_box(&mut mine);
+                    next += 1;
+                    taken.store(next, Ordering::Release);
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+        })
+    };
+    let out = vec![7u8; len];
+    let start = Instant::now();
+    let (mut messages, mut k) = (0u64, 0u64);
+    while messages < 3 || start.elapsed() < budget {
+        for _ in 0..pieces_per_message {
+            while k - taken.load(Ordering::Acquire) >= slots {
+                std::hint::spin_loop();
+            }
+            let (at, n) = piece_len(k);
+            // SAFETY: `taken > k - slots` means the reader is done with slot `k % slots`, and
+            // it does not read it again until `written` passes `k`; `out` has `at + n` bytes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    out.as_ptr().add(at),
+                    (base as *mut u8).add((k % slots) as usize * piece),
+                    n,
+                )
+            };
+            k += 1;
+            written.store(k, Ordering::Release);
+        }
+        messages += 1;
+    }
+    while taken.load(Ordering::Acquire) < k {
+        std::hint::spin_loop();
+    }
+    let secs = start.elapsed().as_secs_f64();
+    written.store(stop, Ordering::Release);
+    reader.join().expect("stream reader thread");
+    drop(ring);
+    (len as f64 * messages as f64 / secs / 1e9, messages)
+}
+
 /// Single-thread memcpy of `len` bytes between warm buffers, in GB/s.
 pub fn memcpy_gbps(len: usize, budget: Duration) -> (f64, u64) {
     let src = vec![1u8; len];
