@@ -200,10 +200,10 @@ pub async fn run(options: &BenchOptions, addr: &str) -> anyhow::Result<Vec<Recor
                 r.against(&shm_rtt[i]);
                 r.stages = Some(meter.stop());
                 out.push(r);
-                // A stream's rate through shared memory swings run to run with where the host
-                // runs the two cores (a raw cross-core stream alone moved 2.4 and 30 GB/s a
-                // second apart): ours and the raw stream take turns in four slices each.
-                let meter = StageMeter::start();
+                // A stream's rate through shared memory swings from run to run with the host (a
+                // raw cross-core stream alone: 2.4 GB/s in one run, 30 in another): ours and the
+                // raw stream take turns in four slices each.
+                let mut stages = crate::report::Stages::default();
                 let (mut ours, mut raw_turns) = ((0.0, 0), (0.0, 0));
                 let add = |acc: &mut (f64, u64), (g, n): (f64, u64)| {
                     acc.0 += size.max(1) as f64 * n as f64 / (g * 1e9);
@@ -214,13 +214,16 @@ pub async fn run(options: &BenchOptions, addr: &str) -> anyhow::Result<Vec<Recor
                         &mut raw_turns,
                         tokio::task::spawn_blocking(move || raw::shm_copy_stream(size.max(1), budget / 4)).await?,
                     );
+                    // The wait counts are the transport's slices' alone.
+                    let meter = StageMeter::start();
                     add(&mut ours, transport_bw(&shm, &dir.shm, size, budget / 4).await?);
+                    stages = stages.plus(&meter.stop());
                 }
                 let rate = |(secs, n): (f64, u64)| size.max(1) as f64 * n as f64 / secs / 1e9;
                 let base = Record::bw("raw", "shm-stream-interleaved", size, rate(raw_turns), raw_turns.1);
                 let mut r = Record::bw("transport", "shm", size, rate(ours), ours.1);
                 r.against(&base);
-                r.stages = Some(meter.stop());
+                r.stages = Some(stages);
                 out.push(base);
                 out.push(r);
                 if !dir.shm_busy.is_empty() && size <= BUSY_MAX {

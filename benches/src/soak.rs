@@ -248,8 +248,10 @@ fn drive(agent: &Agent, in_flight: u32, stop: Arc<AtomicBool>, peers: Vec<String
                             }
                             st.completed += 1;
                             st.bytes += 2 * size as u64;
-                            let request = echo.as_ref().map_or(0, |e| us(e.served_ns.saturating_sub(sent_ns)));
-                            let sample = (size as u32, total, request.min(total));
+                            // A reply that did not decode has no handler stamp: no sample.
+                            let Some(e) = &echo else { continue };
+                            let request = us(e.served_ns.saturating_sub(sent_ns)).min(total);
+                            let sample = (size as u32, total, request);
                             if st.latencies_us.len() < keep {
                                 st.latencies_us.push(sample);
                             } else {
