@@ -126,10 +126,9 @@ async fn stream(peer: &str, seconds: f64, size: usize, mut child: std::process::
     let t = ShmTransport::default();
     let start = std::time::Instant::now();
     while start.elapsed().as_secs_f64() < seconds {
-        let (raw, _) = tokio::task::spawn_blocking(move || {
-            sluice_benches::raw::shm_copy_stream(size, Duration::from_millis(300))
-        })
-        .await?;
+        let (raw, _) =
+            tokio::task::spawn_blocking(move || sluice_benches::raw::shm_copy_stream(size, Duration::from_millis(300)))
+                .await?;
         let meter = sluice_benches::report::StageMeter::start();
         let (gbps, n) = sluice_benches::run::transport_bw(&t, &shm, size, Duration::from_millis(300)).await?;
         println!(

@@ -340,7 +340,12 @@ pub async fn transport_rtt<T: Transport>(t: &T, addr: &str, size: usize, budget:
     Ok(samples)
 }
 
-pub async fn transport_bw<T: Transport>(t: &T, addr: &str, size: usize, budget: Duration) -> anyhow::Result<(f64, u64)> {
+pub async fn transport_bw<T: Transport>(
+    t: &T,
+    addr: &str,
+    size: usize,
+    budget: Duration,
+) -> anyhow::Result<(f64, u64)> {
     let (mut r, mut w) = t.connect(addr).await?.split();
     w.write(&[b"sink"]).await?;
     let out = vec![7u8; size.max(1)];

@@ -84,7 +84,15 @@ mod tests {
     /// element the kernel skipped fails the comparison.
     #[test]
     fn every_element_is_written() {
-        let shapes = [(1, 1, 1), (3, 0, 2), (0, 4, 5), (4, 3, 0), (5, 7, 3), (33, 17, 65), (70, 300, 9)];
+        let shapes = [
+            (1, 1, 1),
+            (3, 0, 2),
+            (0, 4, 5),
+            (4, 3, 0),
+            (5, 7, 3),
+            (33, 17, 65),
+            (70, 300, 9),
+        ];
         for &(m, k, n) in &shapes {
             // `a` starts 3 elements in; `b` is stored transposed (n×k) and read as k×n.
             let off = 3;
