@@ -214,12 +214,13 @@ fn drive(agent: &Agent, in_flight: u32, stop: Arc<AtomicBool>, peers: Vec<String
                     let size = size_for(r >> 8);
                     let bytes = data.iter().find(|b| b.len() == size).cloned().unwrap_or_default();
                     let seq = next_seq.fetch_add(1, Ordering::Relaxed);
+                    let sum = checksum(&bytes);
                     let sent_ns = now_ns();
                     let call = Call {
                         caller: id,
                         seq,
                         dest: dest.clone(),
-                        checksum: checksum(&bytes),
+                        checksum: sum,
                         sent_ns,
                     };
                     let payload = Payload::encode(&call)
