@@ -46,16 +46,8 @@ pub struct Stages {
 impl Stages {
     /// `self` and `other` together (one row measured in slices).
     pub fn plus(&self, other: &Stages) -> Stages {
-        let (a, b) = (&self.waits, &other.waits);
         Stages {
-            waits: sluice_transport::shm::stats::WaitStats {
-                waits: a.waits + b.waits,
-                spun: a.spun + b.spun,
-                parked: a.parked + b.parked,
-                spin_us: a.spin_us + b.spin_us,
-                park_us: a.park_us + b.park_us,
-                wakes: a.wakes + b.wakes,
-            },
+            waits: self.waits.plus(&other.waits),
             minor_faults: self.minor_faults + other.minor_faults,
         }
     }

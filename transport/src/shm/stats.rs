@@ -44,6 +44,18 @@ impl WaitStats {
             wakes: self.wakes.saturating_sub(earlier.wakes),
         }
     }
+
+    /// `self` and `other` together (counts taken in slices).
+    pub fn plus(&self, other: &WaitStats) -> WaitStats {
+        WaitStats {
+            waits: self.waits + other.waits,
+            spun: self.spun + other.spun,
+            parked: self.parked + other.parked,
+            spin_us: self.spin_us + other.spin_us,
+            park_us: self.park_us + other.park_us,
+            wakes: self.wakes + other.wakes,
+        }
+    }
 }
 
 /// Starts counting (for the rest of the process's life).
