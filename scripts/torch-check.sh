@@ -22,5 +22,5 @@ TORCH="torch==2.15.*"
 "$VENV/bin/python" -m pip install --quiet --no-build-isolation ./python/torch
 
 cd python/torch/tests
-"$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider test_backend.py test_process_group.py
+"$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider test_backend.py test_process_group.py test_dynamic.py
 "$VENV/bin/python" run_generic.py "${1:-ci}"

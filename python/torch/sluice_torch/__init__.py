@@ -17,10 +17,17 @@ at the address that routes to ``MASTER_ADDR``, else on loopback.
 Options: ``sluice_torch.SluiceRpcBackendOptions`` (``rpc_timeout``, ``init_method``,
 ``num_worker_threads``, ``device_maps`` and ``devices`` (with ``set_device_map`` and
 ``set_devices``, as TensorPipe's), plus Sluice's ``transports``, ``channels`` and ``host``).
-Static groups only (``world_size`` given). CUDA tensors travel where the device maps say, over
-Sluice's CUDA channels; a program without maps never touches CUDA.
+CUDA tensors travel where the device maps say, over Sluice's CUDA channels; a program without
+maps never touches CUDA.
+
+Dynamic groups (``init_rpc`` without ``world_size``: workers join and leave one at a time, as
+with TensorPipe) carry CPU tensors. PyTorch's ``rpc.shutdown`` runs the leave protocol only for
+its own TensorPipe agent, so importing this package wraps ``rpc.shutdown`` to run it for a
+dynamic SLUICE agent too (every other agent goes to PyTorch's own function unchanged).
 """
 
+import contextlib
+import functools
 import os
 import socket
 import time
@@ -29,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import rpc
 from torch.distributed.rpc import api, backend_registry, constants
+from torch.distributed.rpc._utils import _update_group_membership
 
 from . import _build
 
@@ -131,13 +139,8 @@ def _barrier(store, world_size, timeout):
         time.sleep(0.005)
 
 
-def _init_backend(store, name, rank, world_size, rpc_backend_options):
-    if not world_size:
-        raise ValueError("the SLUICE backend supports static groups only: pass world_size to init_rpc")
-    opts = rpc_backend_options
-    if not isinstance(opts, SluiceRpcBackendOptions):
-        raise TypeError(f"rpc_backend_options must be a SluiceRpcBackendOptions, got {type(opts).__name__}")
-    agent = _C.SluiceAgent(
+def _new_agent(store, name, rank, world_size, opts):
+    return _C.SluiceAgent(
         store,
         name,
         rank,
@@ -151,12 +154,94 @@ def _init_backend(store, name, rank, world_size, rpc_backend_options):
         {to: {str(k): str(v) for k, v in m.items()} for to, m in opts.device_maps.items()},
         [str(d) for d in opts.devices],
     )
+
+
+def _init_backend(store, name, rank, world_size, rpc_backend_options):
+    opts = rpc_backend_options
+    if not isinstance(opts, SluiceRpcBackendOptions):
+        raise TypeError(f"rpc_backend_options must be a SluiceRpcBackendOptions, got {type(opts).__name__}")
+    if not world_size:
+        return _join_dynamic(store, name, rank, opts)
+    agent = _new_agent(store, name, rank, world_size, opts)
     api._init_rpc_states(agent)
     # One round of calls through every pipe, then a barrier so that no worker leaves before the
     # gather's leader is done (as TensorPipe's backend does).
     api._all_gather(None, timeout=opts.rpc_timeout)
     _barrier(store, world_size, opts.rpc_timeout)
     return agent
+
+
+@contextlib.contextmanager
+def _membership_token(store, name, is_join):
+    """Holds a dynamic group's membership token while joining or leaving: PyTorch's protocol (the
+    same store key and token values as ``torch.distributed.rpc._utils``), except that the token is
+    released however the body ends, so a worker whose join failed does not hold up the next one."""
+    key = "RpcGroupManagementToken"
+    mine = f"Token_for_{name}_{'join' if is_join else 'leave'}"
+    while True:
+        holder = store.compare_set(key, "", mine).decode()
+        if holder == mine:
+            break
+        store.wait([holder])  # its holder sets it when done (or the store's timeout raises)
+    try:
+        yield
+    finally:
+        store.set(key, "")
+        store.set(mine, "Done")
+
+
+def _join_dynamic(store, name, rank, opts):
+    """Joins a dynamic group (PyTorch's protocol, as its TensorPipe backend runs it): holding the
+    group's membership token, the agent lists the members in the store and adds itself, starts,
+    and tells every member, which connects to it. Returns once every member knows it."""
+    if opts.device_maps or opts.devices:
+        raise ValueError(
+            "the SLUICE backend carries CPU tensors only in a dynamic group (init_rpc without "
+            "world_size): device_maps and devices need a static group"
+        )
+    with _membership_token(store, name, True):
+        agent = _new_agent(store, name, rank, 0, opts)
+        api._init_rpc_states(agent)
+        me = agent.get_worker_info()
+        told = []
+        try:
+            for worker in agent.get_worker_infos():
+                if worker.name != name:
+                    api.rpc_sync(worker.name, _update_group_membership, args=(me, [], {}, True))
+                    told.append(worker.name)
+        except Exception:
+            # Leave as cleanly as we can (we hold the token already), then fail init_rpc.
+            _leave(agent, me, told, timeout=opts.rpc_timeout)
+            raise
+    return agent
+
+
+def _leave(agent, me, members, timeout):
+    """Tells `members` that this worker leaves, waits for its own calls, takes it off the store's
+    list and shuts the agent down (the caller holds the membership token)."""
+    try:
+        for worker in members:
+            api.rpc_sync(worker, _update_group_membership, args=(me, [], {}, False))
+        agent.join(shutdown=True, timeout=timeout)
+    finally:
+        api._finalize_shutdown()
+
+
+_torch_shutdown = api.shutdown
+
+
+@functools.wraps(_torch_shutdown)
+def shutdown(graceful=True, timeout=constants.DEFAULT_SHUTDOWN_TIMEOUT):
+    """``rpc.shutdown``, which also runs a dynamic group's leave protocol for a SLUICE agent
+    (PyTorch's own runs it only for TensorPipe's agent); anything else goes to PyTorch's."""
+    agent = api._get_current_rpc_agent() if api._is_current_rpc_agent_set() else None
+    if graceful and isinstance(agent, _C.SluiceAgent) and not agent.is_static_group:
+        me = agent.get_worker_info()
+        with _membership_token(agent.store, me.name, False):
+            others = [w.name for w in agent.get_worker_infos() if w.name != me.name]
+            _leave(agent, me, others, timeout)
+        return
+    return _torch_shutdown(graceful, timeout)
 
 
 def _register():
@@ -170,6 +255,7 @@ def _register():
 
 
 BACKEND = _register()
+api.shutdown = rpc.shutdown = shutdown
 
 
 # --- the process group -------------------------------------------------------------------------

@@ -232,5 +232,86 @@ def test_options_are_checked():
     opts = rpc.backend_registry.construct_rpc_backend_options(sluice_torch.BACKEND, rpc_timeout=5, num_worker_threads=3)
     assert isinstance(opts, sluice_torch.SluiceRpcBackendOptions)
     assert opts.rpc_timeout == 5 and opts.num_worker_threads == 3
-    with pytest.raises(ValueError, match="static groups only"):
+    opts.set_device_map("worker1", {0: 0})
+    with pytest.raises(ValueError, match="CPU tensors only in a dynamic group"):
         sluice_torch._init_backend(None, "w", 0, None, opts)
+
+
+# --- dynamic groups ----------------------------------------------------------------------------
+
+
+def whoami():
+    return rpc.get_worker_info().name
+
+
+def members():
+    return sorted(w.name for w in rpc.api._get_current_rpc_agent().get_worker_infos())
+
+
+def _join_dynamic(rank, method, name=None):
+    opts = sluice_torch.SluiceRpcBackendOptions(init_method=method, rpc_timeout=30)
+    rpc.init_rpc(name or f"worker{rank}", rank=rank, backend=sluice_torch.BACKEND, rpc_backend_options=opts)
+
+
+def _elastic(rank, world, method):
+    """worker0 starts alone; worker1 and worker2 join; worker1 leaves while the others go on
+    calling each other; a call to worker1 then fails naming it; a new process joins as worker1
+    (PyTorch's own protocol needs a fresh process to join again)."""
+    import torch.distributed as dist
+
+    # A side channel that orders the steps (not the group's own store).
+    store = dist.FileStore(method[len("file://") :] + ".steps", world)
+    step = lambda name: store.set(name, "1")  # noqa: E731
+    after = lambda name: store.wait([name])  # noqa: E731
+    if rank == 0:
+        _join_dynamic(0, method)
+        assert members() == ["worker0"]
+        step("0 up")
+        after("1 up")
+        after("2 up")
+        assert members() == ["worker0", "worker1", "worker2"]
+        assert rpc.rpc_sync("worker2", whoami) == "worker2"
+        assert torch.equal(rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)), torch.full((2,), 2.0))
+        step("0 called")
+        after("1 left")
+        assert members() == ["worker0", "worker2"]
+        with pytest.raises(RuntimeError, match="worker1"):
+            rpc.rpc_sync("worker1", whoami)
+        assert rpc.rpc_sync("worker2", members) == ["worker0", "worker2"]
+        step("0 saw 1 leave")
+        after("1 back")
+        assert rpc.rpc_sync("worker1", whoami) == "worker1"
+        assert members() == ["worker0", "worker1", "worker2"]
+        m = rpc.api._get_current_rpc_agent().get_metrics()
+        assert m["agent.pipe.worker1"].startswith(("shm/", "tcp/")), m
+    elif rank == 1:
+        after("0 up")
+        _join_dynamic(1, method)
+        step("1 up")
+        after("2 up")
+        assert rpc.rpc_sync("worker2", whoami) == "worker2"
+        after("0 called")
+        rpc.shutdown()
+        step("1 left")
+        return
+    elif rank == 2:
+        after("1 up")
+        _join_dynamic(2, method)
+        assert members() == ["worker0", "worker1", "worker2"]
+        step("2 up")
+        after("1 left")
+        assert rpc.rpc_sync("worker0", members) == ["worker0", "worker2"]
+    else:
+        after("0 saw 1 leave")
+        _join_dynamic(1, method, name="worker1")
+        assert members() == ["worker0", "worker1", "worker2"]
+        assert rpc.rpc_sync("worker2", whoami) == "worker2"
+        step("1 back")
+    step(f"{rank} done")
+    for r in (0, 2, 3):
+        after(f"{r} done")
+    rpc.shutdown()
+
+
+def test_a_dynamic_group_lets_workers_join_leave_and_join_again():
+    run(_elastic, 4)

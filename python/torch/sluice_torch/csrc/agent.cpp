@@ -53,6 +53,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <sstream>
 #include <thread>
 #include <unordered_map>
@@ -104,6 +105,7 @@ struct Pipe {
 struct Pending {
   c10::intrusive_ptr<JitFuture> future;
   worker_id_t to;
+  const Pipe* via;  // the pipe the request went on: its failure fails this call
   Clock::time_point started;
   std::optional<Clock::time_point> deadline;
 };
@@ -118,7 +120,13 @@ struct Stats {
 // What outlives the agent object: everything a library callback or a future's callback may
 // touch after the agent started shutting down.
 struct Core : std::enable_shared_from_this<Core> {
-  std::unordered_map<worker_id_t, WorkerInfo> workers;
+  // The group's members, and the agent's maps by member (its names, pipes, channels). A static
+  // group fills them before it starts and never changes them; a dynamic one changes them as
+  // workers join and leave (under `membersMu`, held exclusively for that and shared to read).
+  // A member that leaves is kept in `retired`, so a WorkerInfo handed out stays valid.
+  mutable std::shared_mutex membersMu;
+  std::unordered_map<worker_id_t, std::shared_ptr<const WorkerInfo>> workers;
+  std::vector<std::shared_ptr<const WorkerInfo>> retired;
   std::unique_ptr<c10::ThreadPool> pool;
   std::mutex postMu;
   bool stopped = false;  // under postMu: nothing is posted to the pool any more
@@ -135,8 +143,9 @@ struct Core : std::enable_shared_from_this<Core> {
   Stats stats;
 
   std::string name(worker_id_t id) const {
+    std::shared_lock<std::shared_mutex> l(membersMu);
     auto it = workers.find(id);
-    return it == workers.end() ? "worker id " + std::to_string(id) : it->second.name_;
+    return it == workers.end() ? "worker id " + std::to_string(id) : it->second->name_;
   }
 
   // Runs `f` on the pool unless the agent has stopped (then it is dropped).
@@ -621,14 +630,27 @@ class SluiceAgent : public RpcAgent {
                  std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000))),
         store_(store),
         worldSize_(worldSize),
+        static_(worldSize > 0),
         core_(std::make_shared<Core>()) {
-    TORCH_CHECK(worldSize > 0, "the SLUICE RPC backend needs a static group (world_size given)");
     TORCH_CHECK(numWorkerThreads > 0, "num_worker_threads must be at least 1");
+    TORCH_CHECK(static_ || (deviceMaps.empty() && devices.empty()),
+                "the SLUICE backend carries CPU tensors only in a dynamic group (init_rpc without world_size): "
+                "device_maps and devices need a static group");
+    // Every member agrees on the kind of group: the first to start sets it in the store.
+    std::string kind = static_ ? "static" : "dynamic";
+    auto set = store_->compareSet("sluice/group_kind", {}, std::vector<uint8_t>(kind.begin(), kind.end()));
+    TORCH_CHECK(std::string(set.begin(), set.end()) == kind,
+                "RPC group mixes statically and dynamically initialized members which is not supported. "
+                "This group is ", std::string(set.begin(), set.end()), " and ", workerInfo_.name_, " started as ",
+                kind, ".");
+    // A dynamic group: the caller holds PyTorch's membership token, so the members listed in the
+    // store are the group, and this worker is added to the list.
+    auto names = static_ ? collectNames(::c10d::PrefixStore("names", store_), workerInfo_.id_, workerInfo_.name_,
+                                        static_cast<int>(worldSize))
+                         : collectCurrentNames(::c10d::PrefixStore("names", store_), workerInfo_.id_, workerInfo_.name_);
     core_->pool = std::make_unique<c10::ThreadPool>(static_cast<int>(numWorkerThreads));
-    auto names = collectNames(::c10d::PrefixStore("names", store_), workerInfo_.id_, workerInfo_.name_,
-                              static_cast<int>(worldSize));
     for (const auto& [n, id] : names) {
-      core_->workers.emplace(id, WorkerInfo(n, id));
+      core_->workers.emplace(id, std::make_shared<const WorkerInfo>(n, id));
       byName_.emplace(n, id);
     }
     // Whatever fails from here is published where the other workers wait for this one (its
@@ -676,9 +698,14 @@ class SluiceAgent : public RpcAgent {
     TORCH_CHECK(message->isRequest(), "the SLUICE agent sends requests only (got message type ", message->type(), ")");
     // The map given (distributed autograd's reverse map for gradients), else ours for `to`.
     const DeviceMap& map = deviceMap.empty() ? mapTo(to.name_) : deviceMap;
-    auto client = clients_.find(to.id_);
-    TORCH_CHECK(client != clients_.end(), "sluice: no pipe to ", to.name_, " (id ", to.id_, ")");
-    const std::shared_ptr<Pipe>& pipe = client->second;
+    std::shared_ptr<Pipe> pipe;
+    {
+      std::shared_lock<std::shared_mutex> l(core_->membersMu);
+      auto client = clients_.find(to.id_);
+      TORCH_CHECK(client != clients_.end(), "sluice: no pipe to ", to.name_, " (id ", to.id_,
+                  static_ ? ")" : "): it is not a member of the group (it left, or has not joined)");
+      pipe = client->second;
+    }
     auto future = c10::make_intrusive<JitFuture>(at::AnyClassType::get(), getDevices());
     int64_t id = nextId_++;
     message->setId(id);
@@ -697,7 +724,7 @@ class SluiceAgent : public RpcAgent {
           core_->timerCv.notify_all();
         }
       }
-      core_->pending.emplace(id, Pending{future, to.id_, now, deadline});
+      core_->pending.emplace(id, Pending{future, to.id_, pipe.get(), now, deadline});
       core_->clientActive += 1;
     }
     std::weak_ptr<Core> weak = core_;
@@ -721,30 +748,96 @@ class SluiceAgent : public RpcAgent {
   }
 
   const WorkerInfo& getWorkerInfo(const std::string& workerName) const override {
+    std::shared_lock<std::shared_mutex> l(core_->membersMu);
     auto it = byName_.find(workerName);
     TORCH_CHECK(it != byName_.end(), workerInfo_.name_, " could not find destination worker ", workerName,
                 " (the group has ", byName_.size(), " workers)");
-    return core_->workers.at(it->second);
+    return *core_->workers.at(it->second);
   }
 
   const WorkerInfo& getWorkerInfo(worker_id_t id) const override {
+    std::shared_lock<std::shared_mutex> l(core_->membersMu);
     auto it = core_->workers.find(id);
     TORCH_CHECK(it != core_->workers.end(), workerInfo_.name_, " could not find destination worker id ", id,
                 " (the group has ", core_->workers.size(), " workers)");
-    return it->second;
+    return *it->second;
   }
 
   std::vector<WorkerInfo> getWorkerInfos() const override {
+    std::shared_lock<std::shared_mutex> l(core_->membersMu);
     std::vector<WorkerInfo> out;
     for (const auto& [id, w] : core_->workers) {
-      out.push_back(w);
+      out.push_back(*w);
     }
     return out;
   }
 
+  bool isStaticGroup() const { return static_; }
+
+  const c10::intrusive_ptr<::c10d::Store>& store() const { return store_; }
+
+  // A dynamic group's membership changes, as PyTorch's `_update_group_membership` hands them to
+  // every member (TensorPipe's agent has the same method): a worker that joined is connected to
+  // (its address is in the store), one that leaves is no longer a destination. Calls already in
+  // flight to a worker that leaves still get their answers: it leaves after its own calls
+  // finished, and its pipe is closed when it shuts down (which fails whatever is left).
+  void updateGroupMembership(const WorkerInfo& worker, bool isJoin) {
+    TORCH_CHECK(!static_, "sluice: ", workerInfo_.name_, " is in a static group: its members cannot change");
+    if (worker.id_ == workerInfo_.id_) {
+      return;
+    }
+    std::shared_ptr<Pipe> old;
+    if (isJoin) {
+      std::string addr = store_->get_to_str("sluice/addr/" + std::to_string(worker.id_));
+      TORCH_CHECK(addr.rfind(kFailed, 0) != 0, "sluice: ", worker.name_, " could not start: ",
+                  addr.substr(std::strlen(kFailed)));
+      sluice_pipe* raw = nullptr;
+      int s = sluice_connect(ctx_, addr.c_str(), &raw);
+      TORCH_CHECK(s == SLUICE_OK, "sluice: cannot connect to ", worker.name_, " at ", addr, ": ", lastError(s));
+      auto pipe = std::make_shared<Pipe>(raw);
+      {
+        std::unique_lock<std::shared_mutex> l(core_->membersMu);
+        retireLocked(worker.id_, worker.name_);
+        core_->workers.emplace(worker.id_, std::make_shared<const WorkerInfo>(worker.name_, worker.id_));
+        byName_.emplace(worker.name_, worker.id_);
+        auto& slot = clients_[worker.id_];
+        old = std::move(slot);
+        slot = pipe;
+        channel_[worker.id_] = std::string(sluice_pipe_transport(raw)) + "/" + sluice_pipe_channel(raw);
+      }
+      readClient(core_, pipe, worker.id_, live_, devices_);
+    } else {
+      std::unique_lock<std::shared_mutex> l(core_->membersMu);
+      retireLocked(worker.id_, worker.name_);
+      auto it = clients_.find(worker.id_);
+      if (it != clients_.end()) {
+        departed_.push_back(std::move(it->second));
+        clients_.erase(it);
+      }
+      channel_.erase(worker.id_);
+    }
+    if (old) {
+      // A worker that joined again without leaving (it died): its old pipe's calls fail.
+      old->close();
+    }
+  }
+
   // A barrier over the group that returns once no worker has a call in flight (the same
   // protocol as TensorPipe's agent: rounds of summed counts through the store).
+  // In a dynamic group, join waits for this worker's own calls only, and with `shutdown` takes
+  // it off the store's member list (PyTorch's shutdown holds the membership token around it,
+  // after telling every other member that this one leaves).
   void join(bool shutdown, float /*timeout*/) override {
+    if (!static_) {
+      {
+        std::unique_lock<std::mutex> l(core_->mu);
+        core_->idle.wait(l, [this] { return core_->clientActive == 0; });
+      }
+      if (shutdown && !leftStore_.exchange(true)) {
+        removeCurrentName(::c10d::PrefixStore("names", store_), workerInfo_.id_, workerInfo_.name_);
+      }
+      return;
+    }
     ::c10d::PrefixStore sync("sluice/join", store_);
     while (true) {
       {
@@ -772,24 +865,36 @@ class SluiceAgent : public RpcAgent {
   void startImpl() override {
     // Every worker's address first: one that could not start says so, and nothing has been
     // started here yet.
+    // The members as they are now (in a dynamic group others join only after this worker has
+    // started and told them, under PyTorch's membership token).
+    std::vector<std::shared_ptr<const WorkerInfo>> members;
+    {
+      std::shared_lock<std::shared_mutex> l(core_->membersMu);
+      for (const auto& [id, w] : core_->workers) {
+        members.push_back(w);
+      }
+    }
     std::unordered_map<worker_id_t, std::string> addrs;
-    for (const auto& [id, w] : core_->workers) {
-      std::string addr = store_->get_to_str("sluice/addr/" + std::to_string(id));
-      TORCH_CHECK(addr.rfind(kFailed, 0) != 0, "sluice: ", w.name_, " could not start: ",
+    for (const auto& w : members) {
+      std::string addr = store_->get_to_str("sluice/addr/" + std::to_string(w->id_));
+      TORCH_CHECK(addr.rfind(kFailed, 0) != 0, "sluice: ", w->name_, " could not start: ",
                   addr.substr(std::strlen(kFailed)));
-      addrs.emplace(id, std::move(addr));
+      addrs.emplace(w->id_, std::move(addr));
     }
     acceptThread_ = std::thread([this] { acceptLoop(); });
     timerThread_ = std::thread([core = core_] { timeouts(core); });
-    for (const auto& [id, w] : core_->workers) {
-      const std::string& addr = addrs.at(id);
+    for (const auto& w : members) {
+      const std::string& addr = addrs.at(w->id_);
       sluice_pipe* raw = nullptr;
       int s = sluice_connect(ctx_, addr.c_str(), &raw);
-      TORCH_CHECK(s == SLUICE_OK, "sluice: cannot connect to ", w.name_, " at ", addr, ": ", lastError(s));
+      TORCH_CHECK(s == SLUICE_OK, "sluice: cannot connect to ", w->name_, " at ", addr, ": ", lastError(s));
       auto pipe = std::make_shared<Pipe>(raw);
-      channel_[id] = std::string(sluice_pipe_transport(raw)) + "/" + sluice_pipe_channel(raw);
-      clients_.emplace(id, pipe);
-      readClient(core_, pipe, id, live_, devices_);
+      {
+        std::unique_lock<std::shared_mutex> l(core_->membersMu);
+        channel_[w->id_] = std::string(sluice_pipe_transport(raw)) + "/" + sluice_pipe_channel(raw);
+        clients_.emplace(w->id_, pipe);
+      }
+      readClient(core_, pipe, w->id_, live_, devices_);
     }
     // A handler may call out: serve requests once this worker's own pipes are open.
     std::lock_guard<std::mutex> l(serversMu_);
@@ -817,7 +922,15 @@ class SluiceAgent : public RpcAgent {
       }
       acceptThread_.join();
     }
-    for (auto& [id, pipe] : clients_) {
+    std::vector<std::shared_ptr<Pipe>> opened;
+    {
+      std::shared_lock<std::shared_mutex> l(core_->membersMu);
+      for (auto& [id, pipe] : clients_) {
+        opened.push_back(pipe);
+      }
+      opened.insert(opened.end(), departed_.begin(), departed_.end());
+    }
+    for (auto& pipe : opened) {
       pipe->close();
     }
     {
@@ -860,8 +973,12 @@ class SluiceAgent : public RpcAgent {
       m["agent.avg_request_queue_us"] = std::to_string(core_->stats.queuedNs.load() / 1e3 / served);
       m["agent.avg_request_serve_us"] = std::to_string(core_->stats.servedNs.load() / 1e3 / served);
     }
-    for (const auto& [id, path] : channel_) {
-      m["agent.pipe." + core_->name(id)] = path;
+    {
+      std::shared_lock<std::shared_mutex> members(core_->membersMu);
+      for (const auto& [id, path] : channel_) {
+        auto w = core_->workers.find(id);
+        m["agent.pipe." + (w == core_->workers.end() ? "worker id " + std::to_string(id) : w->second->name_)] = path;
+      }
     }
     for (const auto& [id, v] : core_->latency) {
       if (v.first > 0) {
@@ -937,7 +1054,7 @@ class SluiceAgent : public RpcAgent {
     }
     for (const auto& [id, w] : core_->workers) {
       std::string published = maps.get_to_str(std::to_string(id));
-      TORCH_CHECK(published.rfind(kFailed, 0) != 0, "sluice: ", w.name_, " could not start: ",
+      TORCH_CHECK(published.rfind(kFailed, 0) != 0, "sluice: ", w->name_, " could not start: ",
                   published.substr(std::strlen(kFailed)));
       std::istringstream theirs(published);
       std::string to, a, b;
@@ -985,7 +1102,11 @@ class SluiceAgent : public RpcAgent {
       sluice_listener_free(listener_);
       listener_ = nullptr;
     }
-    clients_.clear();
+    {
+      std::unique_lock<std::shared_mutex> l(core_->membersMu);
+      clients_.clear();
+      departed_.clear();
+    }
     if (ctx_) {
       sluice_context_free(ctx_);
       ctx_ = nullptr;
@@ -1128,8 +1249,9 @@ class SluiceAgent : public RpcAgent {
   static void readClient(std::shared_ptr<Core> core, std::shared_ptr<Pipe> pipe, worker_id_t peer,
                          std::shared_ptr<std::atomic<int64_t>> live, std::vector<c10::Device> devices) {
     auto peerName = core->name(peer);
-    auto failAll = [core, peer](const std::string& why) {
-      core->failWhere([peer](const Pending& p) { return p.to == peer; }, why);
+    // The calls that went on this pipe (a worker that left and joined again has a new one).
+    auto failAll = [core, via = pipe.get()](const std::string& why) {
+      core->failWhere([via](const Pending& p) { return p.via == via; }, why);
     };
     auto loop = std::make_unique<ReadLoop>();
     loop->pipe = pipe;
@@ -1194,9 +1316,29 @@ class SluiceAgent : public RpcAgent {
     }
   }
 
+  // Under core_->membersMu: moves worker `id` (if a member) to the retired list, and its name.
+  void retireLocked(worker_id_t id, const std::string& name) {
+    auto it = core_->workers.find(id);
+    if (it != core_->workers.end()) {
+      auto byName = byName_.find(it->second->name_);
+      if (byName != byName_.end() && byName->second == id) {
+        byName_.erase(byName);
+      }
+      core_->retired.push_back(std::move(it->second));
+      core_->workers.erase(it);
+    }
+    auto other = byName_.find(name);
+    TORCH_CHECK(other == byName_.end(), "sluice: worker name ", name, " is taken by worker id ", other->second,
+                " (and worker id ", id, " asked for it)");
+  }
+
   c10::intrusive_ptr<::c10d::Store> store_;
   int64_t worldSize_;
+  const bool static_;                     // world_size given: the members never change
+  std::atomic<bool> leftStore_{false};    // a dynamic member's name is off the store's list
   std::shared_ptr<Core> core_;
+  // Under core_->membersMu (with core_->workers): names, the pipes this worker opened, and their
+  // transport/channel; the pipes to members that left, closed at shutdown.
   std::unordered_map<std::string, worker_id_t> byName_;
   std::unordered_map<std::string, DeviceMap> maps_;    // ours, by destination name
   std::unordered_map<worker_id_t, DeviceMap> reverse_;  // how responses to each caller go back
@@ -1207,8 +1349,9 @@ class SluiceAgent : public RpcAgent {
   std::atomic<bool> stopping_{false};
   std::thread acceptThread_;
   std::thread timerThread_;
-  std::unordered_map<worker_id_t, std::shared_ptr<Pipe>> clients_;  // the pipes this worker opened
+  std::unordered_map<worker_id_t, std::shared_ptr<Pipe>> clients_;
   std::unordered_map<worker_id_t, std::string> channel_;
+  std::vector<std::shared_ptr<Pipe>> departed_;
   std::mutex serversMu_;
   std::vector<std::shared_ptr<Pipe>> servers_;
   bool serving_ = false;  // under serversMu_: every client pipe is open, server pipes are read
@@ -1249,7 +1392,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("get_worker_info", py::overload_cast<rpc::worker_id_t>(&SluiceAgent::getWorkerInfo, py::const_),
            py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("address", &SluiceAgent::address);
+      .def_property_readonly("address", &SluiceAgent::address)
+      .def_property_readonly("is_static_group", &SluiceAgent::isStaticGroup)
+      .def_property_readonly("store", &SluiceAgent::store)
+      // What PyTorch's `_update_group_membership` calls on every member of a dynamic group (its
+      // device lists and reverse maps are empty: such a group carries CPU tensors only).
+      .def("_update_group_membership",
+           [](SluiceAgent& agent, const rpc::WorkerInfo& worker, const py::object& /*devices*/,
+              const py::object& /*reverseDeviceMaps*/, bool isJoin) {
+             py::gil_scoped_release release;
+             agent.updateGroupMembership(worker, isJoin);
+           },
+           py::arg("worker_info"), py::arg("my_devices"), py::arg("reverse_device_map"), py::arg("is_join"));
 #ifndef SLUICE_TORCH_RPC_ONLY
   sluice_torch::bindProcessGroup(m);
 #endif
