@@ -183,6 +183,8 @@ def _membership_token(store, name, is_join):
         if holder == mine:
             break
         store.wait([holder])  # its holder sets it when done (or the store's timeout raises)
+    # Set when this name last held this kind of token: cleared, so that waiters wait.
+    store.delete_key(mine)
     try:
         yield
     finally:
@@ -200,31 +202,45 @@ def _join_dynamic(store, name, rank, opts):
             "world_size): device_maps and devices need a static group"
         )
     with _membership_token(store, name, True):
+        # A constructor that fails takes this worker off the store's list itself.
         agent = _new_agent(store, name, rank, 0, opts)
-        api._init_rpc_states(agent)
-        me = agent.get_worker_info()
-        told = []
+        asked = []
         try:
+            api._init_rpc_states(agent)
+            me = agent.get_worker_info()
             for worker in agent.get_worker_infos():
                 if worker.name != name:
+                    asked.append(worker.name)
                     api.rpc_sync(worker.name, _update_group_membership, args=(me, [], {}, True))
-                    told.append(worker.name)
-        except Exception:
-            # Leave as cleanly as we can (we hold the token already), then fail init_rpc.
-            _leave(agent, me, told, timeout=opts.rpc_timeout)
+        except BaseException:
+            # Leave as cleanly as we can (this worker holds the token already): every member
+            # asked, the one whose answer failed included, is told; then init_rpc fails with
+            # the first error.
+            try:
+                _leave(agent, asked)
+            except Exception:
+                pass
+            finally:
+                if api._is_current_rpc_agent_set():
+                    api._finalize_shutdown()
             raise
     return agent
 
 
-def _leave(agent, me, members, timeout):
-    """Tells `members` that this worker leaves, waits for its own calls, takes it off the store's
-    list and shuts the agent down (the caller holds the membership token)."""
-    try:
-        for worker in members:
+def _leave(agent, members):
+    """Tells every one of `members` that this worker leaves (each in turn, whatever the others
+    answer), waits for its own calls and the requests it serves, and takes it off the store's
+    list (the caller holds the membership token). Raises the first failure after all that."""
+    me = agent.get_worker_info()
+    failed = None
+    for worker in members:
+        try:
             api.rpc_sync(worker, _update_group_membership, args=(me, [], {}, False))
-        agent.join(shutdown=True, timeout=timeout)
-    finally:
-        api._finalize_shutdown()
+        except Exception as e:  # a member gone without leaving: the others are still told
+            failed = failed or e
+    agent.join(shutdown=True)
+    if failed is not None:
+        raise failed
 
 
 _torch_shutdown = api.shutdown
@@ -236,10 +252,12 @@ def shutdown(graceful=True, timeout=constants.DEFAULT_SHUTDOWN_TIMEOUT):
     (PyTorch's own runs it only for TensorPipe's agent); anything else goes to PyTorch's."""
     agent = api._get_current_rpc_agent() if api._is_current_rpc_agent_set() else None
     if graceful and isinstance(agent, _C.SluiceAgent) and not agent.is_static_group:
-        me = agent.get_worker_info()
-        with _membership_token(agent.store, me.name, False):
-            others = [w.name for w in agent.get_worker_infos() if w.name != me.name]
-            _leave(agent, me, others, timeout)
+        try:
+            name = agent.get_worker_info().name
+            with _membership_token(agent.store, name, False):
+                _leave(agent, [w.name for w in agent.get_worker_infos() if w.name != name])
+        finally:
+            api._finalize_shutdown()  # whatever failed above, this worker's RPC stops
         return
     return _torch_shutdown(graceful, timeout)
 

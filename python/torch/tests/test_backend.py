@@ -315,3 +315,37 @@ def _elastic(rank, world, method):
 
 def test_a_dynamic_group_lets_workers_join_leave_and_join_again():
     run(_elastic, 4)
+
+
+def _failed_join(rank, world, method):
+    """A worker whose join fails (it cannot listen where it is told to) takes itself off the
+    group's list and releases the membership token: the next worker joins as if it never came."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(method[len("file://") :] + ".steps", world)
+    if rank == 0:
+        _join_dynamic(0, method)
+        store.set("0 up", "1")
+        store.wait(["2 up"])
+        assert members() == ["worker0", "worker2"], members()
+        store.set("0 checked", "1")
+    elif rank == 1:
+        store.wait(["0 up"])
+        # 192.0.2.1 (TEST-NET-1) is no address of this host: listening there fails at once.
+        opts = sluice_torch.SluiceRpcBackendOptions(init_method=method, rpc_timeout=30, host="192.0.2.1")
+        with pytest.raises(RuntimeError, match="cannot listen"):
+            rpc.init_rpc("worker1", rank=1, backend=sluice_torch.BACKEND, rpc_backend_options=opts)
+        store.set("1 failed", "1")
+        return
+    else:
+        store.wait(["1 failed"])
+        _join_dynamic(2, method)
+        assert members() == ["worker0", "worker2"]
+        assert rpc.rpc_sync("worker0", whoami) == "worker0"
+        store.set("2 up", "1")
+        store.wait(["0 checked"])
+    rpc.shutdown()
+
+
+def test_a_failed_join_leaves_the_dynamic_group_as_it_was():
+    run(_failed_join, 3)

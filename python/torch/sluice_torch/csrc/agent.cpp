@@ -186,7 +186,7 @@ struct Core : std::enable_shared_from_this<Core> {
   void finished() {
     std::lock_guard<std::mutex> l(mu);
     if (--clientActive == 0) {
-      idle.notify_all();
+      idle.notify_all();  // join waits on it (a dynamic member's also for serverActive)
     }
   }
 
@@ -677,6 +677,12 @@ class SluiceAgent : public RpcAgent {
         maps.set(me, why);
       }
       store_->set("sluice/addr/" + me, why);
+      if (!static_) {
+        // Off the dynamic group's list again (the caller still holds the token), so the next
+        // worker to join does not try to reach this one.
+        removeCurrentName(::c10d::PrefixStore("names", store_), workerInfo_.id_, workerInfo_.name_);
+        leftStore_ = true;
+      }
       release();
       throw;
     }
@@ -797,6 +803,11 @@ class SluiceAgent : public RpcAgent {
       auto pipe = std::make_shared<Pipe>(raw);
       {
         std::unique_lock<std::shared_mutex> l(core_->membersMu);
+        if (closing_) {
+          l.unlock();
+          pipe->close();
+          TORCH_CHECK(false, "sluice: ", workerInfo_.name_, " is shutting down: ", worker.name_, " cannot join it");
+        }
         retireLocked(worker.id_, worker.name_);
         core_->workers.emplace(worker.id_, std::make_shared<const WorkerInfo>(worker.name_, worker.id_));
         byName_.emplace(worker.name_, worker.id_);
@@ -804,6 +815,9 @@ class SluiceAgent : public RpcAgent {
         old = std::move(slot);
         slot = pipe;
         channel_[worker.id_] = std::string(sluice_pipe_transport(raw)) + "/" + sluice_pipe_channel(raw);
+        if (old) {
+          departed_.push_back(old);  // kept until shutdown: no pipe address is reused meanwhile
+        }
       }
       readClient(core_, pipe, worker.id_, live_, devices_);
     } else {
@@ -830,8 +844,10 @@ class SluiceAgent : public RpcAgent {
   void join(bool shutdown, float /*timeout*/) override {
     if (!static_) {
       {
+        // Its own calls answered, and the requests it serves answered (their responses handed
+        // to their pipes), before it leaves.
         std::unique_lock<std::mutex> l(core_->mu);
-        core_->idle.wait(l, [this] { return core_->clientActive == 0; });
+        core_->idle.wait(l, [this] { return core_->clientActive == 0 && core_->serverActive == 0; });
       }
       if (shutdown && !leftStore_.exchange(true)) {
         removeCurrentName(::c10d::PrefixStore("names", store_), workerInfo_.id_, workerInfo_.name_);
@@ -924,7 +940,9 @@ class SluiceAgent : public RpcAgent {
     }
     std::vector<std::shared_ptr<Pipe>> opened;
     {
-      std::shared_lock<std::shared_mutex> l(core_->membersMu);
+      // No worker joins from here on (updateGroupMembership refuses): every pipe is in the list.
+      std::unique_lock<std::shared_mutex> l(core_->membersMu);
+      closing_ = true;
       for (auto& [id, pipe] : clients_) {
         opened.push_back(pipe);
       }
@@ -1241,7 +1259,9 @@ class SluiceAgent : public RpcAgent {
       core->stats.servedNs += ns(Clock::now() - arrived);
       core->stats.served += 1;
       std::lock_guard<std::mutex> l(core->mu);
-      core->serverActive -= 1;
+      if (--core->serverActive == 0 && core->clientActive == 0) {
+        core->idle.notify_all();
+      }
     });
   }
 
@@ -1336,9 +1356,10 @@ class SluiceAgent : public RpcAgent {
   int64_t worldSize_;
   const bool static_;                     // world_size given: the members never change
   std::atomic<bool> leftStore_{false};    // a dynamic member's name is off the store's list
+  bool closing_ = false;                  // under core_->membersMu: shutdown took the pipes' list
   std::shared_ptr<Core> core_;
   // Under core_->membersMu (with core_->workers): names, the pipes this worker opened, and their
-  // transport/channel; the pipes to members that left, closed at shutdown.
+  // transport/channel; the pipes to members that left (or joined again), closed at shutdown.
   std::unordered_map<std::string, worker_id_t> byName_;
   std::unordered_map<std::string, DeviceMap> maps_;    // ours, by destination name
   std::unordered_map<worker_id_t, DeviceMap> reverse_;  // how responses to each caller go back
