@@ -186,6 +186,10 @@ fn main() -> anyhow::Result<()> {
                 s.workers, s.request_p50_us, s.request_p99_us, s.reply_p50_us, s.reply_p99_us
             );
             eprintln!(
+                "soak: {:>3} workers, the reply leg: handler to call completed p50 {:.0} us p99 {:.0} us; completed to task resumed (the load's queue) p50 {:.0} us p99 {:.0} us",
+                s.workers, s.reply_path_p50_us, s.reply_path_p99_us, s.resume_p50_us, s.resume_p99_us
+            );
+            eprintln!(
                 "soak: {:>3} workers opened their pipes to each other ({} first calls) in {:.2} s before the load",
                 s.workers,
                 s.workers * s.workers.saturating_sub(1),

@@ -37,15 +37,58 @@ pub struct WorkerReport {
     pub duplicates: u64,
     pub outstanding_at_end: u64,
     pub bytes: u64,
-    /// A uniform sample of the calls: (tensor size, round trip, request leg), in
+    /// A uniform sample of the calls: (tensor size, round trip, request leg, resume), in
     /// microseconds. The request leg runs from the call's start to its handler's start (the
     /// host's monotonic clock, read in both processes); the rest of the round trip is the
-    /// reply leg.
-    pub latencies_us: Vec<(u32, u32, u32)>,
+    /// reply leg, whose last part, the resume, runs from the agent completing the call (its
+    /// wake-up of the waiting task) to that task running again: the load's own queue.
+    pub latencies_us: Vec<Sample>,
     /// Private resident memory (`RssAnon`) in KiB, sampled about every second.
     pub rss_kib: Vec<u64>,
     /// Resident shared memory (`RssShmem`, the rings) in KiB, sampled with it.
     pub shm_kib: Vec<u64>,
+}
+
+/// One sampled call: (tensor size, round trip, request leg, resume) in µs (see
+/// [`WorkerReport::latencies_us`]).
+pub type Sample = (u32, u32, u32, u32);
+
+/// Records the moment a call's task is woken: the agent completing the call, which wakes the
+/// task that awaits it. The wrapped future is polled with a waker that stamps the host's
+/// monotonic clock (the first wake-up only) before it wakes the task.
+struct WakeStamped<F> {
+    inner: F,
+    woken_ns: Arc<AtomicU64>,
+}
+
+struct StampingWaker {
+    woken_ns: Arc<AtomicU64>,
+    task: std::task::Waker,
+}
+
+impl std::task::Wake for StampingWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        let _ = self
+            .woken_ns
+            .compare_exchange(0, now_ns(), Ordering::Relaxed, Ordering::Relaxed);
+        self.task.wake_by_ref();
+    }
+}
+
+impl<F: std::future::Future + Unpin> std::future::Future for WakeStamped<F> {
+    type Output = F::Output;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<F::Output> {
+        let waker = std::task::Waker::from(Arc::new(StampingWaker {
+            woken_ns: self.woken_ns.clone(),
+            task: cx.waker().clone(),
+        }));
+        std::pin::Pin::new(&mut self.inner).poll(&mut std::task::Context::from_waker(&waker))
+    }
 }
 
 #[derive(Serialize, Deserialize)]
@@ -148,7 +191,7 @@ struct LaneStats {
     bad_replies: u64,
     duplicates: u64,
     bytes: u64,
-    latencies_us: Vec<(u32, u32, u32)>,
+    latencies_us: Vec<Sample>,
 }
 
 /// Latency samples kept per worker, shared out over its call loops; each loop keeps a uniform
@@ -200,7 +243,8 @@ fn drive(agent: &Agent, in_flight: u32, stop: Arc<AtomicBool>, peers: Vec<String
             let keep = (LATENCIES_PER_WORKER / in_flight.max(1) as usize).max(16);
             tasks.push(tokio::spawn(async move {
                 let mut st = LaneStats::default();
-                st.latencies_us.resize(keep, (0, 0, 0));
+                st.latencies_us.resize(keep, (0, 0, 0, 0));
+                let woken_ns = Arc::new(AtomicU64::new(0));
                 st.latencies_us.clear();
                 // The highest sequence number echoed so far: a loop's sequence numbers only
                 // grow, so an echo that does not is a duplicate or stale reply.
@@ -227,9 +271,22 @@ fn drive(agent: &Agent, in_flight: u32, stop: Arc<AtomicBool>, peers: Vec<String
                         .unwrap()
                         .with_tensors(vec![Tensor::cpu(bytes.clone())]);
                     st.sent += 1;
-                    let result = agent.rpc_async(dest.as_str(), "soak.echo", payload).await;
+                    woken_ns.store(0, Ordering::Relaxed);
+                    let result = WakeStamped {
+                        inner: agent.rpc_async(dest.as_str(), "soak.echo", payload),
+                        woken_ns: woken_ns.clone(),
+                    }
+                    .await;
+                    let resumed_ns = now_ns();
                     let us = |ns: u64| (ns / 1000).min(u32::MAX as u64) as u32;
-                    let total = us(now_ns().saturating_sub(sent_ns));
+                    let total = us(resumed_ns.saturating_sub(sent_ns));
+                    // A call complete at its first poll woke nothing: no wait to count.
+                    let woken = woken_ns.load(Ordering::Relaxed);
+                    let resume = if woken == 0 {
+                        0
+                    } else {
+                        us(resumed_ns.saturating_sub(woken))
+                    };
                     match result {
                         Ok(mut reply) => {
                             let echo: Option<Echo> = reply.decode().ok();
@@ -252,7 +309,7 @@ fn drive(agent: &Agent, in_flight: u32, stop: Arc<AtomicBool>, peers: Vec<String
                             // A reply that did not decode has no handler stamp: no sample.
                             let Some(e) = &echo else { continue };
                             let request = us(e.served_ns.saturating_sub(sent_ns)).min(total);
-                            let sample = (size as u32, total, request);
+                            let sample = (size as u32, total, request, resume.min(total - request));
                             if st.latencies_us.len() < keep {
                                 st.latencies_us.push(sample);
                             } else {
@@ -418,6 +475,13 @@ pub struct Summary {
     pub request_p99_us: f64,
     pub reply_p50_us: f64,
     pub reply_p99_us: f64,
+    /// The reply leg in two: handler start to the caller's agent completing the call (the
+    /// handler, the reply's write, the caller's read: Sluice's reply path), and from there to
+    /// the waiting task running again (the load's own runtime queue).
+    pub reply_path_p50_us: f64,
+    pub reply_path_p99_us: f64,
+    pub resume_p50_us: f64,
+    pub resume_p99_us: f64,
 }
 
 /// Latency of the calls carrying one tensor size.
@@ -473,7 +537,7 @@ pub fn run(
     }
     let mut all = reports.lock().unwrap().clone();
     all.push(mine);
-    let sorted = |f: fn(&(u32, u32, u32)) -> u32| {
+    let sorted = |f: fn(&Sample) -> u32| {
         let mut v: Vec<u32> = all.iter().flat_map(|r| r.latencies_us.iter().map(f)).collect();
         v.sort_unstable();
         v
@@ -481,6 +545,7 @@ pub fn run(
     let latencies = sorted(|l| l.1);
     let pct = |p: f64| quantile(&latencies, p);
     let (request, reply) = (sorted(|l| l.2), sorted(|l| l.1 - l.2));
+    let (reply_path, resume) = (sorted(|l| l.1 - l.2 - l.3), sorted(|l| l.3));
     let mut sizes: Vec<u32> = all.iter().flat_map(|r| r.latencies_us.iter().map(|l| l.0)).collect();
     sizes.sort_unstable();
     sizes.dedup();
@@ -538,5 +603,9 @@ pub fn run(
         request_p99_us: quantile(&request, 0.99),
         reply_p50_us: quantile(&reply, 0.5),
         reply_p99_us: quantile(&reply, 0.99),
+        reply_path_p50_us: quantile(&reply_path, 0.5),
+        reply_path_p99_us: quantile(&reply_path, 0.99),
+        resume_p50_us: quantile(&resume, 0.5),
+        resume_p99_us: quantile(&resume, 0.99),
     })
 }
