@@ -2,7 +2,9 @@
 //! with `peer STORE`) for a fixed time, for a profiler (`perf record -g`) to see the steady
 //! state only.
 //!
-//! `cargo run --release -p sluice-benches --example rpc_small -- [SECONDS]`
+//! `cargo run --release -p sluice-benches --example rpc_small -- [SECONDS] [async]`: with
+//! `async`, `rpc_async` no-ops with 64 in flight from a plain thread (the bench's
+//! `rpc_async-64` row) instead of one `rpc_sync` at a time.
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -27,6 +29,28 @@ fn main() -> anyhow::Result<()> {
     let empty = Payload::empty();
     for _ in 0..10_000 {
         agent.rpc_sync(1u32, "noop", empty.clone())?;
+    }
+    if args.get(2).map(String::as_str) == Some("async") {
+        let mut window = std::collections::VecDeque::with_capacity(64);
+        let mut done = 0u64;
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs_f64(seconds) {
+            while window.len() < 64 {
+                window.push_back(agent.rpc_async(1u32, "noop", empty.clone()));
+            }
+            window.pop_front().expect("a call in flight").wait()?;
+            done += 1;
+        }
+        for f in window {
+            f.wait()?;
+        }
+        println!(
+            "rpc_async no-op, 64 in flight: {:.0} calls/s",
+            done as f64 / start.elapsed().as_secs_f64()
+        );
+        agent.shutdown()?;
+        child.wait()?;
+        return Ok(());
     }
     let mut samples = Vec::new();
     let start = Instant::now();
