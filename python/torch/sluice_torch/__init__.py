@@ -211,7 +211,12 @@ def _join_dynamic(store, name, rank, opts):
             for worker in agent.get_worker_infos():
                 if worker.name != name:
                     asked.append(worker.name)
-                    api.rpc_sync(worker.name, _update_group_membership, args=(me, [], {}, True))
+                    try:
+                        api.rpc_sync(worker.name, _update_group_membership, args=(me, [], {}, True))
+                    except Exception:
+                        if _still_member(agent, worker.name):
+                            raise
+                        # It died meanwhile: its pipe failed and the agent dropped it.
         except BaseException:
             # Leave as cleanly as we can (this worker holds the token already): every member
             # asked, the one whose answer failed included, is told; then init_rpc fails with
@@ -236,11 +241,18 @@ def _leave(agent, members):
     for worker in members:
         try:
             api.rpc_sync(worker, _update_group_membership, args=(me, [], {}, False))
-        except Exception as e:  # a member gone without leaving: the others are still told
-            failed = failed or e
+        except Exception as e:  # the others are still told
+            if _still_member(agent, worker):
+                failed = failed or e
+            # else it died meanwhile (its pipe failed): nobody there to tell
     agent.join(shutdown=True)
     if failed is not None:
         raise failed
+
+
+def _still_member(agent, name):
+    """Whether `name` is still in the agent's group (a member whose pipe failed is dropped)."""
+    return any(w.name == name for w in agent.get_worker_infos())
 
 
 _torch_shutdown = api.shutdown

@@ -349,3 +349,52 @@ def _failed_join(rank, world, method):
 
 def test_a_failed_join_leaves_the_dynamic_group_as_it_was():
     run(_failed_join, 3)
+
+
+def _member_dies(rank, world, method):
+    """worker1 dies without leaving. The survivors drop it once its pipe fails (a call to it then
+    fails naming it), a new worker joins past its stale entry in the store's list (dropping it
+    there), and everyone still in the group leaves cleanly."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(method[len("file://") :] + ".steps", world)
+    if rank == 1:
+        store.wait(["0 up"])
+        _join_dynamic(1, method)
+        store.set("1 up", "1")
+        store.wait(["2 up"])
+        os._exit(7)  # no shutdown: still on the store's list
+    if rank == 0:
+        _join_dynamic(0, method)
+        store.set("0 up", "1")
+    elif rank == 2:
+        store.wait(["1 up"])
+        _join_dynamic(2, method)
+        store.set("2 up", "1")
+    else:
+        store.wait(["1 gone"])
+        _join_dynamic(3, method)
+        assert members() == ["worker0", "worker2", "worker3"], members()
+        store.set("3 up", "1")
+    if rank in (0, 2):
+        # The survivors see worker1 go when its pipe fails (its process is gone).
+        deadline = time.monotonic() + 30
+        while "worker1" in members():
+            assert time.monotonic() < deadline, "worker1 is still a member 30 s after it died"
+            time.sleep(0.05)
+        with pytest.raises(RuntimeError, match="worker1"):
+            rpc.rpc_sync("worker1", whoami)
+        store.set(f"{rank} saw 1 gone", "1")
+        if rank == 0:
+            store.wait(["2 saw 1 gone"])
+            store.set("1 gone", "1")
+        store.wait(["3 up"])
+        assert members() == ["worker0", "worker2", "worker3"], members()
+        assert rpc.rpc_sync("worker3", whoami) == "worker3"
+    store.set(f"{rank} done", "1")
+    store.wait(["0 done", "2 done", "3 done"])
+    rpc.shutdown()
+
+
+def test_a_dynamic_member_that_dies_is_dropped_and_the_group_goes_on():
+    run(_member_dies, 4, expect_exit=[0, 7, 0, 0])

@@ -48,6 +48,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -127,6 +128,18 @@ struct Core : std::enable_shared_from_this<Core> {
   mutable std::shared_mutex membersMu;
   std::unordered_map<worker_id_t, std::shared_ptr<const WorkerInfo>> workers;
   std::vector<std::shared_ptr<const WorkerInfo>> retired;
+
+  // A dynamic group's agent drops a member whose pipe failed (it died, or went away without
+  // leaving). Set by the agent, cleared by its shutdown (under lostMu: never called after).
+  std::mutex lostMu;
+  std::function<void(worker_id_t, const void*)> onLost;
+
+  void lost(worker_id_t id, const void* pipe) {
+    std::lock_guard<std::mutex> l(lostMu);
+    if (onLost) {
+      onLost(id, pipe);
+    }
+  }
   std::unique_ptr<c10::ThreadPool> pool;
   std::mutex postMu;
   bool stopped = false;  // under postMu: nothing is posted to the pool any more
@@ -649,6 +662,10 @@ class SluiceAgent : public RpcAgent {
                                         static_cast<int>(worldSize))
                          : collectCurrentNames(::c10d::PrefixStore("names", store_), workerInfo_.id_, workerInfo_.name_);
     core_->pool = std::make_unique<c10::ThreadPool>(static_cast<int>(numWorkerThreads));
+    if (!static_) {
+      // Cleared by shutdownImpl before the agent goes: read loops may outlive it.
+      core_->onLost = [this](worker_id_t id, const void* pipe) { memberLost(id, pipe); };
+    }
     for (const auto& [n, id] : names) {
       core_->workers.emplace(id, std::make_shared<const WorkerInfo>(n, id));
       byName_.emplace(n, id);
@@ -903,6 +920,16 @@ class SluiceAgent : public RpcAgent {
       const std::string& addr = addrs.at(w->id_);
       sluice_pipe* raw = nullptr;
       int s = sluice_connect(ctx_, addr.c_str(), &raw);
+      if (s != SLUICE_OK && !static_ && w->id_ != workerInfo_.id_) {
+        // Listed, but gone without leaving (it died, or shut down without `graceful`): off the
+        // list (this worker holds the membership token) and out of this worker's group.
+        TORCH_WARN("sluice: ", w->name_, " is on the group's list but cannot be reached at ", addr, " (",
+                   lastError(s), "): it is dropped from the group");
+        removeCurrentName(::c10d::PrefixStore("names", store_), w->id_, w->name_);
+        std::unique_lock<std::shared_mutex> l(core_->membersMu);
+        retireLocked(w->id_, w->name_);
+        continue;
+      }
       TORCH_CHECK(s == SLUICE_OK, "sluice: cannot connect to ", w->name_, " at ", addr, ": ", lastError(s));
       auto pipe = std::make_shared<Pipe>(raw);
       {
@@ -921,6 +948,10 @@ class SluiceAgent : public RpcAgent {
   }
 
   void shutdownImpl() override {
+    {
+      std::lock_guard<std::mutex> l(core_->lostMu);
+      core_->onLost = nullptr;
+    }
     {
       std::lock_guard<std::mutex> l(core_->mu);
       core_->timerStop = true;
@@ -1276,7 +1307,8 @@ class SluiceAgent : public RpcAgent {
     auto loop = std::make_unique<ReadLoop>();
     loop->pipe = pipe;
     loop->live = std::move(live);
-    loop->onEnd = [failAll, peerName](int, std::string why) {
+    loop->onEnd = [core, peer, via = pipe.get(), failAll, peerName](int, std::string why) {
+      core->lost(peer, via);  // first: by the time a call fails, the member is gone
       failAll("sluice: the pipe to " + peerName + " failed: " + why);
     };
     loop->devices = devices;
@@ -1334,6 +1366,22 @@ class SluiceAgent : public RpcAgent {
       }
       l.lock();
     }
+  }
+
+  // A dynamic group's member whose pipe from this worker failed: no longer a destination (a pipe
+  // of the past, one that member had before it left or joined again, changes nothing).
+  void memberLost(worker_id_t id, const void* pipe) {
+    std::unique_lock<std::shared_mutex> l(core_->membersMu);
+    auto it = clients_.find(id);
+    if (it == clients_.end() || it->second.get() != pipe) {
+      return;
+    }
+    auto w = core_->workers.find(id);
+    std::string name = w == core_->workers.end() ? "" : w->second->name_;
+    departed_.push_back(std::move(it->second));
+    clients_.erase(it);
+    channel_.erase(id);
+    retireLocked(id, name);
   }
 
   // Under core_->membersMu: moves worker `id` (if a member) to the retired list, and its name.
