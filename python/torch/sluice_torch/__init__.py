@@ -31,6 +31,7 @@ import functools
 import os
 import socket
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -213,10 +214,11 @@ def _join_dynamic(store, name, rank, opts):
                     asked.append(worker.name)
                     try:
                         api.rpc_sync(worker.name, _update_group_membership, args=(me, [], {}, True))
-                    except Exception:
+                    except Exception as e:
                         if _still_member(agent, worker.name):
                             raise
-                        # It died meanwhile: its pipe failed and the agent dropped it.
+                        # Its pipe failed meanwhile and the agent dropped it.
+                        warnings.warn(f"sluice: {worker.name} was dropped from the group while {name} joined: {e}")
         except BaseException:
             # Leave as cleanly as we can (this worker holds the token already): every member
             # asked, the one whose answer failed included, is told; then init_rpc fails with
@@ -244,7 +246,8 @@ def _leave(agent, members):
         except Exception as e:  # the others are still told
             if _still_member(agent, worker):
                 failed = failed or e
-            # else it died meanwhile (its pipe failed): nobody there to tell
+            else:  # its pipe failed meanwhile and the agent dropped it: nobody there to tell
+                warnings.warn(f"sluice: {worker} was dropped from the group while {me.name} left: {e}")
     agent.join(shutdown=True)
     if failed is not None:
         raise failed

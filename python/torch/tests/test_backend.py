@@ -377,6 +377,7 @@ def _member_dies(rank, world, method):
         assert members() == ["worker0", "worker2", "worker3"], members()
         store.set("3 up", "1")
     if rank in (0, 2):
+        store.wait(["2 up"])  # worker1 has joined (and is dying)
         # The survivors see worker1 go when its pipe fails (its process is gone).
         deadline = time.monotonic() + 30
         while "worker1" in members():

@@ -89,6 +89,12 @@ struct Header {
 };
 static_assert(sizeof(Header) == 24, "header layout");
 
+// A pipe that failed because the connection did (the peer's process died, it closed the pipe,
+// the connection reset), not because this side closed it or the peer sent something bad.
+bool connectionLost(int status) {
+  return status == SLUICE_PEER_LOST || status == SLUICE_IO;
+}
+
 std::string lastError(int status) {
   const char* e = sluice_last_error();
   std::string s = (e && *e) ? e : "";
@@ -134,10 +140,15 @@ struct Core : std::enable_shared_from_this<Core> {
   std::mutex lostMu;
   std::function<void(worker_id_t, const void*)> onLost;
 
-  void lost(worker_id_t id, const void* pipe) {
+  // Never throws: it runs on the library's threads.
+  void lost(worker_id_t id, const void* pipe) noexcept {
     std::lock_guard<std::mutex> l(lostMu);
     if (onLost) {
-      onLost(id, pipe);
+      try {
+        onLost(id, pipe);
+      } catch (const std::exception& e) {
+        TORCH_WARN("sluice: dropping worker id ", id, " from the group failed: ", e.what());
+      }
     }
   }
   std::unique_ptr<c10::ThreadPool> pool;
@@ -503,7 +514,7 @@ std::variant<c10::intrusive_ptr<Message>, std::string> decodeUnchecked(sluice_re
 // Sends `m` on `pipe` to worker `to`, its CUDA tensors where `map` says; `done(error)` runs on a
 // library thread if the write fails.
 void write(const std::shared_ptr<Pipe>& pipe, const Message& m, int32_t from, Stats& stats, const DeviceMap& map,
-           const std::string& to, std::function<void(std::string)> onError) {
+           const std::string& to, std::function<void(int, std::string)> onError) {
   sluice_message* msg = encode(m, from, stats, map, to);
   if (!onError) {
     // Nobody listens for the end (a response: a failed write fails the pipe, and the caller
@@ -513,7 +524,7 @@ void write(const std::shared_ptr<Pipe>& pipe, const Message& m, int32_t from, St
   }
   struct Ctx {
     std::shared_ptr<Pipe> pipe;
-    std::function<void(std::string)> onError;
+    std::function<void(int, std::string)> onError;
   };
   auto* ctx = new Ctx{pipe, std::move(onError)};
   int s = sluice_pipe_write(
@@ -521,14 +532,14 @@ void write(const std::shared_ptr<Pipe>& pipe, const Message& m, int32_t from, St
       [](int status, void* user) {
         std::unique_ptr<Ctx> c(static_cast<Ctx*>(user));
         if (status != SLUICE_OK && c->onError) {
-          c->onError(lastError(status));
+          c->onError(status, lastError(status));
         }
       },
       ctx);
   if (s != SLUICE_OK) {
     std::unique_ptr<Ctx> c(ctx);
     if (c->onError) {
-      c->onError(lastError(s));
+      c->onError(s, lastError(s));
     }
   }
 }
@@ -752,8 +763,11 @@ class SluiceAgent : public RpcAgent {
     }
     std::weak_ptr<Core> weak = core_;
     std::string peer = to.name_;
-    auto onError = [weak, id, peer](std::string e) {
+    auto onError = [weak, id, peer, to = to.id_, via = pipe.get()](int status, std::string e) {
       if (auto core = weak.lock()) {
+        if (connectionLost(status)) {
+          core->lost(to, via);  // before the call fails, as a failed read does
+        }
         if (auto p = core->take(id)) {
           core->fail(std::move(*p), "sluice: sending to " + peer + " failed: " + e);
         }
@@ -920,9 +934,11 @@ class SluiceAgent : public RpcAgent {
       const std::string& addr = addrs.at(w->id_);
       sluice_pipe* raw = nullptr;
       int s = sluice_connect(ctx_, addr.c_str(), &raw);
-      if (s != SLUICE_OK && !static_ && w->id_ != workerInfo_.id_) {
-        // Listed, but gone without leaving (it died, or shut down without `graceful`): off the
-        // list (this worker holds the membership token) and out of this worker's group.
+      if (s == SLUICE_IO && !static_ && w->id_ != workerInfo_.id_) {
+        // Listed, but refusing connections: gone without leaving (it died, or shut down without
+        // `graceful`). Off the list (this worker holds the membership token) and out of this
+        // worker's group. Any other failure (a timeout, a peer that speaks another version)
+        // fails the join, as in a static group: that member may be alive.
         TORCH_WARN("sluice: ", w->name_, " is on the group's list but cannot be reached at ", addr, " (",
                    lastError(s), "): it is dropped from the group");
         removeCurrentName(::c10d::PrefixStore("names", store_), w->id_, w->name_);
@@ -1278,9 +1294,9 @@ class SluiceAgent : public RpcAgent {
         }
         // A write that fails later (a GPU pair no channel connects, memory for a staging copy)
         // does not always fail the pipe: answer with the error instead.
-        std::function<void(std::string)> onError = nullptr;
+        std::function<void(int, std::string)> onError = nullptr;
         if (!response->tensors().empty()) {
-          onError = [answerError](std::string e) { answerError("sluice: the response could not be sent: " + e); };
+          onError = [answerError](int, std::string e) { answerError("sluice: the response could not be sent: " + e); };
         }
         write(pipe, *response, self, core->stats, map, caller, onError);
       } catch (const std::exception& e) {
@@ -1307,8 +1323,10 @@ class SluiceAgent : public RpcAgent {
     auto loop = std::make_unique<ReadLoop>();
     loop->pipe = pipe;
     loop->live = std::move(live);
-    loop->onEnd = [core, peer, via = pipe.get(), failAll, peerName](int, std::string why) {
-      core->lost(peer, via);  // first: by the time a call fails, the member is gone
+    loop->onEnd = [core, peer, via = pipe.get(), failAll, peerName](int status, std::string why) {
+      if (connectionLost(status)) {
+        core->lost(peer, via);  // first: by the time a call fails, the member is gone
+      }
       failAll("sluice: the pipe to " + peerName + " failed: " + why);
     };
     loop->devices = devices;
