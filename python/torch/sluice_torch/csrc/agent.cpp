@@ -168,6 +168,11 @@ struct Core : std::enable_shared_from_this<Core> {
 
   std::string name(worker_id_t id) const {
     std::shared_lock<std::shared_mutex> l(membersMu);
+    return nameLocked(id);
+  }
+
+  // `name` for a caller that holds membersMu already.
+  std::string nameLocked(worker_id_t id) const {
     auto it = workers.find(id);
     return it == workers.end() ? "worker id " + std::to_string(id) : it->second->name_;
   }
@@ -853,13 +858,7 @@ class SluiceAgent : public RpcAgent {
       readClient(core_, pipe, worker.id_, live_, devices_);
     } else {
       std::unique_lock<std::shared_mutex> l(core_->membersMu);
-      retireLocked(worker.id_, worker.name_);
-      auto it = clients_.find(worker.id_);
-      if (it != clients_.end()) {
-        departed_.push_back(std::move(it->second));
-        clients_.erase(it);
-      }
-      channel_.erase(worker.id_);
+      dropLocked(worker.id_, worker.name_);
     }
     if (old) {
       // A worker that joined again without leaving (it died): its old pipe's calls fail.
@@ -869,8 +868,8 @@ class SluiceAgent : public RpcAgent {
 
   // A barrier over the group that returns once no worker has a call in flight (the same
   // protocol as TensorPipe's agent: rounds of summed counts through the store).
-  // In a dynamic group, join waits for this worker's own calls only, and with `shutdown` takes
-  // it off the store's member list (PyTorch's shutdown holds the membership token around it,
+  // In a dynamic group, join waits for this worker's own calls and the requests it serves (no
+  // barrier with the others), and with `shutdown` takes it off the store's member list (PyTorch's shutdown holds the membership token around it,
   // after telling every other member that this one leaves).
   void join(bool shutdown, float /*timeout*/) override {
     if (!static_) {
@@ -1041,8 +1040,7 @@ class SluiceAgent : public RpcAgent {
     {
       std::shared_lock<std::shared_mutex> members(core_->membersMu);
       for (const auto& [id, path] : channel_) {
-        auto w = core_->workers.find(id);
-        m["agent.pipe." + (w == core_->workers.end() ? "worker id " + std::to_string(id) : w->second->name_)] = path;
+        m["agent.pipe." + core_->nameLocked(id)] = path;
       }
     }
     for (const auto& [id, v] : core_->latency) {
@@ -1391,13 +1389,19 @@ class SluiceAgent : public RpcAgent {
   void memberLost(worker_id_t id, const void* pipe) {
     std::unique_lock<std::shared_mutex> l(core_->membersMu);
     auto it = clients_.find(id);
-    if (it == clients_.end() || it->second.get() != pipe) {
-      return;
+    if (it != clients_.end() && it->second.get() == pipe) {
+      dropLocked(id, core_->nameLocked(id));
     }
-    auto w = core_->workers.find(id);
-    std::string name = w == core_->workers.end() ? "" : w->second->name_;
-    departed_.push_back(std::move(it->second));
-    clients_.erase(it);
+  }
+
+  // Under core_->membersMu: worker `id` is no longer a member or a destination (its pipe is kept
+  // in departed_ until shutdown).
+  void dropLocked(worker_id_t id, const std::string& name) {
+    auto it = clients_.find(id);
+    if (it != clients_.end()) {
+      departed_.push_back(std::move(it->second));
+      clients_.erase(it);
+    }
     channel_.erase(id);
     retireLocked(id, name);
   }
