@@ -67,13 +67,30 @@ using namespace torch::distributed::rpc;
 using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kMagic = 0x52544c53;  // "SLTR"
-// 2: the flag byte's bits 1-7 (an empty tensor for a GPU).
-constexpr uint32_t kVersion = 2;
+// 2: the flag byte's bits 1-7 (an empty tensor for a GPU). 3: a third payload, the views of
+// storages sent once (tensors that share one storage arrive sharing one).
+constexpr uint32_t kVersion = 3;
 
 // A tensor's flag byte: bit 0 requires_grad; bit 1 an empty tensor (sent as an empty CPU one)
 // for the receiver's GPU whose index is in bits 2-7.
 constexpr uint8_t kRequiresGrad = 1;
 constexpr uint8_t kEmptyOnGpu = 2;
+
+// A message's tensors that share one storage go as one Sluice tensor (the bytes their views
+// span, as `uint8`), sent after the tensors that go alone, and each of them as a view record in
+// a third payload: which of the message's tensors it is, which Sluice tensor holds its bytes,
+// where in them it starts, its dtype, shape and strides.
+struct ViewRecord {
+  uint32_t tensor;
+  uint32_t source;
+  uint64_t offset;
+  DLDataType dtype;
+  uint32_t ndim;
+  // then int64 shape[ndim], int64 strides[ndim]
+};
+static_assert(sizeof(ViewRecord) == 24, "view record layout");
+// No tensor has more dimensions than this (PyTorch's own limit is lower).
+constexpr uint32_t kMaxDims = 64;
 
 using Streams = std::vector<c10::Stream>;
 
@@ -302,6 +319,73 @@ c10::Device targetOf(const c10::Device& device, const DeviceMap& map, const std:
   return c10::Device(c10::kCPU);
 }
 
+// The elements a strided tensor's view spans in its storage, from its first (0 for an empty one).
+int64_t spanOf(const at::Tensor& t) {
+  if (t.numel() == 0) {
+    return 0;
+  }
+  int64_t span = 1;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    span += (t.size(d) - 1) * t.stride(d);
+  }
+  return span;
+}
+
+// Whether `t` arrives sharing its storage with the message's other tensors on that storage, by
+// TensorPipe's rule (its `cloneSparseTensors`): a view that uses less than half of a storage of
+// 8 KiB or more is sent alone; the others go with their storage. CPU tensors only: a CUDA
+// tensor is always sent alone, as is a conjugate or negative view (sent resolved) and one whose
+// storage does not hold its span (freed with `resize_(0)`: refused where it is sent alone).
+bool sentWithItsStorage(const at::Tensor& t) {
+  if (!t.device().is_cpu() || t.layout() != at::kStrided || t.is_nested() || t.numel() == 0 || !t.has_storage() ||
+      t.is_conj() || t.is_neg() || t.storage().data() == nullptr) {
+    return false;
+  }
+  size_t storage = t.storage().nbytes();
+  if (static_cast<size_t>((t.storage_offset() + spanOf(t)) * static_cast<int64_t>(t.element_size())) > storage) {
+    return false;
+  }
+  return storage < 8192 || storage < 2 * t.nbytes();
+}
+
+// The tensors of `tensors` that share a storage with another, by storage: each group's indices
+// in order, groups in the order of their first tensor. Tensors sent alone are in none.
+std::vector<std::vector<size_t>> sharedStorages(const std::vector<at::Tensor>& tensors) {
+  std::vector<std::vector<size_t>> groups;
+  if (tensors.size() < 2) {
+    return groups;
+  }
+  std::vector<std::pair<const c10::StorageImpl*, size_t>> keyed;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (sentWithItsStorage(tensors[i])) {
+      keyed.emplace_back(tensors[i].storage().unsafeGetStorageImpl(), i);
+    }
+  }
+  std::sort(keyed.begin(), keyed.end());
+  for (size_t a = 0; a < keyed.size();) {
+    size_t b = a + 1;
+    while (b < keyed.size() && keyed[b].first == keyed[a].first) {
+      ++b;
+    }
+    if (b - a >= 2) {
+      std::vector<size_t> members;
+      for (size_t k = a; k < b; ++k) {
+        members.push_back(keyed[k].second);
+      }
+      groups.push_back(std::move(members));
+    }
+    a = b;
+  }
+  std::sort(groups.begin(), groups.end(), [](const auto& x, const auto& y) { return x[0] < y[0]; });
+  return groups;
+}
+
+template <typename T>
+void appendRaw(std::vector<uint8_t>& out, const T* values, size_t count) {
+  const auto* bytes = reinterpret_cast<const uint8_t*>(values);
+  out.insert(out.end(), bytes, bytes + count * sizeof(T));
+}
+
 // A Sluice message for `m` from worker `from` to worker `to`, its CUDA tensors sent where `map`
 // says. Throws on a tensor Sluice cannot carry.
 sluice_message* encode(const Message& m, int32_t from, Stats& stats, const DeviceMap& map, const std::string& to) {
@@ -318,7 +402,23 @@ sluice_message* encode(const Message& m, int32_t from, Stats& stats, const Devic
   // One flag byte per tensor (bit 0: requires_grad), as a second payload: distributed autograd
   // needs to know, as TensorPipe's pickled tensor table tells it.
   std::vector<uint8_t> flags;
-  for (const auto& t : m.tensors()) {
+  const auto& tensors = m.tensors();
+  auto groups = sharedStorages(tensors);
+  std::vector<bool> grouped(tensors.size(), false);
+  for (const auto& g : groups) {
+    for (size_t i : g) {
+      grouped[i] = true;
+    }
+  }
+  for (size_t index = 0; index < tensors.size(); ++index) {
+    const at::Tensor& t = tensors[index];
+    if (grouped[index]) {
+      // A CPU tensor (sentWithItsStorage), sent with its storage below.
+      TORCH_CHECK(targetOf(t.device(), map, to).is_cpu(), "the SLUICE RPC backend sends CPU tensors to the CPU only (",
+                  t.device(), " is mapped to ", targetOf(t.device(), map, to), " for ", to, ")");
+      flags.push_back(t.requires_grad() ? kRequiresGrad : 0);
+      continue;
+    }
     TORCH_CHECK(t.layout() == at::kStrided, "the SLUICE RPC backend carries strided tensors only; got ", t.layout());
     TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), "the SLUICE RPC backend carries CPU and CUDA tensors; got one on ",
                 t.device());
@@ -338,12 +438,10 @@ sluice_message* encode(const Message& m, int32_t from, Stats& stats, const Devic
     flags.push_back(flag);
     // A view goes as it lies (its span, with its strides), so it arrives with the same layout;
     // one whose span is far larger than its elements goes as a compact copy instead.
-    int64_t span = 1;
-    for (int64_t d = 0; d < t.dim(); ++d) {
-      span += (t.size(d) - 1) * t.stride(d);
-    }
-    bool compact = t.numel() > 0 && span * t.element_size() > 4 * t.nbytes() + (64 << 10);
-    at::Tensor source = t.detach();
+    bool compact = t.numel() > 0 && spanOf(t) * static_cast<int64_t>(t.element_size()) >
+                                        static_cast<int64_t>(4 * t.nbytes() + (64 << 10));
+    // A conjugate or negative view goes as its values (the bit does not travel).
+    at::Tensor source = t.is_conj() || t.is_neg() ? t.detach().resolve_conj().resolve_neg() : t.detach();
     if (t.device().is_cuda() && !gpu) {
       source = at::empty(t.sizes(), t.options().device(c10::kCPU));
     }
@@ -382,6 +480,66 @@ sluice_message* encode(const Message& m, int32_t from, Stats& stats, const Devic
   }
   s = sluice_message_add_payload(out, flags.data(), flags.size());
   TORCH_CHECK(s == SLUICE_OK, "sluice: payload: ", lastError(s));
+  if (!groups.empty()) {
+    // Each shared storage once: the bytes from its first view's first byte to its last view's
+    // last, then a view record per tensor on it.
+    // Records in the order of their tensors (the receiver checks it), groups interleaved or not.
+    std::vector<std::pair<size_t, std::vector<uint8_t>>> records;
+    uint32_t source = static_cast<uint32_t>(tensors.size());
+    for (const auto& g : groups) {
+      source -= static_cast<uint32_t>(g.size());
+    }
+    for (const auto& g : groups) {
+      // From a multiple of 16 bytes (the largest element) at or before the first view's first
+      // byte, so every view starts at a multiple of its own element size (views of several
+      // dtypes), to the last view's last byte.
+      int64_t lo = std::numeric_limits<int64_t>::max();
+      int64_t hi = 0;
+      for (size_t i : g) {
+        const at::Tensor& t = tensors[i];
+        int64_t item = static_cast<int64_t>(t.element_size());
+        lo = std::min(lo, t.storage_offset() * item);
+        hi = std::max(hi, (t.storage_offset() + spanOf(t)) * item);
+      }
+      lo -= lo % 16;
+      for (size_t i : g) {
+        const at::Tensor& t = tensors[i];
+        ViewRecord rec{static_cast<uint32_t>(i), source,
+                       static_cast<uint64_t>(t.storage_offset() * static_cast<int64_t>(t.element_size()) - lo),
+                       at::getDLDataType(t), static_cast<uint32_t>(t.dim())};
+        std::vector<uint8_t> bytesOf;
+        appendRaw(bytesOf, &rec, 1);
+        appendRaw(bytesOf, t.sizes().data(), t.dim());
+        appendRaw(bytesOf, t.strides().data(), t.dim());
+        records.emplace_back(i, std::move(bytesOf));
+      }
+      // A byte view of the storage, which it keeps alive (sentWithItsStorage checked that the
+      // storage holds every view's span, so `set_` never grows it).
+      auto* held = new at::Tensor(at::empty({0}, at::TensorOptions().dtype(at::kByte))
+                                      .set_(tensors[g[0]].storage(), lo, {hi - lo}, {1}));
+      DLTensor dl{};
+      dl.data = held->data_ptr();
+      dl.device = DLDevice{kDLCPU, 0};
+      dl.ndim = 1;
+      dl.dtype = DLDataType{kDLUInt, 8, 1};
+      dl.shape = const_cast<int64_t*>(held->sizes().data());
+      dl.strides = const_cast<int64_t*>(held->strides().data());
+      bytes += held->nbytes();
+      s = sluice_message_add_tensor(out, &dl, releaseTensor, held);
+      if (s != SLUICE_OK) {
+        delete held;
+        TORCH_CHECK(false, "sluice: a shared storage of ", hi - lo, " bytes: ", lastError(s));
+      }
+      ++source;
+    }
+    std::sort(records.begin(), records.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+    std::vector<uint8_t> views;
+    for (const auto& r : records) {
+      views.insert(views.end(), r.second.begin(), r.second.end());
+    }
+    s = sluice_message_add_payload(out, views.data(), views.size());
+    TORCH_CHECK(s == SLUICE_OK, "sluice: payload: ", lastError(s));
+  }
   stats.sent += 1;
   stats.bytesSent += bytes;
   return guard.release();
@@ -402,6 +560,185 @@ std::variant<c10::intrusive_ptr<Message>, std::string> decode(sluice_received* r
   }
 }
 
+// Message tensor `i`, sent alone as Sluice tensor `j` with flag byte `flag`, or why it cannot
+// be rebuilt. `devices`: the GPUs this worker receives on.
+std::variant<at::Tensor, std::string> plainTensor(sluice_received* r, size_t j, size_t i, uint8_t flag,
+                                                  const std::vector<c10::Device>& devices) {
+  DLTensor dl{};
+  int s = sluice_received_tensor(r, j, &dl);
+  if (s != SLUICE_OK) {
+    return "tensor " + std::to_string(i) + ": " + lastError(s);
+  }
+  at::ScalarType type;
+  try {
+    type = at::toScalarType(dl.dtype);
+  } catch (const c10::Error& e) {
+    return "tensor " + std::to_string(i) + ": " + e.what_without_backtrace();
+  }
+  std::vector<int64_t> shape(dl.shape, dl.shape + dl.ndim);
+  std::vector<int64_t> strides(dl.strides, dl.strides + dl.ndim);
+  // The library checked the description against the bytes. The tensor is laid out exactly as
+  // the sender's view (the same strides, stride 0 included) over its span, which must be the
+  // receiver's own, writable memory (handlers may write into their arguments): memory a
+  // channel filled in this process is taken as the tensor's storage without a copy; memory
+  // the pipe lends (a shared segment, read-only) is copied.
+  auto options = at::TensorOptions().dtype(type);
+  int64_t item = static_cast<int64_t>(c10::elementSize(type));
+  sluice_buffer* owned = nullptr;
+  uint8_t* ownedBytes = nullptr;
+  size_t ownedLen = 0;
+  at::Tensor t;
+  size_t stream = 0;
+  void* handle = nullptr;
+  if (dl.device.device_type == kDLCUDA) {
+    // Received into a byte tensor our allocator made (ReadLoop::alloc): viewed as the sender's
+    // tensor, no copy.
+    sluice_received_tensor_device(r, j, &stream, &handle);
+    if (handle == nullptr) {
+      return "tensor " + std::to_string(i) + ": in GPU memory no allocator of ours gave";
+    }
+    const at::Tensor& bytesOnGpu = *static_cast<at::Tensor*>(handle);
+    if (bytesOnGpu.numel() % item != 0) {
+      return "tensor " + std::to_string(i) + ": " + std::to_string(bytesOnGpu.numel()) + " bytes for elements of " +
+          std::to_string(item);
+    }
+    t = bytesOnGpu.view(type).as_strided(shape, strides);
+  } else if (flag & kEmptyOnGpu) {
+    if (std::none_of(shape.begin(), shape.end(), [](int64_t d) { return d == 0; })) {
+      return "tensor " + std::to_string(i) + ": flagged empty but not empty";
+    }
+    c10::Device dev(c10::kCUDA, static_cast<c10::DeviceIndex>(flag >> 2));
+    if (std::find(devices.begin(), devices.end(), dev) == devices.end()) {
+      return "tensor " + std::to_string(i) + ": an empty tensor for " + dev.str() + ", not among this worker's devices";
+    }
+    t = at::empty(shape, options.device(dev));
+  } else if (sluice_received_tensor_take(r, j, &owned, &ownedBytes, &ownedLen) == SLUICE_OK && owned != nullptr) {
+    if (reinterpret_cast<uintptr_t>(ownedBytes) % static_cast<uintptr_t>(item) == 0) {
+      t = at::from_blob(ownedBytes, shape, strides, [owned](void*) { sluice_buffer_free(owned); }, options);
+    } else {
+      // Misaligned for its dtype (a small tensor inside a frame): copied after all.
+      at::Tensor storage = at::empty({static_cast<int64_t>(ownedLen) / item}, options);
+      std::memcpy(storage.data_ptr(), ownedBytes, ownedLen);
+      sluice_buffer_free(owned);
+      t = storage.as_strided(shape, strides);
+    }
+  } else {
+    const uint8_t* bytesIn = nullptr;
+    size_t spanBytes = 0;
+    sluice_received_tensor_data(r, j, &bytesIn, &spanBytes);
+    at::Tensor storage = at::empty({static_cast<int64_t>(spanBytes) / item}, options);
+    if (spanBytes > 0) {
+      std::memcpy(storage.data_ptr(), bytesIn, spanBytes);
+    }
+    t = storage.as_strided(shape, strides);
+  }
+  return t;
+}
+
+// A view record, parsed and checked: message tensor `tensor` is `bytes` bytes of Sluice tensor
+// `source` from byte `offset` on, laid out by `shape` and `strides`.
+struct StorageView {
+  size_t tensor = 0;
+  size_t source = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  at::ScalarType type = at::kByte;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+};
+
+// The view records in `data`, or why they are malformed. `nTensors`: the message's tensors
+// (its flags); `nSluice`: the Sluice tensors it came in. Each source is referenced, so none is
+// sent for nothing.
+std::variant<std::vector<StorageView>, std::string> parseViews(const uint8_t* data, size_t len, size_t nTensors,
+                                                        size_t nSluice) {
+  std::vector<StorageView> views;
+  size_t pos = 0;
+  while (pos < len) {
+    ViewRecord rec{};
+    if (len - pos < sizeof(rec)) {
+      return std::string("a view record cut short");
+    }
+    std::memcpy(&rec, data + pos, sizeof(rec));
+    pos += sizeof(rec);
+    if (rec.ndim > kMaxDims) {
+      return "a view of " + std::to_string(rec.ndim) + " dimensions";
+    }
+    size_t dims = 2 * static_cast<size_t>(rec.ndim) * sizeof(int64_t);
+    if (len - pos < dims) {
+      return std::string("a view record cut short");
+    }
+    StorageView v;
+    v.tensor = rec.tensor;
+    v.source = rec.source;
+    v.offset = rec.offset;
+    v.shape.resize(rec.ndim);
+    v.strides.resize(rec.ndim);
+    if (rec.ndim > 0) {
+      std::memcpy(v.shape.data(), data + pos, dims / 2);
+      std::memcpy(v.strides.data(), data + pos + dims / 2, dims / 2);
+    }
+    pos += dims;
+    std::string what = "the view of tensor " + std::to_string(v.tensor);
+    if (v.tensor >= nTensors) {
+      return what + " of a message of " + std::to_string(nTensors);
+    }
+    if (!views.empty() && v.tensor <= views.back().tensor) {
+      return what + ": view records out of order";
+    }
+    try {
+      v.type = at::toScalarType(rec.dtype);
+    } catch (const c10::Error& e) {
+      return what + ": " + e.what_without_backtrace();
+    }
+    uint64_t item = c10::elementSize(v.type);
+    if (v.offset % item != 0) {
+      return what + ": offset " + std::to_string(v.offset) + " is not a multiple of its element size";
+    }
+    // The elements it spans (1 + sum of (size - 1) * stride) and holds, without overflow.
+    uint64_t span = 1;
+    int64_t numel = 1;
+    for (uint32_t d = 0; d < rec.ndim; ++d) {
+      if (v.shape[d] < 1 || v.strides[d] < 0) {
+        return what + ": size " + std::to_string(v.shape[d]) + " with stride " + std::to_string(v.strides[d]) +
+            " in dimension " + std::to_string(d);
+      }
+      uint64_t step = 0;
+      if (__builtin_mul_overflow(static_cast<uint64_t>(v.shape[d] - 1), static_cast<uint64_t>(v.strides[d]), &step) ||
+          __builtin_add_overflow(span, step, &span) || __builtin_mul_overflow(numel, v.shape[d], &numel)) {
+        return what + ": a shape and strides past any memory";
+      }
+    }
+    uint64_t end = 0;
+    int64_t numelBytes = 0;
+    if (__builtin_mul_overflow(span, item, &v.bytes) || __builtin_add_overflow(v.bytes, v.offset, &end) ||
+        __builtin_mul_overflow(numel, static_cast<int64_t>(item), &numelBytes)) {
+      return what + ": a shape and strides past any memory";
+    }
+    views.push_back(std::move(v));
+  }
+  if (views.empty()) {
+    return std::string("an empty payload of views");
+  }
+  size_t plain = nTensors - views.size();
+  if (nSluice <= plain) {
+    return "views of shared storages, but only " + std::to_string(nSluice) + " tensors for the " +
+        std::to_string(plain) + " sent alone";
+  }
+  std::vector<bool> used(nSluice - plain, false);
+  for (const auto& v : views) {
+    if (v.source < plain || v.source >= nSluice) {
+      return "the view of tensor " + std::to_string(v.tensor) + " in tensor " + std::to_string(v.source) +
+          " (the shared storages are " + std::to_string(plain) + " to " + std::to_string(nSluice - 1) + ")";
+    }
+    used[v.source - plain] = true;
+  }
+  if (std::find(used.begin(), used.end(), false) != used.end()) {
+    return std::string("a shared storage no view refers to");
+  }
+  return views;
+}
+
 std::variant<c10::intrusive_ptr<Message>, std::string> decodeUnchecked(sluice_received* r, Header& h, Stats& stats,
                                                                        const std::vector<c10::Device>& devices) {
   const uint8_t* data = nullptr;
@@ -417,89 +754,94 @@ std::variant<c10::intrusive_ptr<Message>, std::string> decodeUnchecked(sluice_re
     return "a message of wire version " + std::to_string(h.version) + " (this build speaks " +
         std::to_string(kVersion) + ")";
   }
-  size_t n = sluice_received_tensor_count(r);
-  if (sluice_received_payload_count(r) != 2) {
-    return std::string("a message with ") + std::to_string(sluice_received_payload_count(r)) + " payloads (expected 2)";
+  size_t nSluice = sluice_received_tensor_count(r);
+  size_t payloads = sluice_received_payload_count(r);
+  if (payloads != 2 && payloads != 3) {
+    return std::string("a message with ") + std::to_string(payloads) + " payloads (expected 2, or 3 with views)";
   }
   const uint8_t* flags = nullptr;
-  size_t nflags = 0;
-  sluice_received_payload(r, 1, &flags, &nflags);
-  if (nflags != n) {
-    return "a message with " + std::to_string(n) + " tensors and " + std::to_string(nflags) + " tensor flags";
+  size_t n = 0;
+  sluice_received_payload(r, 1, &flags, &n);
+  std::vector<StorageView> views;
+  if (payloads == 3) {
+    sluice_received_payload(r, 2, &data, &len);
+    auto parsed = parseViews(data, len, n, nSluice);
+    if (auto* e = std::get_if<std::string>(&parsed)) {
+      return std::move(*e);
+    }
+    views = std::move(std::get<std::vector<StorageView>>(parsed));
+  } else if (nSluice != n) {
+    return "a message with " + std::to_string(nSluice) + " tensors and " + std::to_string(n) + " tensor flags";
   }
   sluice_received_payload(r, 0, &data, &len);
   std::vector<char> payload(reinterpret_cast<const char*>(data), reinterpret_cast<const char*>(data) + len);
   uint64_t bytes = len;
   std::vector<at::Tensor> tensors;
   tensors.reserve(n);
+  // The shared storages, as byte tensors of this process's own memory, made at their first view.
+  size_t plain = n - views.size();
+  std::vector<at::Tensor> storages(nSluice - plain);
+  size_t nextView = 0;
+  size_t nextPlain = 0;
   for (size_t i = 0; i < n; ++i) {
-    DLTensor dl{};
-    int s = sluice_received_tensor(r, i, &dl);
-    if (s != SLUICE_OK) {
-      return "tensor " + std::to_string(i) + ": " + lastError(s);
-    }
-    at::ScalarType type;
-    try {
-      type = at::toScalarType(dl.dtype);
-    } catch (const std::exception& e) {
-      return "tensor " + std::to_string(i) + ": " + e.what();
-    }
-    std::vector<int64_t> shape(dl.shape, dl.shape + dl.ndim);
-    std::vector<int64_t> strides(dl.strides, dl.strides + dl.ndim);
-    // The library checked the description against the bytes. The tensor is laid out exactly as
-    // the sender's view (the same strides, stride 0 included) over its span, which must be the
-    // receiver's own, writable memory (handlers may write into their arguments): memory a
-    // channel filled in this process is taken as the tensor's storage without a copy; memory
-    // the pipe lends (a shared segment, read-only) is copied.
-    auto options = at::TensorOptions().dtype(type);
-    int64_t item = static_cast<int64_t>(c10::elementSize(type));
-    sluice_buffer* owned = nullptr;
-    uint8_t* ownedBytes = nullptr;
-    size_t ownedLen = 0;
     at::Tensor t;
-    size_t stream = 0;
-    void* handle = nullptr;
-    if (dl.device.device_type == kDLCUDA) {
-      // Received into a byte tensor our allocator made (ReadLoop::alloc): viewed as the sender's
-      // tensor, no copy.
-      sluice_received_tensor_device(r, i, &stream, &handle);
-      if (handle == nullptr) {
-        return "tensor " + std::to_string(i) + ": in GPU memory no allocator of ours gave";
+    at::ScalarType type;
+    if (nextView < views.size() && views[nextView].tensor == i) {
+      const StorageView& v = views[nextView++];
+      if (flags[i] & ~kRequiresGrad) {
+        return "tensor " + std::to_string(i) + ": a view with flags " + std::to_string(flags[i]);
       }
-      const at::Tensor& bytesOnGpu = *static_cast<at::Tensor*>(handle);
-      if (bytesOnGpu.numel() % item != 0) {
-        return "tensor " + std::to_string(i) + ": " + std::to_string(bytesOnGpu.numel()) + " bytes for elements of " +
-            std::to_string(item);
+      at::Tensor& storage = storages[v.source - plain];
+      if (!storage.defined()) {
+        DLTensor dl{};
+        int s = sluice_received_tensor(r, v.source, &dl);
+        if (s != SLUICE_OK) {
+          return "tensor " + std::to_string(v.source) + ": " + lastError(s);
+        }
+        if (dl.device.device_type != kDLCPU || dl.ndim != 1 || dl.dtype.code != kDLUInt || dl.dtype.bits != 8 ||
+            dl.dtype.lanes != 1 || (dl.strides != nullptr && dl.strides[0] != 1)) {
+          return "tensor " + std::to_string(v.source) + ": a shared storage that is not contiguous bytes in CPU memory";
+        }
+        sluice_buffer* owned = nullptr;
+        uint8_t* ownedBytes = nullptr;
+        size_t ownedLen = 0;
+        auto options = at::TensorOptions().dtype(at::kByte);
+        if (sluice_received_tensor_take(r, v.source, &owned, &ownedBytes, &ownedLen) == SLUICE_OK && owned != nullptr &&
+            reinterpret_cast<uintptr_t>(ownedBytes) % alignof(std::max_align_t) == 0) {
+          storage = at::from_blob(ownedBytes, {static_cast<int64_t>(ownedLen)},
+                                  [owned](void*) { sluice_buffer_free(owned); }, options);
+        } else if (owned != nullptr) {
+          // Misaligned for the views' dtypes (a small storage inside a frame): copied.
+          storage = at::empty({static_cast<int64_t>(ownedLen)}, options);
+          std::memcpy(storage.data_ptr(), ownedBytes, ownedLen);
+          sluice_buffer_free(owned);
+        } else {
+          const uint8_t* bytesIn = nullptr;
+          size_t spanBytes = 0;
+          sluice_received_tensor_data(r, v.source, &bytesIn, &spanBytes);
+          storage = at::empty({static_cast<int64_t>(spanBytes)}, options);
+          if (spanBytes > 0) {
+            std::memcpy(storage.data_ptr(), bytesIn, spanBytes);
+          }
+        }
+        bytes += storage.nbytes();
       }
-      t = bytesOnGpu.view(type).as_strided(shape, strides);
-    } else if (flags[i] & kEmptyOnGpu) {
-      if (std::none_of(shape.begin(), shape.end(), [](int64_t d) { return d == 0; })) {
-        return "tensor " + std::to_string(i) + ": flagged empty but not empty";
+      if (v.offset + v.bytes > storage.nbytes()) {
+        return "tensor " + std::to_string(i) + ": a view of bytes " + std::to_string(v.offset) + " to " +
+            std::to_string(v.offset + v.bytes) + " of a shared storage of " + std::to_string(storage.nbytes());
       }
-      c10::Device dev(c10::kCUDA, static_cast<c10::DeviceIndex>(flags[i] >> 2));
-      if (std::find(devices.begin(), devices.end(), dev) == devices.end()) {
-        return "tensor " + std::to_string(i) + ": an empty tensor for " + dev.str() + ", not among this worker's devices";
-      }
-      t = at::empty(shape, options.device(dev));
-    } else if (sluice_received_tensor_take(r, i, &owned, &ownedBytes, &ownedLen) == SLUICE_OK && owned != nullptr) {
-      if (reinterpret_cast<uintptr_t>(ownedBytes) % static_cast<uintptr_t>(item) == 0) {
-        t = at::from_blob(ownedBytes, shape, strides, [owned](void*) { sluice_buffer_free(owned); }, options);
-      } else {
-        // Misaligned for its dtype (a small tensor inside a frame): copied after all.
-        at::Tensor storage = at::empty({static_cast<int64_t>(ownedLen) / item}, options);
-        std::memcpy(storage.data_ptr(), ownedBytes, ownedLen);
-        sluice_buffer_free(owned);
-        t = storage.as_strided(shape, strides);
-      }
+      type = v.type;
+      int64_t item = static_cast<int64_t>(c10::elementSize(type));
+      t = at::empty({0}, at::TensorOptions().dtype(type))
+              .set_(storage.storage(), static_cast<int64_t>(v.offset) / item, v.shape, v.strides);
     } else {
-      const uint8_t* bytesIn = nullptr;
-      size_t spanBytes = 0;
-      sluice_received_tensor_data(r, i, &bytesIn, &spanBytes);
-      at::Tensor storage = at::empty({static_cast<int64_t>(spanBytes) / item}, options);
-      if (spanBytes > 0) {
-        std::memcpy(storage.data_ptr(), bytesIn, spanBytes);
+      auto made = plainTensor(r, nextPlain++, i, flags[i], devices);
+      if (auto* e = std::get_if<std::string>(&made)) {
+        return std::move(*e);
       }
-      t = storage.as_strided(shape, strides);
+      t = std::move(std::get<at::Tensor>(made));
+      type = t.scalar_type();
+      bytes += t.nbytes();
     }
     if (flags[i] & kRequiresGrad) {
       if (!(at::isFloatingType(type) || at::isComplexType(type))) {
@@ -507,7 +849,6 @@ std::variant<c10::intrusive_ptr<Message>, std::string> decodeUnchecked(sluice_re
       }
       t.set_requires_grad(true);
     }
-    bytes += t.nbytes();
     tensors.push_back(std::move(t));
   }
   stats.received += 1;
