@@ -378,6 +378,55 @@ impl Tensor {
         }))
     }
 
+    /// The slices `indices` (a 1-d i64 tensor) along `dim`, as `torch.index_select`: the
+    /// output is this tensor with `dim` `indices.len()` long.
+    pub fn index_select(&self, dim: usize, indices: &Tensor) -> Result<Tensor> {
+        if dim >= self.dims() || indices.dims() != 1 {
+            return Err(shape_err(
+                "index_select",
+                format!(
+                    "indices {:?} along dimension {dim} of {:?}",
+                    indices.shape(),
+                    self.shape()
+                ),
+            ));
+        }
+        // Checked here so that a bad index is named as this op's.
+        indices.index_values("index_select", self.shape()[dim])?;
+        if dim == 0 {
+            return self.index_rows(indices);
+        }
+        self.transpose(0, dim)?.index_rows(indices)?.transpose(0, dim)
+    }
+
+    /// Elements picked along `dim` by `index` (an i64 tensor with as many dimensions as this
+    /// one, no longer than it in any other dimension), as `torch.gather`: the output has
+    /// `index`'s shape, and its element at a coordinate is this tensor's at the same coordinate
+    /// with the one along `dim` replaced by the index's value there.
+    pub fn gather(&self, dim: usize, index: &Tensor) -> Result<Tensor> {
+        let shape = self.shape().to_vec();
+        let fits = index.dims() == shape.len()
+            && dim < shape.len()
+            && index
+                .shape()
+                .iter()
+                .zip(&shape)
+                .enumerate()
+                .all(|(d, (&i, &s))| d == dim || i <= s);
+        if !fits {
+            return Err(shape_err(
+                "gather",
+                format!("index {:?} along dimension {dim} of {shape:?}", index.shape()),
+            ));
+        }
+        let idx = index.index_values("gather", shape[dim])?;
+        let offsets = cpu::gather_offsets(&shape, dim, &idx, index.shape());
+        let out = cpu::gather(self, &offsets, index.shape().to_vec())?;
+        Ok(record1("Gather", &[self], out, move |g| {
+            Ok(vec![Some(cpu::scatter_add(&shape, &offsets, g)?)])
+        }))
+    }
+
     /// Rows `indices` (an i64 tensor) along dimension 0.
     pub fn index_rows(&self, indices: &Tensor) -> Result<Tensor> {
         if self.dims() == 0 {

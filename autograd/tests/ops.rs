@@ -109,6 +109,68 @@ fn shape_ops() {
 }
 
 #[test]
+fn gather_and_index_select() {
+    // Values against the definition, on a 2×3 tensor whose elements name their coordinates.
+    let x = Tensor::from_vec(vec![0.0, 1.0, 2.0, 10.0, 11.0, 12.0], &[2, 3]).unwrap();
+    let idx = Tensor::from_vec(vec![2i64, 2, 0, 1, 0, 1, 1, 2], &[2, 4]).unwrap();
+    let g = x.gather(1, &idx).unwrap();
+    assert_eq!(g.shape(), &[2, 4]);
+    assert_eq!(
+        g.to_vec::<f64>().unwrap(),
+        vec![2.0, 2.0, 0.0, 1.0, 10.0, 11.0, 11.0, 12.0]
+    );
+    let rows = Tensor::from_vec(vec![1i64, 0, 1], &[3, 1]).unwrap();
+    assert_eq!(
+        x.gather(0, &rows).unwrap().to_vec::<f64>().unwrap(),
+        vec![10.0, 0.0, 10.0]
+    );
+    let cols = Tensor::indices(&[2, 0, 2], &[3]).unwrap();
+    let s = x.index_select(1, &cols).unwrap();
+    assert_eq!(s.shape(), &[2, 3]);
+    assert_eq!(s.to_vec::<f64>().unwrap(), vec![2.0, 0.0, 2.0, 12.0, 10.0, 12.0]);
+    // Gradients (repeated indices accumulate), in every dimension of a 3-d tensor.
+    let idx3 = Tensor::from_vec(vec![0i64, 3, 3, 1, 2, 0, 0, 0, 1, 3, 2, 2], &[2, 2, 3]).unwrap();
+    for dim in 0..3 {
+        let index = match dim {
+            0 => Tensor::from_vec(vec![1i64, 0, 1, 1, 0, 0, 1, 1, 1, 0, 0, 1], &[2, 2, 3]).unwrap(),
+            1 => Tensor::from_vec(vec![2i64, 0, 2, 1, 1, 0, 0, 2, 2, 1, 0, 1], &[2, 2, 3]).unwrap(),
+            _ => idx3.clone(),
+        };
+        check(
+            &format!("gather {dim}"),
+            move |x| x[0].gather(dim, &index),
+            &[rand(&[2, 3, 4], 40 + dim as u64)],
+        );
+        let picks = Tensor::indices(&[1, 0, 1, 1], &[4]).unwrap();
+        check(
+            &format!("index_select {dim}"),
+            move |x| x[0].index_select(dim, &picks)?.mul_scalar(2.0),
+            &[rand(&[2, 3, 4], 50 + dim as u64)],
+        );
+    }
+    // Mistakes are errors naming the op.
+    assert!(matches!(x.gather(2, &idx), Err(Error::Shape { op: "gather", .. })));
+    let wide = Tensor::from_vec(vec![0i64; 8], &[4, 2]).unwrap();
+    assert!(matches!(x.gather(1, &wide), Err(Error::Shape { op: "gather", .. })));
+    let past = Tensor::from_vec(vec![3i64], &[1, 1]).unwrap();
+    assert!(matches!(x.gather(1, &past), Err(Error::Index { op: "gather", .. })));
+    assert!(matches!(
+        x.index_select(1, &past),
+        Err(Error::Shape { op: "index_select", .. })
+    ));
+    let far = Tensor::indices(&[0], &[1]).unwrap();
+    assert!(matches!(
+        x.index_select(2, &far),
+        Err(Error::Shape { op: "index_select", .. })
+    ));
+    let five = Tensor::from_vec(vec![5i64], &[1]).unwrap();
+    assert!(matches!(
+        x.index_select(1, &five),
+        Err(Error::Index { op: "index_select", .. })
+    ));
+}
+
+#[test]
 fn embedding_gradient_is_sparse_and_right() {
     let idx = Tensor::indices(&[4, 1, 4, 0], &[2, 2]).unwrap();
     let idx2 = idx.clone();

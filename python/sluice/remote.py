@@ -197,9 +197,13 @@ class RemoteTensor:
 
     # Recorded operations.
     def _binary(self, name, other):
+        return RemoteTensor(self._t.binary(name, self._remote_operand(name, other)))
+
+    @staticmethod
+    def _remote_operand(name, other):
         if not isinstance(other, RemoteTensor):
             raise TypeError(f"{name} of a RemoteTensor and {type(other).__name__}: place it with sluice.remote.to first")
-        return RemoteTensor(self._t.binary(name, other._t))
+        return other._t
 
     def _unary(self, name):
         return RemoteTensor(self._t.unary(name))
@@ -278,6 +282,15 @@ class RemoteTensor:
 
     def narrow(self, dim, start, length):
         return RemoteTensor(self._t.narrow(dim, start, length))
+
+    def index_select(self, dim, indices):
+        """The slices along ``dim`` at int64 ``indices`` (1-d), as ``torch.index_select``."""
+        return RemoteTensor(self._t.index_select(dim, self._remote_operand("index_select", indices)))
+
+    def gather(self, dim, index):
+        """Elements along ``dim`` picked by the int64 ``index`` (as many dimensions as this
+        tensor), as ``torch.gather``: ``index``'s shape."""
+        return RemoteTensor(self._t.gather(dim, self._remote_operand("gather", index)))
 
     def embedding(self, indices):
         """Rows of this weight (``[vocab, dim]``) picked by int64 ``indices``."""

@@ -356,6 +356,14 @@ impl PyRemoteTensor {
         py.detach(|| wrap(self.inner.narrow(dim, start, length)))
     }
 
+    fn index_select(&self, py: Python<'_>, dim: usize, indices: &PyRemoteTensor) -> PyResult<PyRemoteTensor> {
+        py.detach(|| wrap(self.inner.index_select(dim, &indices.inner)))
+    }
+
+    fn gather(&self, py: Python<'_>, dim: usize, index: &PyRemoteTensor) -> PyResult<PyRemoteTensor> {
+        py.detach(|| wrap(self.inner.gather(dim, &index.inner)))
+    }
+
     #[staticmethod]
     fn cat(py: Python<'_>, tensors: Vec<PyRef<'_, PyRemoteTensor>>, dim: usize) -> PyResult<PyRemoteTensor> {
         let inner: Vec<RemoteTensor> = tensors.iter().map(|t| t.inner.clone()).collect();

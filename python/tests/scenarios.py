@@ -301,6 +301,12 @@ def remote_tensors(rank, world):
         np.testing.assert_array_equal(parts.to_here(), np.concatenate([x[:, 2:], x[:, :2]], 0))
         idx = np.array([[4, 0], [2, 2]], dtype=np.int64)
         np.testing.assert_array_equal(wr.embedding(remote.to(idx, "worker1/cpu")).to_here(), w[idx])
+        cols = np.array([3, 0, 3], dtype=np.int64)
+        np.testing.assert_array_equal(xr.index_select(1, remote.to(cols, "worker1/cpu")).to_here(), x[:, cols])
+        pick = np.array([[2, 2, 0], [1, 0, 1], [0, 0, 2]], dtype=np.int64)
+        np.testing.assert_array_equal(
+            xr.gather(0, remote.to(pick, "worker1/cpu")).to_here(), np.take_along_axis(x[:, :3], pick, 0)
+        )
         logits = np.array([[2.0, 0.5, -1.0], [0.1, 0.2, 3.0]])
         targets = np.array([0, 2], dtype=np.int64)
         ce = remote.to(logits, "worker1/cpu").cross_entropy(remote.to(targets, "worker1/cpu")).item()
@@ -326,6 +332,8 @@ def remote_tensors(rank, world):
             lambda: xr.matmul(xr),
             lambda: xr.reshape(5, 5),
             lambda: xr.narrow(1, 3, 2),
+            lambda: xr.gather(2, remote.to(pick, "worker1/cpu")),
+            lambda: xr.index_select(0, remote.to(pick, "worker1/cpu")),
             lambda: remote.to(np.ones(2, dtype=np.int32), "worker1/cpu"),
             lambda: remote.to(x, "nobody/cpu"),
         ):

@@ -275,6 +275,74 @@ worker_test!(narrow_cat_and_embedding_equal_local, 2, |env: WorkerEnv| {
     agent.shutdown().unwrap();
 });
 
+worker_test!(gather_and_index_select_equal_local, 2, |env: WorkerEnv| {
+    let agent = env.agent(registry());
+    if env.rank == 0 {
+        let x = Tensor::from_vec((0..24).map(|v| (v as f64 * 0.37).sin()).collect(), &[2, 3, 4])
+            .unwrap()
+            .requires_grad_();
+        let index = Tensor::from_vec(vec![2i64, 0, 2, 1, 1, 0, 0, 2], &[2, 2, 2]).unwrap();
+        let picks = Tensor::from_vec(vec![3i64, 0, 3], &[3]).unwrap();
+        // Locally: the gathered elements and the selected slices, both through a square.
+        macro_rules! f {
+            ($g:expr, $s:expr) => {{
+                let (g, s) = ($g, $s);
+                g.mul(&g)
+                    .unwrap()
+                    .sum()
+                    .unwrap()
+                    .add(&s.exp().unwrap().sum().unwrap())
+                    .unwrap()
+            }};
+        }
+        let local = f!(x.gather(1, &index).unwrap(), x.index_select(2, &picks).unwrap());
+        local.backward().unwrap();
+        let gx = x.grad().unwrap();
+        let ctx = Context::new(&agent).unwrap();
+        let remote = ctx.run(|| {
+            let on1 = |t: &Tensor| t.to_remote(&agent, "worker1/cpu").unwrap();
+            let xr = on1(&x);
+            let g = xr.gather(1, &on1(&index)).unwrap();
+            assert_eq!(g.shape(), &[2, 2, 2]);
+            let s = xr.index_select(2, &on1(&picks)).unwrap();
+            assert_eq!(s.shape(), &[2, 3, 3]);
+            // Shapes are checked where they are written.
+            assert!(matches!(
+                xr.gather(3, &on1(&index)),
+                Err(Error::Shape { op: "gather", .. })
+            ));
+            let tall = Tensor::from_vec(vec![0i64; 12], &[3, 2, 2]).unwrap();
+            assert!(matches!(
+                xr.gather(1, &on1(&tall)),
+                Err(Error::Shape { op: "gather", .. })
+            ));
+            assert!(matches!(
+                xr.index_select(1, &on1(&index)),
+                Err(Error::Shape { op: "index_select", .. })
+            ));
+            f!(g, s).to_here().unwrap()
+        });
+        assert_eq!(bits(&remote), bits(&local), "forward");
+        ctx.backward(&[remote], false).unwrap();
+        close(
+            &ctx.gradient(&x).expect("x's gradient"),
+            &gx,
+            "x's gradient through gather and index_select",
+        );
+        ctx.release().unwrap();
+        // An index past the dimension is the owner's error, at the flush.
+        let bad = Tensor::from_vec(vec![7i64], &[1]).unwrap();
+        let err = x
+            .to_remote(&agent, "worker1/cpu")
+            .unwrap()
+            .index_select(0, &bad.to_remote(&agent, "worker1/cpu").unwrap())
+            .unwrap()
+            .to_here();
+        assert!(err.is_err(), "{err:?}");
+    }
+    agent.shutdown().unwrap();
+});
+
 worker_test!(record_time_errors_name_the_mistake, 2, |env: WorkerEnv| {
     let agent = env.agent(registry());
     if env.rank == 0 {

@@ -283,6 +283,19 @@ pub(crate) fn softmax_last_backward(y: &Tensor, g: &Tensor, log: bool) -> Result
     })
 }
 
+/// `$body!(T)` with `T` the element type of `$dtype`, for kernels that only move elements.
+macro_rules! every_dtype {
+    ($dtype:expr, $body:ident) => {
+        match $dtype {
+            DType::F32 => $body!(f32),
+            DType::F64 => $body!(f64),
+            DType::I64 => $body!(i64),
+            DType::F16 => $body!(half::f16),
+            DType::BF16 => $body!(half::bf16),
+        }
+    };
+}
+
 /// Rows `indices` of `t` along dimension 0.
 pub(crate) fn index_rows(t: &Tensor, indices: &[usize]) -> Result<Tensor> {
     t.check_cpu("index_rows (embedding)")?;
@@ -299,12 +312,54 @@ pub(crate) fn index_rows(t: &Tensor, indices: &[usize]) -> Result<Tensor> {
             Tensor::from_vec_unchecked(out, shape)
         }};
     }
-    Ok(match t.dtype() {
-        DType::F32 => gather!(f32),
-        DType::F64 => gather!(f64),
-        DType::I64 => gather!(i64),
-        DType::F16 => gather!(half::f16),
-        DType::BF16 => gather!(half::bf16),
+    Ok(every_dtype!(t.dtype(), gather))
+}
+
+/// Where each element of a gather's output comes from in the row-major layout of `shape`:
+/// element `k` of the index (row-major over `index_shape`, values `index`) with its coordinate
+/// along `dim` replaced by `index[k]`. The caller checked `index_shape` against `shape` and
+/// every value against `shape[dim]`.
+pub(crate) fn gather_offsets(shape: &[usize], dim: usize, index: &[usize], index_shape: &[usize]) -> Vec<usize> {
+    let strides = contiguous_strides(shape);
+    let mut coord = vec![0usize; index_shape.len()];
+    let mut out = Vec::with_capacity(index.len());
+    for &i in index {
+        let offset: usize = (0..shape.len())
+            .map(|d| if d == dim { i } else { coord[d] } * strides[d])
+            .sum();
+        out.push(offset);
+        for d in (0..index_shape.len()).rev() {
+            coord[d] += 1;
+            if coord[d] < index_shape[d] {
+                break;
+            }
+            coord[d] = 0;
+        }
+    }
+    out
+}
+
+/// The elements of `t` at `offsets` (into its row-major values), shaped `shape`.
+pub(crate) fn gather(t: &Tensor, offsets: &[usize], shape: Vec<usize>) -> Result<Tensor> {
+    t.check_cpu("gather")?;
+    macro_rules! pick {
+        ($ty:ty) => {{
+            let v = t.values::<$ty>()?;
+            Tensor::from_vec_unchecked(offsets.iter().map(|&o| v[o]).collect::<Vec<$ty>>(), shape)
+        }};
+    }
+    Ok(every_dtype!(t.dtype(), pick))
+}
+
+/// Zeros of `shape` with `g[k]` added at `offsets[k]` (into its row-major values): a gather's
+/// gradient.
+pub(crate) fn scatter_add(shape: &[usize], offsets: &[usize], g: &Tensor) -> Result<Tensor> {
+    dispatch!(g, "gather (its gradient)", T => {
+        let mut out: Vec<T> = vec![0.0; numel(shape)];
+        for (&o, &x) in offsets.iter().zip(g.values::<T>()?.iter()) {
+            out[o] += x;
+        }
+        Ok(Tensor::from_vec_unchecked(out, shape.to_vec()))
     })
 }
 

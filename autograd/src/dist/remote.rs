@@ -121,6 +121,12 @@ enum Op {
     Cat(Vec<u32>, u32),
     /// Rows of a weight picked by i64 indices, as [`crate::ops::embedding`].
     Embedding(u32, u32),
+    /// Slices along a dimension picked by 1-d i64 indices, as [`Tensor::index_select`]:
+    /// (tensor, indices, dimension).
+    IndexSelect(u32, u32, u32),
+    /// Elements along a dimension picked by an i64 index tensor, as [`Tensor::gather`]:
+    /// (tensor, index, dimension).
+    Gather(u32, u32, u32),
 }
 
 impl Op {
@@ -132,6 +138,7 @@ impl Op {
             Op::Linear(x, w, b) => [x, w].into_iter().chain(b.as_mut()).collect(),
             Op::Cat(parts, _) => parts.iter_mut().collect(),
             Op::Embedding(w, i) => vec![w, i],
+            Op::IndexSelect(a, i, _) | Op::Gather(a, i, _) => vec![a, i],
             Op::Unary(_, a)
             | Op::MulScalar(a, _)
             | Op::AddScalar(a, _)
@@ -270,6 +277,8 @@ impl Graph {
                     crate::ops::cat(&parts, *d as usize)?
                 }
                 Op::Embedding(w, i) => crate::ops::embedding(at(&v, *w)?, at(&v, *i)?)?,
+                Op::IndexSelect(a, i, d) => at(&v, *a)?.index_select(*d as usize, at(&v, *i)?)?,
+                Op::Gather(a, i, d) => at(&v, *a)?.gather(*d as usize, at(&v, *i)?)?,
             };
             for i in op.operands() {
                 if last.get(i as usize) == Some(&j) {
@@ -543,6 +552,16 @@ fn computable(op: &'static str, dtype: DType) -> Result<()> {
     }
 }
 
+/// Operations whose kernels are CPU-only refuse a GPU placement where they are written.
+fn cpu_only(op: &'static str, a: &Node) -> Result<()> {
+    match a.device {
+        Device::Cpu => Ok(()),
+        device => Err(remote_err(format!(
+            "{op} runs on the CPU only; this tensor is on {device}"
+        ))),
+    }
+}
+
 fn dim_of(op: &'static str, shape: &[usize], dim: i64) -> Result<usize> {
     let n = shape.len() as i64;
     let d = if dim < 0 { dim + n } else { dim };
@@ -687,6 +706,41 @@ fn infer(op: &Op, operands: &[&Node]) -> Result<Vec<usize>> {
             let mut out = idx.shape.clone();
             out.push(s[1]);
             out
+        }
+        Op::IndexSelect(_, _, d) => {
+            cpu_only("index_select", a)?;
+            let idx = b.expect("index_select has indices");
+            let d = *d as usize;
+            if d >= s.len() || idx.dtype != DType::I64 || idx.shape.len() != 1 {
+                return Err(shape_err(
+                    "index_select",
+                    format!("{} indices {:?} along dimension {d} of {s:?}", idx.dtype, idx.shape),
+                ));
+            }
+            let mut out = s.clone();
+            out[d] = idx.shape[0];
+            out
+        }
+        Op::Gather(_, _, d) => {
+            cpu_only("gather", a)?;
+            let idx = b.expect("gather has an index");
+            let d = *d as usize;
+            let fits = idx.dtype == DType::I64
+                && idx.shape.len() == s.len()
+                && d < s.len()
+                && idx
+                    .shape
+                    .iter()
+                    .zip(s)
+                    .enumerate()
+                    .all(|(k, (&i, &n))| k == d || i <= n);
+            if !fits {
+                return Err(shape_err(
+                    "gather",
+                    format!("{} index {:?} along dimension {d} of {s:?}", idx.dtype, idx.shape),
+                ));
+            }
+            idx.shape.clone()
         }
         Op::Softmax(_, d) | Op::LogSoftmax(_, d) => {
             computable("softmax", a.dtype)?;
@@ -1014,6 +1068,20 @@ impl RemoteTensor {
     /// `[indices…, dim]`. Indices are checked against the vocabulary when the owner runs it.
     pub fn embedding(&self, indices: &RemoteTensor) -> Result<RemoteTensor> {
         self.record(&[indices], |i| Op::Embedding(i[0], i[1]))
+    }
+
+    /// The slices `indices` (1-d, i64) along `dim`, as [`Tensor::index_select`]. Indices are
+    /// checked against the dimension's length when the owner runs it.
+    pub fn index_select(&self, dim: usize, indices: &RemoteTensor) -> Result<RemoteTensor> {
+        let dim = u32::try_from(dim).unwrap_or(u32::MAX);
+        self.record(&[indices], |i| Op::IndexSelect(i[0], i[1], dim))
+    }
+
+    /// Elements picked along `dim` by `index` (i64, this tensor's number of dimensions), as
+    /// [`Tensor::gather`]: `index`'s shape. Values are checked when the owner runs it.
+    pub fn gather(&self, dim: usize, index: &RemoteTensor) -> Result<RemoteTensor> {
+        let dim = u32::try_from(dim).unwrap_or(u32::MAX);
+        self.record(&[index], |i| Op::Gather(i[0], i[1], dim))
     }
 
     /// `x · wᵀ + b` with `x` this tensor.
