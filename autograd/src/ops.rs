@@ -378,10 +378,12 @@ impl Tensor {
         }))
     }
 
-    /// The slices `indices` (a 1-d i64 tensor) along `dim`, as `torch.index_select`: the
-    /// output is this tensor with `dim` `indices.len()` long.
-    pub fn index_select(&self, dim: usize, indices: &Tensor) -> Result<Tensor> {
-        if dim >= self.dims() || indices.dims() != 1 {
+    /// The slices `indices` (a 1-d i64 tensor) along `dim` (negative: from the end), as
+    /// `torch.index_select`: the output is this tensor with `dim` `indices.len()` long.
+    /// Indices repeat freely; their gradients add up.
+    pub fn index_select(&self, dim: isize, indices: &Tensor) -> Result<Tensor> {
+        let d = dim_index("index_select", self, dim)?;
+        if self.dims() == 0 || indices.dims() != 1 {
             return Err(shape_err(
                 "index_select",
                 format!(
@@ -391,36 +393,48 @@ impl Tensor {
                 ),
             ));
         }
-        // Checked here so that a bad index is named as this op's.
-        indices.index_values("index_select", self.shape()[dim])?;
-        if dim == 0 {
-            return self.index_rows(indices);
-        }
-        self.transpose(0, dim)?.index_rows(indices)?.transpose(0, dim)
+        let shape = self.shape().to_vec();
+        let idx = indices.index_values("index_select", shape[d])?;
+        let out = cpu::gather(self, &cpu::select_offsets(&shape, d, &idx), {
+            let mut out = shape.clone();
+            out[d] = idx.len();
+            out
+        })?;
+        // The backward recomputes the offsets rather than keeping one per element.
+        Ok(record1("IndexSelect", &[self], out, move |g| {
+            Ok(vec![Some(cpu::scatter_add(
+                &shape,
+                &cpu::select_offsets(&shape, d, &idx),
+                g,
+            )?)])
+        }))
     }
 
-    /// Elements picked along `dim` by `index` (an i64 tensor with as many dimensions as this
-    /// one, no longer than it in any other dimension), as `torch.gather`: the output has
-    /// `index`'s shape, and its element at a coordinate is this tensor's at the same coordinate
-    /// with the one along `dim` replaced by the index's value there.
-    pub fn gather(&self, dim: usize, index: &Tensor) -> Result<Tensor> {
+    /// Elements picked along `dim` (negative: from the end) by `index` (an i64 tensor with as
+    /// many dimensions as this one, no longer than it in any other dimension unless empty), as
+    /// `torch.gather`: the output has `index`'s shape, and its element at a coordinate is this
+    /// tensor's at the same coordinate with the one along `dim` replaced by the index's value
+    /// there. Indices repeat freely; their gradients add up.
+    pub fn gather(&self, dim: isize, index: &Tensor) -> Result<Tensor> {
+        let d = dim_index("gather", self, dim)?;
         let shape = self.shape().to_vec();
-        let fits = index.dims() == shape.len()
-            && dim < shape.len()
-            && index
-                .shape()
-                .iter()
-                .zip(&shape)
-                .enumerate()
-                .all(|(d, (&i, &s))| d == dim || i <= s);
+        let fits = !shape.is_empty()
+            && index.dims() == shape.len()
+            && (index.numel() == 0
+                || index
+                    .shape()
+                    .iter()
+                    .zip(&shape)
+                    .enumerate()
+                    .all(|(k, (&i, &n))| k == d || i <= n));
         if !fits {
             return Err(shape_err(
                 "gather",
                 format!("index {:?} along dimension {dim} of {shape:?}", index.shape()),
             ));
         }
-        let idx = index.index_values("gather", shape[dim])?;
-        let offsets = cpu::gather_offsets(&shape, dim, &idx, index.shape());
+        let idx = index.index_values("gather", shape[d])?;
+        let offsets = cpu::gather_offsets(&shape, d, &idx, index.shape());
         let out = cpu::gather(self, &offsets, index.shape().to_vec())?;
         Ok(record1("Gather", &[self], out, move |g| {
             Ok(vec![Some(cpu::scatter_add(&shape, &offsets, g)?)])

@@ -148,6 +148,38 @@ fn gather_and_index_select() {
             &[rand(&[2, 3, 4], 50 + dim as u64)],
         );
     }
+    // Views and negative dimensions: a transposed input and a transposed index read as their
+    // logical values; -1 is the last dimension.
+    let xt = x.t().unwrap(); // [[0, 10], [1, 11], [2, 12]]
+    let it = Tensor::from_vec(vec![1i64, 0, 0, 1, 1, 1], &[2, 3])
+        .unwrap()
+        .t()
+        .unwrap();
+    // it = [[1, 1], [0, 1], [0, 1]]
+    assert_eq!(
+        xt.gather(-1, &it).unwrap().to_vec::<f64>().unwrap(),
+        vec![10.0, 10.0, 1.0, 11.0, 2.0, 12.0]
+    );
+    assert_eq!(
+        xt.index_select(-1, &Tensor::indices(&[1], &[1]).unwrap())
+            .unwrap()
+            .to_vec::<f64>()
+            .unwrap(),
+        vec![10.0, 11.0, 12.0]
+    );
+    // Any dtype moves (gradients need f32 or f64); an empty index picks nothing, whatever its
+    // other dimensions.
+    let ints = Tensor::from_vec(vec![5i64, 6, 7], &[3]).unwrap();
+    let back = Tensor::from_vec(vec![2i64, 2, 0], &[3]).unwrap();
+    assert_eq!(ints.gather(0, &back).unwrap().to_vec::<i64>().unwrap(), vec![7, 7, 5]);
+    assert_eq!(
+        ints.index_select(0, &back).unwrap().to_vec::<i64>().unwrap(),
+        vec![7, 7, 5]
+    );
+    let none = Tensor::from_vec(Vec::<i64>::new(), &[0, 9]).unwrap();
+    assert_eq!(x.gather(1, &none).unwrap().shape(), &[0, 9]);
+    let nothing = Tensor::from_vec(Vec::<i64>::new(), &[0]).unwrap();
+    assert_eq!(x.index_select(1, &nothing).unwrap().shape(), &[2, 0]);
     // Mistakes are errors naming the op.
     assert!(matches!(x.gather(2, &idx), Err(Error::Shape { op: "gather", .. })));
     let wide = Tensor::from_vec(vec![0i64; 8], &[4, 2]).unwrap();

@@ -284,12 +284,15 @@ class RemoteTensor:
         return RemoteTensor(self._t.narrow(dim, start, length))
 
     def index_select(self, dim, indices):
-        """The slices along ``dim`` at int64 ``indices`` (1-d), as ``torch.index_select``."""
+        """The slices along ``dim`` (negative: from the end) at int64 ``indices`` (1-d), as
+        ``torch.index_select``. CPU placements only; 0-d tensors are refused (torch reads
+        them as 1-d)."""
         return RemoteTensor(self._t.index_select(dim, self._remote_operand("index_select", indices)))
 
     def gather(self, dim, index):
-        """Elements along ``dim`` picked by the int64 ``index`` (as many dimensions as this
-        tensor), as ``torch.gather``: ``index``'s shape."""
+        """Elements along ``dim`` (negative: from the end) picked by the int64 ``index`` (as
+        many dimensions as this tensor), as ``torch.gather``: ``index``'s shape. CPU placements
+        only; 0-d tensors are refused (torch reads them as 1-d)."""
         return RemoteTensor(self._t.gather(dim, self._remote_operand("gather", index)))
 
     def embedding(self, indices):

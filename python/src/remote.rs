@@ -356,11 +356,11 @@ impl PyRemoteTensor {
         py.detach(|| wrap(self.inner.narrow(dim, start, length)))
     }
 
-    fn index_select(&self, py: Python<'_>, dim: usize, indices: &PyRemoteTensor) -> PyResult<PyRemoteTensor> {
+    fn index_select(&self, py: Python<'_>, dim: isize, indices: &PyRemoteTensor) -> PyResult<PyRemoteTensor> {
         py.detach(|| wrap(self.inner.index_select(dim, &indices.inner)))
     }
 
-    fn gather(&self, py: Python<'_>, dim: usize, index: &PyRemoteTensor) -> PyResult<PyRemoteTensor> {
+    fn gather(&self, py: Python<'_>, dim: isize, index: &PyRemoteTensor) -> PyResult<PyRemoteTensor> {
         py.detach(|| wrap(self.inner.gather(dim, &index.inner)))
     }
 

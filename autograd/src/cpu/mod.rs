@@ -339,6 +339,21 @@ pub(crate) fn gather_offsets(shape: &[usize], dim: usize, index: &[usize], index
     out
 }
 
+/// Where each element of an index_select's output comes from in the row-major layout of
+/// `shape`: the slices `index` (checked against `shape[dim]`) along `dim`, in order.
+pub(crate) fn select_offsets(shape: &[usize], dim: usize, index: &[usize]) -> Vec<usize> {
+    let outer: usize = shape[..dim].iter().product();
+    let inner: usize = shape[dim + 1..].iter().product();
+    let mut out = Vec::with_capacity(outer * index.len() * inner);
+    for o in 0..outer {
+        for &k in index {
+            let from = (o * shape[dim] + k) * inner;
+            out.extend(from..from + inner);
+        }
+    }
+    out
+}
+
 /// The elements of `t` at `offsets` (into its row-major values), shaped `shape`.
 pub(crate) fn gather(t: &Tensor, offsets: &[usize], shape: Vec<usize>) -> Result<Tensor> {
     t.check_cpu("gather")?;
@@ -354,6 +369,19 @@ pub(crate) fn gather(t: &Tensor, offsets: &[usize], shape: Vec<usize>) -> Result
 /// Zeros of `shape` with `g[k]` added at `offsets[k]` (into its row-major values): a gather's
 /// gradient.
 pub(crate) fn scatter_add(shape: &[usize], offsets: &[usize], g: &Tensor) -> Result<Tensor> {
+    if g.numel() != offsets.len() {
+        return Err(shape_err(
+            "gather (its gradient)",
+            format!("{:?} for {} elements", g.shape(), offsets.len()),
+        ));
+    }
+    let dense;
+    let g = if g.is_sparse() {
+        dense = g.to_dense()?;
+        &dense
+    } else {
+        g
+    };
     dispatch!(g, "gather (its gradient)", T => {
         let mut out: Vec<T> = vec![0.0; numel(shape)];
         for (&o, &x) in offsets.iter().zip(g.values::<T>()?.iter()) {

@@ -277,8 +277,8 @@ impl Graph {
                     crate::ops::cat(&parts, *d as usize)?
                 }
                 Op::Embedding(w, i) => crate::ops::embedding(at(&v, *w)?, at(&v, *i)?)?,
-                Op::IndexSelect(a, i, d) => at(&v, *a)?.index_select(*d as usize, at(&v, *i)?)?,
-                Op::Gather(a, i, d) => at(&v, *a)?.gather(*d as usize, at(&v, *i)?)?,
+                Op::IndexSelect(a, i, d) => at(&v, *a)?.index_select(*d as isize, at(&v, *i)?)?,
+                Op::Gather(a, i, d) => at(&v, *a)?.gather(*d as isize, at(&v, *i)?)?,
             };
             for i in op.operands() {
                 if last.get(i as usize) == Some(&j) {
@@ -552,14 +552,20 @@ fn computable(op: &'static str, dtype: DType) -> Result<()> {
     }
 }
 
-/// Operations whose kernels are CPU-only refuse a GPU placement where they are written.
-fn cpu_only(op: &'static str, a: &Node) -> Result<()> {
-    match a.device {
-        Device::Cpu => Ok(()),
-        device => Err(remote_err(format!(
-            "{op} runs on the CPU only; this tensor is on {device}"
-        ))),
+/// What index_select and gather need of the tensor they pick from, checked where they are
+/// written: the CPU (their kernels are CPU-only), and f32 or f64 if it needs a gradient (the
+/// gradient's kernel computes in those).
+fn picks(op: &'static str, a: &Node) -> Result<()> {
+    if a.device != Device::Cpu {
+        return Err(remote_err(format!(
+            "{op} runs on the CPU only; this tensor is on {}",
+            a.device
+        )));
     }
+    if a.requires_grad {
+        computable(op, a.dtype)?;
+    }
+    Ok(())
 }
 
 fn dim_of(op: &'static str, shape: &[usize], dim: i64) -> Result<usize> {
@@ -708,7 +714,7 @@ fn infer(op: &Op, operands: &[&Node]) -> Result<Vec<usize>> {
             out
         }
         Op::IndexSelect(_, _, d) => {
-            cpu_only("index_select", a)?;
+            picks("index_select", a)?;
             let idx = b.expect("index_select has indices");
             let d = *d as usize;
             if d >= s.len() || idx.dtype != DType::I64 || idx.shape.len() != 1 {
@@ -722,18 +728,19 @@ fn infer(op: &Op, operands: &[&Node]) -> Result<Vec<usize>> {
             out
         }
         Op::Gather(_, _, d) => {
-            cpu_only("gather", a)?;
+            picks("gather", a)?;
             let idx = b.expect("gather has an index");
             let d = *d as usize;
             let fits = idx.dtype == DType::I64
                 && idx.shape.len() == s.len()
                 && d < s.len()
-                && idx
-                    .shape
-                    .iter()
-                    .zip(s)
-                    .enumerate()
-                    .all(|(k, (&i, &n))| k == d || i <= n);
+                && (numel(&idx.shape) == 0
+                    || idx
+                        .shape
+                        .iter()
+                        .zip(s)
+                        .enumerate()
+                        .all(|(k, (&i, &n))| k == d || i <= n));
             if !fits {
                 return Err(shape_err(
                     "gather",
@@ -1072,15 +1079,15 @@ impl RemoteTensor {
 
     /// The slices `indices` (1-d, i64) along `dim`, as [`Tensor::index_select`]. Indices are
     /// checked against the dimension's length when the owner runs it.
-    pub fn index_select(&self, dim: usize, indices: &RemoteTensor) -> Result<RemoteTensor> {
-        let dim = u32::try_from(dim).unwrap_or(u32::MAX);
+    pub fn index_select(&self, dim: isize, indices: &RemoteTensor) -> Result<RemoteTensor> {
+        let dim = dim_of("index_select", self.shape(), dim as i64)? as u32;
         self.record(&[indices], |i| Op::IndexSelect(i[0], i[1], dim))
     }
 
     /// Elements picked along `dim` by `index` (i64, this tensor's number of dimensions), as
     /// [`Tensor::gather`]: `index`'s shape. Values are checked when the owner runs it.
-    pub fn gather(&self, dim: usize, index: &RemoteTensor) -> Result<RemoteTensor> {
-        let dim = u32::try_from(dim).unwrap_or(u32::MAX);
+    pub fn gather(&self, dim: isize, index: &RemoteTensor) -> Result<RemoteTensor> {
+        let dim = dim_of("gather", self.shape(), dim as i64)? as u32;
         self.record(&[index], |i| Op::Gather(i[0], i[1], dim))
     }
 
@@ -1632,6 +1639,9 @@ mod tests {
             vec![Op::Input(0), Op::Cat(vec![], 0)],
             vec![Op::Input(0), Op::Cat(vec![0, 0], 3)],
             vec![Op::Input(0), Op::Embedding(0, 0)],
+            vec![Op::Input(0), Op::Gather(0, 0, 0)],
+            vec![Op::Input(0), Op::IndexSelect(0, 0, u32::MAX)],
+            vec![Op::Input(0), Op::Gather(0, 7, 0)],
         ] {
             let g = Graph { ops, outputs: vec![0] };
             assert!(g.run(std::slice::from_ref(&x)).is_err(), "{g:?}");
