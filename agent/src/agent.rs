@@ -305,6 +305,20 @@ impl Agent {
         &self.inner.peers.announce.address
     }
 
+    /// Where a tensor on `device` in a reply to `caller` lands there: the reverse of the
+    /// caller's device map to this worker (the CPU stays the CPU), or `None` when that map
+    /// does not cover `device` (such a reply fails with [`RpcError::MissingDeviceMap`]; move
+    /// the tensor to the CPU first).
+    pub fn reply_device(
+        &self,
+        caller: impl Into<Dest>,
+        device: sluice_channel::Device,
+    ) -> Option<sluice_channel::Device> {
+        let id = self.inner.resolve(&caller.into()).ok()?;
+        let peer = self.inner.peers.peer(id).ok()?;
+        crate::device_map::reverse(peer.map_from.as_ref(), device, "").ok()
+    }
+
     /// The pipe info of this worker's pipe to `dest`, if one is open.
     pub fn pipe_info(&self, dest: impl Into<Dest>) -> Option<sluice_channel::PipeInfo> {
         let id = self.inner.resolve(&dest.into()).ok()?;

@@ -1,7 +1,8 @@
 //! CUDA tensors through the agent and distributed autograd, between two real processes on one
 //! GPU: requests mapped by the caller's device map, responses reverse-mapped, stream order with
 //! no explicit synchronize anywhere on the path, CPU↔GPU maps, the missing-map error, RRefs
-//! owned on a GPU, and a distributed backward across a device map.
+//! owned on a GPU, a distributed backward across a device map, and remote tensors placed on the
+//! owner's GPU.
 //!
 //! Each worker skips (printing why) without a GPU and fails under `SLUICE_REQUIRE_GPU=1`,
 //! which `scripts/gpu-check.sh` sets.
@@ -233,6 +234,71 @@ worker_test!(distributed_backward_across_a_device_map, 2, |env: WorkerEnv| {
             assert!((p - q).abs() < 1e-4, "gpu {p} vs cpu {q}");
         }
         assert!((loss.item().unwrap() - ll.item().unwrap()).abs() < 1e-3);
+    }
+    agent.shutdown().unwrap();
+});
+
+worker_test!(remote_tensors_placed_on_a_gpu_equal_the_cpu, 2, |env: WorkerEnv| {
+    // Computes on the owner's GPU (autograd's kernels): needs NVRTC and cuBLAS too.
+    if !sluice_tests::gpu::compute_or_skip("remote_tensors_placed_on_a_gpu_equal_the_cpu") {
+        return;
+    }
+    // No device maps: values go to the owner's CPU and move to its GPU there, and come back
+    // the same way.
+    let agent = Agent::init(env.options(), registry()).unwrap();
+    if env.rank == 0 {
+        use sluice_autograd::Error;
+        let x = AgTensor::uniform(&[4, 5], -1.0, 1.0, 3, DType::F64)
+            .unwrap()
+            .requires_grad_();
+        let w = AgTensor::uniform(&[5, 3], -1.0, 1.0, 4, DType::F64)
+            .unwrap()
+            .requires_grad_();
+        macro_rules! model {
+            ($x:expr, $w:expr) => {
+                $x.matmul($w)
+                    .unwrap()
+                    .tanh()
+                    .unwrap()
+                    .softmax(-1)
+                    .unwrap()
+                    .mul_scalar(2.0)
+                    .unwrap()
+                    .sum()
+                    .unwrap()
+            };
+        }
+        let local = model!(x, &w);
+        local.backward().unwrap();
+        let ctx = Context::new(&agent).unwrap();
+        let remote = ctx.run(|| {
+            let xr = x.to_remote(&agent, "worker1/cuda:0").unwrap();
+            let wr = w.to_remote(&agent, "worker1/cuda:0").unwrap();
+            assert_eq!((xr.owner().id, xr.device()), (1, GPU));
+            // CPU-only kernels are refused on the line that writes them.
+            let idx = AgTensor::indices(&[0, 1], &[2])
+                .unwrap()
+                .to_remote(&agent, "worker1/cuda:0")
+                .unwrap();
+            assert!(matches!(xr.index_select(0, &idx), Err(Error::Remote(_))));
+            model!(xr, &wr).to_here().unwrap()
+        });
+        assert!(
+            (remote.item().unwrap() - local.item().unwrap()).abs() < 1e-10,
+            "gpu {} vs cpu {}",
+            remote.item().unwrap(),
+            local.item().unwrap()
+        );
+        ctx.backward(&[remote], false).unwrap();
+        for (leaf, name) in [(&x, "x"), (&w, "w")] {
+            let (g, want) = (ctx.gradient(leaf).unwrap(), leaf.grad().unwrap());
+            let (a, b) = (g.to_f64_vec().unwrap(), want.to_f64_vec().unwrap());
+            assert_eq!(a.len(), b.len(), "{name}'s gradient");
+            for (p, q) in a.iter().zip(&b) {
+                assert!((p - q).abs() < 1e-10, "{name}'s gradient: gpu {p} vs cpu {q}");
+            }
+        }
+        ctx.release().unwrap();
     }
     agent.shutdown().unwrap();
 });

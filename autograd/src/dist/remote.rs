@@ -1538,7 +1538,7 @@ pub(crate) fn install(registry: &mut Registry) {
                 })
             })
             .collect::<std::result::Result<Vec<Tensor>, _>>()?;
-        let reply = serve_reply(cx, &fetched, ctx.as_ref())?;
+        let reply = serve_reply(cx, &receivable(cx, fetched)?, ctx.as_ref())?;
         Ok(Value::kept_with_reply(Value::encodable(Bundle(outputs)), reply))
     });
     registry.value_handler(H_PARAM, |cx: &CallContext, mut payload: Payload| {
@@ -1570,7 +1570,7 @@ pub(crate) fn install(registry: &mut Registry) {
         };
         // A context the owner never saw (or already released) holds no gradient of it.
         let grad = super::get_gradients(context).ok().and_then(|g| g.get(&p.id()).cloned());
-        serve_reply(cx, &grad.into_iter().collect::<Vec<Tensor>>(), None).map(Value::Payload)
+        serve_reply(cx, &receivable(cx, grad.into_iter().collect())?, None).map(Value::Payload)
     });
     registry.value_method(H_FETCH, |cx: &CallContext, value: &Value, payload: Payload| {
         let header: FetchHeader = payload
@@ -1592,8 +1592,29 @@ pub(crate) fn install(registry: &mut Registry) {
             return Err(HandlerError::new("TypeError", "not a remote tensor's value"));
         };
         let ctx = caller_context(cx, header.context)?;
-        serve_reply(cx, &tensors, ctx.as_ref()).map(Value::Payload)
+        serve_reply(cx, &receivable(cx, tensors)?, ctx.as_ref()).map(Value::Payload)
     });
+}
+
+/// `tensors` as the caller can receive them: one on a device the caller's device map does not
+/// cover (a value on this worker's GPU, fetched by a worker that set no map) goes to the CPU
+/// first, recorded, so its gradient comes back to the GPU the same way.
+fn receivable(cx: &CallContext, tensors: Vec<Tensor>) -> std::result::Result<Vec<Tensor>, HandlerError> {
+    tensors
+        .into_iter()
+        .map(|t| {
+            let device = t.device();
+            if device == Device::Cpu || cx.agent.reply_device(cx.caller.id, device).is_some() {
+                return Ok(t);
+            }
+            t.to_device(Device::Cpu).map_err(|e| {
+                HandlerError::new(
+                    "CudaError",
+                    format!("{device} to the CPU for worker {}: {e}", cx.caller.name),
+                )
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]
