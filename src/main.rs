@@ -163,7 +163,7 @@ fn main() -> anyhow::Result<()> {
         let first = summaries[0].calls_per_second;
         for s in &summaries {
             eprintln!(
-                "soak: {:>3} workers: {:>9.0} calls/s ({:.2}x the two-process rpc_async baseline {:.0}/s, {:.2}x the first run), p50 {:.0} us, p99 {:.0} us ({:.1}x p50), memory end/warm-up {:.2}x, lost {}",
+                "soak: {:>3} workers: {:>9.0} calls/s ({:.2}x the two-process rpc_async baseline {:.0}/s, {:.2}x the first run), p50 {:.0} us, p99 {:.0} us ({:.1}x p50), memory end/warm-up {:.2}x (end/midpoint {:.2}x), lost {}",
                 s.workers,
                 s.calls_per_second,
                 s.ratio_to_baseline,
@@ -173,6 +173,7 @@ fn main() -> anyhow::Result<()> {
                 s.p99_us,
                 s.p99_over_p50,
                 s.worst_growth,
+                s.worst_late_growth,
                 s.lost
             );
             let sizes: Vec<String> = s

@@ -458,6 +458,9 @@ pub struct Summary {
     pub rss_after_warmup_mib: f64,
     pub rss_end_mib: f64,
     pub worst_growth: f64,
+    /// The largest end / midpoint ratio of any worker's private memory: whether memory still
+    /// grows in the run's second half (flat: 1.0), whatever the warm-up took.
+    pub worst_late_growth: f64,
     /// Sum over workers of resident shared memory (rings) at the end.
     pub shm_end_mib: f64,
     /// The same invocation's two-process baseline: `rpc_async` no-ops with 64 in flight from
@@ -572,6 +575,7 @@ pub fn run(
             .unwrap_or(0)
     };
     let end = |r: &WorkerReport| r.rss_kib.last().copied().unwrap_or(0);
+    let mid = |r: &WorkerReport| r.rss_kib.get(r.rss_kib.len() / 2).copied().unwrap_or(0);
     let calls: u64 = all.iter().map(|r| r.completed).sum();
     let rate = calls as f64 / elapsed;
     Ok(Summary {
@@ -597,6 +601,10 @@ pub fn run(
         worst_growth: all
             .iter()
             .map(|r| end(r) as f64 / warm(r).max(1) as f64)
+            .fold(0.0, f64::max),
+        worst_late_growth: all
+            .iter()
+            .map(|r| end(r) as f64 / mid(r).max(1) as f64)
             .fold(0.0, f64::max),
         by_size,
         request_p50_us: quantile(&request, 0.5),
