@@ -15,6 +15,19 @@ fn need(ts: &[&Tensor]) -> Vec<bool> {
     ts.iter().map(|t| t.requires_grad()).collect()
 }
 
+/// `torch.gather`'s shape rule: an index with as many dimensions as `shape` (not 0-d), no longer
+/// than it in any dimension but `dim`, unless the index is empty.
+pub(crate) fn gather_fits(shape: &[usize], dim: usize, index: &[usize]) -> bool {
+    dim < shape.len()
+        && index.len() == shape.len()
+        && (numel(index) == 0
+            || index
+                .iter()
+                .zip(shape)
+                .enumerate()
+                .all(|(k, (&i, &n))| k == dim || i <= n))
+}
+
 fn dim_index(op: &'static str, t: &Tensor, dim: isize) -> Result<usize> {
     let n = t.dims() as isize;
     let d = if dim < 0 { dim + n } else { dim };
@@ -418,16 +431,7 @@ impl Tensor {
     pub fn gather(&self, dim: isize, index: &Tensor) -> Result<Tensor> {
         let d = dim_index("gather", self, dim)?;
         let shape = self.shape().to_vec();
-        let fits = !shape.is_empty()
-            && index.dims() == shape.len()
-            && (index.numel() == 0
-                || index
-                    .shape()
-                    .iter()
-                    .zip(&shape)
-                    .enumerate()
-                    .all(|(k, (&i, &n))| k == d || i <= n));
-        if !fits {
+        if !gather_fits(&shape, d, index.shape()) {
             return Err(shape_err(
                 "gather",
                 format!("index {:?} along dimension {dim} of {shape:?}", index.shape()),

@@ -576,6 +576,12 @@ pub fn run(
     };
     let end = |r: &WorkerReport| r.rss_kib.last().copied().unwrap_or(0);
     let mid = |r: &WorkerReport| r.rss_kib.get(r.rss_kib.len() / 2).copied().unwrap_or(0);
+    // The largest end / `from` ratio of any worker.
+    let worst = |from: &dyn Fn(&WorkerReport) -> u64| {
+        all.iter()
+            .map(|r| end(r) as f64 / from(r).max(1) as f64)
+            .fold(0.0, f64::max)
+    };
     let calls: u64 = all.iter().map(|r| r.completed).sum();
     let rate = calls as f64 / elapsed;
     Ok(Summary {
@@ -598,14 +604,8 @@ pub fn run(
         rss_after_warmup_mib: all.iter().map(warm).sum::<u64>() as f64 / 1024.0,
         rss_end_mib: all.iter().map(end).sum::<u64>() as f64 / 1024.0,
         shm_end_mib: all.iter().map(|r| r.shm_kib.last().copied().unwrap_or(0)).sum::<u64>() as f64 / 1024.0,
-        worst_growth: all
-            .iter()
-            .map(|r| end(r) as f64 / warm(r).max(1) as f64)
-            .fold(0.0, f64::max),
-        worst_late_growth: all
-            .iter()
-            .map(|r| end(r) as f64 / mid(r).max(1) as f64)
-            .fold(0.0, f64::max),
+        worst_growth: worst(&warm),
+        worst_late_growth: worst(&mid),
         by_size,
         request_p50_us: quantile(&request, 0.5),
         request_p99_us: quantile(&request, 0.99),

@@ -731,17 +731,7 @@ fn infer(op: &Op, operands: &[&Node]) -> Result<Vec<usize>> {
             picks("gather", a)?;
             let idx = b.expect("gather has an index");
             let d = *d as usize;
-            let fits = idx.dtype == DType::I64
-                && idx.shape.len() == s.len()
-                && d < s.len()
-                && (numel(&idx.shape) == 0
-                    || idx
-                        .shape
-                        .iter()
-                        .zip(s)
-                        .enumerate()
-                        .all(|(k, (&i, &n))| k == d || i <= n));
-            if !fits {
+            if idx.dtype != DType::I64 || !crate::ops::gather_fits(s, d, &idx.shape) {
                 return Err(shape_err(
                     "gather",
                     format!("{} index {:?} along dimension {d} of {s:?}", idx.dtype, idx.shape),

@@ -560,6 +560,34 @@ std::variant<c10::intrusive_ptr<Message>, std::string> decode(sluice_received* r
   }
 }
 
+// Sluice tensor `j`'s bytes (in CPU memory) as a byte tensor of this process's own, writable
+// memory, starting at a multiple of `align`: taken without a copy where a channel filled memory
+// of ours, copied where the pipe lends its memory (a shared segment, read-only) or the bytes
+// start misaligned (a small tensor inside a frame).
+at::Tensor ownBytes(sluice_received* r, size_t j, size_t align) {
+  auto options = at::TensorOptions().dtype(at::kByte);
+  sluice_buffer* owned = nullptr;
+  uint8_t* taken = nullptr;
+  size_t len = 0;
+  const uint8_t* from = nullptr;
+  if (sluice_received_tensor_take(r, j, &owned, &taken, &len) == SLUICE_OK && owned != nullptr) {
+    if (reinterpret_cast<uintptr_t>(taken) % align == 0) {
+      return at::from_blob(taken, {static_cast<int64_t>(len)}, [owned](void*) { sluice_buffer_free(owned); }, options);
+    }
+    from = taken;
+  } else {
+    sluice_received_tensor_data(r, j, &from, &len);
+  }
+  at::Tensor copy = at::empty({static_cast<int64_t>(len)}, options);
+  if (len > 0) {
+    std::memcpy(copy.data_ptr(), from, len);
+  }
+  if (owned != nullptr) {
+    sluice_buffer_free(owned);
+  }
+  return copy;
+}
+
 // Message tensor `i`, sent alone as Sluice tensor `j` with flag byte `flag`, or why it cannot
 // be rebuilt. `devices`: the GPUs this worker receives on.
 std::variant<at::Tensor, std::string> plainTensor(sluice_received* r, size_t j, size_t i, uint8_t flag,
@@ -584,9 +612,6 @@ std::variant<at::Tensor, std::string> plainTensor(sluice_received* r, size_t j, 
   // the pipe lends (a shared segment, read-only) is copied.
   auto options = at::TensorOptions().dtype(type);
   int64_t item = static_cast<int64_t>(c10::elementSize(type));
-  sluice_buffer* owned = nullptr;
-  uint8_t* ownedBytes = nullptr;
-  size_t ownedLen = 0;
   at::Tensor t;
   size_t stream = 0;
   void* handle = nullptr;
@@ -612,25 +637,8 @@ std::variant<at::Tensor, std::string> plainTensor(sluice_received* r, size_t j, 
       return "tensor " + std::to_string(i) + ": an empty tensor for " + dev.str() + ", not among this worker's devices";
     }
     t = at::empty(shape, options.device(dev));
-  } else if (sluice_received_tensor_take(r, j, &owned, &ownedBytes, &ownedLen) == SLUICE_OK && owned != nullptr) {
-    if (reinterpret_cast<uintptr_t>(ownedBytes) % static_cast<uintptr_t>(item) == 0) {
-      t = at::from_blob(ownedBytes, shape, strides, [owned](void*) { sluice_buffer_free(owned); }, options);
-    } else {
-      // Misaligned for its dtype (a small tensor inside a frame): copied after all.
-      at::Tensor storage = at::empty({static_cast<int64_t>(ownedLen) / item}, options);
-      std::memcpy(storage.data_ptr(), ownedBytes, ownedLen);
-      sluice_buffer_free(owned);
-      t = storage.as_strided(shape, strides);
-    }
   } else {
-    const uint8_t* bytesIn = nullptr;
-    size_t spanBytes = 0;
-    sluice_received_tensor_data(r, j, &bytesIn, &spanBytes);
-    at::Tensor storage = at::empty({static_cast<int64_t>(spanBytes) / item}, options);
-    if (spanBytes > 0) {
-      std::memcpy(storage.data_ptr(), bytesIn, spanBytes);
-    }
-    t = storage.as_strided(shape, strides);
+    t = ownBytes(r, j, static_cast<size_t>(item)).view(type).as_strided(shape, strides);
   }
   return t;
 }
@@ -802,28 +810,8 @@ std::variant<c10::intrusive_ptr<Message>, std::string> decodeUnchecked(sluice_re
             dl.dtype.lanes != 1 || (dl.strides != nullptr && dl.strides[0] != 1)) {
           return "tensor " + std::to_string(v.source) + ": a shared storage that is not contiguous bytes in CPU memory";
         }
-        sluice_buffer* owned = nullptr;
-        uint8_t* ownedBytes = nullptr;
-        size_t ownedLen = 0;
-        auto options = at::TensorOptions().dtype(at::kByte);
-        if (sluice_received_tensor_take(r, v.source, &owned, &ownedBytes, &ownedLen) == SLUICE_OK && owned != nullptr &&
-            reinterpret_cast<uintptr_t>(ownedBytes) % alignof(std::max_align_t) == 0) {
-          storage = at::from_blob(ownedBytes, {static_cast<int64_t>(ownedLen)},
-                                  [owned](void*) { sluice_buffer_free(owned); }, options);
-        } else if (owned != nullptr) {
-          // Misaligned for the views' dtypes (a small storage inside a frame): copied.
-          storage = at::empty({static_cast<int64_t>(ownedLen)}, options);
-          std::memcpy(storage.data_ptr(), ownedBytes, ownedLen);
-          sluice_buffer_free(owned);
-        } else {
-          const uint8_t* bytesIn = nullptr;
-          size_t spanBytes = 0;
-          sluice_received_tensor_data(r, v.source, &bytesIn, &spanBytes);
-          storage = at::empty({static_cast<int64_t>(spanBytes)}, options);
-          if (spanBytes > 0) {
-            std::memcpy(storage.data_ptr(), bytesIn, spanBytes);
-          }
-        }
+        // Aligned for any of the views' dtypes.
+        storage = ownBytes(r, v.source, alignof(std::max_align_t));
         bytes += storage.nbytes();
       }
       if (v.offset + v.bytes > storage.nbytes()) {
