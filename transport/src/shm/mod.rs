@@ -549,11 +549,12 @@ impl Shared {
         // the peer signal the eventfd for every frame.
         let _parked = ParkedFlag(parked);
         loop {
-            parked.store(1, Ordering::Relaxed);
+            // Also after a signal (SIGNALLED): a frame published since then must signal again.
+            parked.store(PARKED, Ordering::Relaxed);
             fence(Ordering::SeqCst);
             let outcome = check(self);
             if !matches!(outcome, Ok(false)) {
-                parked.store(0, Ordering::Relaxed);
+                parked.store(RUNNING, Ordering::Relaxed);
                 if outcome.is_ok() {
                     self.learn(side, spun + park_start.elapsed());
                 }
@@ -575,7 +576,7 @@ impl Shared {
                     }
                 }
             }
-            parked.store(0, Ordering::Relaxed);
+            parked.store(RUNNING, Ordering::Relaxed);
         }
     }
 
@@ -659,7 +660,7 @@ impl Shared {
     #[inline]
     fn notify_reader(&self) {
         fence(Ordering::SeqCst);
-        if self.outbox.consumer_parked().load(Ordering::Relaxed) != 0 {
+        if first_signal(self.outbox.consumer_parked()) {
             sys::eventfd_signal(self.outbox_data.as_fd());
             stats::woke();
         }
@@ -669,11 +670,31 @@ impl Shared {
     #[inline]
     fn notify_writer(&self) {
         fence(Ordering::SeqCst);
-        if self.inbox.producer_parked().load(Ordering::Relaxed) != 0 {
+        if first_signal(self.inbox.producer_parked()) {
             sys::eventfd_signal(self.inbox_space.as_fd());
             stats::woke();
         }
     }
+}
+
+/// A side's *parked* word: the side runs (or spins).
+const RUNNING: u32 = 0;
+/// The side sleeps on its eventfd.
+const PARKED: u32 = 1;
+/// The side sleeps and has been signalled; it sets the word again before it next looks at its
+/// ring, so it sees whatever was published before the signal.
+const SIGNALLED: u32 = 2;
+
+/// Whether a side whose *parked* word is `parked` needs a signal now (after the caller's
+/// publication and fence): only the first one of a sleep does. A peer that writes many frames to
+/// a sleeping reader (at 64 workers on two cores, 80% of frames find theirs asleep) makes one
+/// system call, not one a frame.
+#[inline]
+fn first_signal(parked: &AtomicU32) -> bool {
+    parked.load(Ordering::Relaxed) == PARKED
+        && parked
+            .compare_exchange(PARKED, SIGNALLED, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
 }
 
 /// Counts a parked wait (see [`stats`]) when it ends, however it ends.
@@ -692,7 +713,7 @@ struct ParkedFlag<'a>(&'a AtomicU32);
 
 impl Drop for ParkedFlag<'_> {
     fn drop(&mut self) {
-        self.0.store(0, Ordering::Relaxed);
+        self.0.store(RUNNING, Ordering::Relaxed);
     }
 }
 
@@ -1111,6 +1132,45 @@ mod tests {
         for task in <[_; 4]>::from(tasks) {
             task.unwrap();
         }
+    }
+
+    /// A sleeping reader is signalled once however many frames come before it wakes, and again
+    /// for the first frame after it goes back to sleep; a running one is not signalled at all.
+    /// (The reader here is simulated: its *parked* word is set by hand, and the eventfd's
+    /// counter read where the reader would drain it.)
+    #[tokio::test]
+    async fn a_sleeping_reader_is_signalled_once_a_sleep() {
+        use std::os::fd::AsRawFd;
+        let t = ShmTransport::new(ShmOptions::default());
+        let mut listener = t.listen("").await.unwrap();
+        let addr = listener.address();
+        let (a, b) = tokio::join!(t.connect(&addr), listener.accept());
+        let ((_, mut writer), (reader, _)) = (a.unwrap().split(), b.unwrap().split());
+        let parked = reader.shared.inbox.consumer_parked();
+        let signals = || {
+            let mut count = [0u8; 8];
+            match nix::unistd::read(reader.shared.inbox_data.get_ref().as_raw_fd(), &mut count) {
+                Ok(8) => u64::from_ne_bytes(count),
+                Err(nix::errno::Errno::EAGAIN) => 0,
+                other => panic!("eventfd read: {other:?}"),
+            }
+        };
+        let mut write = || writer.try_write_now(&[b"frame"], true).unwrap().unwrap();
+        parked.store(PARKED, Ordering::Relaxed);
+        for _ in 0..10 {
+            write();
+        }
+        assert_eq!(signals(), 1, "ten frames to a sleeping reader");
+        assert_eq!(parked.load(Ordering::Relaxed), SIGNALLED);
+        write();
+        assert_eq!(signals(), 0, "signalled already, not yet awake");
+        // Awake, it looks at its ring, then sleeps again: the next frame signals again.
+        parked.store(PARKED, Ordering::Relaxed);
+        write();
+        assert_eq!(signals(), 1, "the first frame of the next sleep");
+        parked.store(RUNNING, Ordering::Relaxed);
+        write();
+        assert_eq!(signals(), 0, "a running reader");
     }
 
     /// The average follows a change of pattern within a few waits; one idle gap after a run of
