@@ -136,22 +136,45 @@ impl Segment {
     /// several threads and processes may allocate at once. Single blocks are taken first fit
     /// from the bottom, longer runs from the top down, so the two kinds do not fragment each
     /// other: the pages a segment touches stay close to its peak of bytes in flight.
+    ///
+    /// A sender looks first among the blocks it has mapped in (see [`write`](Self::write)),
+    /// and only then among all: each block it maps in costs it a page-table entry a page, and
+    /// with many senders to one receiver, each taking the lowest free blocks would come to map
+    /// in the receiver's whole region of bytes in flight.
     pub fn allocate(&self, len: usize) -> Option<u64> {
         let need = len.div_ceil(BLOCK).max(1);
         if need > self.blocks {
             return None;
         }
         if need > 1 {
-            return self.allocate_from_top(need);
+            return self.run_from_top(need, true).or_else(|| self.run_from_top(need, false));
         }
+        self.single(true).or_else(|| self.single(false))
+    }
+
+    /// Whether this sender has mapped block `b` in.
+    fn is_mapped(&self, b: usize) -> bool {
+        self.populated
+            .get(b / 64)
+            .is_some_and(|w| w.load(Ordering::Relaxed) & 1 << (b % 64) != 0)
+    }
+
+    /// The lowest free block (among those mapped in, if `mapped_only`), claimed.
+    fn single(&self, mapped_only: bool) -> Option<u64> {
         // Words are read one at a time (each is a cache line other processes write): the
         // first with a free block usually is the first.
         for w in 0..self.blocks.div_ceil(64) {
-            let valid = if (w + 1) * 64 <= self.blocks {
+            let mut valid = if (w + 1) * 64 <= self.blocks {
                 u64::MAX
             } else {
                 (1u64 << (self.blocks % 64)) - 1
             };
+            if mapped_only {
+                valid &= self.populated.get(w).map_or(0, |p| p.load(Ordering::Relaxed));
+                if valid == 0 {
+                    continue;
+                }
+            }
             let word = self.bits(w);
             let mut cur = word.load(Ordering::Acquire);
             while !cur & valid != 0 {
@@ -165,13 +188,16 @@ impl Segment {
         None
     }
 
-    /// The highest free run of `need` blocks, claimed. Reads only the words it looks at.
-    fn allocate_from_top(&self, need: usize) -> Option<u64> {
+    /// The highest free run of `need` blocks (of blocks mapped in, if `mapped_only`), claimed.
+    /// Reads only the words it looks at.
+    fn run_from_top(&self, need: usize, mapped_only: bool) -> Option<u64> {
         let mut seen: Vec<Option<u64>> = vec![None; self.blocks.div_ceil(64)];
         let mut start = self.blocks - need;
         loop {
             let mut used = |b: usize| {
-                *seen[b / 64].get_or_insert_with(|| self.bits(b / 64).load(Ordering::Acquire)) & (1 << (b % 64)) != 0
+                (mapped_only && !self.is_mapped(b))
+                    || *seen[b / 64].get_or_insert_with(|| self.bits(b / 64).load(Ordering::Acquire)) & (1 << (b % 64))
+                        != 0
             };
             match (start..start + need).find(|&b| used(b)) {
                 // The run must end below the lowest used block of this window.
@@ -423,6 +449,39 @@ mod tests {
         tx.write(at[1], &block);
         assert!(minor_faults() - before < 4, "a block already mapped in faulted");
         assert_eq!(&rx.take(at[0], BLOCK as u64).unwrap()[..], &block[..]);
+    }
+
+    #[test]
+    fn a_sender_uses_the_blocks_it_has_mapped_in_first() {
+        let (tx, rx) = pair(64 * BLOCK);
+        let other = Segment::open(std::process::id(), rx.offer()).unwrap();
+        let block = vec![1u8; BLOCK];
+        // Six single blocks; only the last is written (mapped in); all given back.
+        let singles: Vec<u64> = (0..6).map(|_| tx.allocate(BLOCK).unwrap()).collect();
+        assert_eq!(singles[5], 5 * BLOCK as u64);
+        tx.write(singles[5], &block);
+        for &at in &singles {
+            tx.unreserve(at, BLOCK);
+        }
+        assert_eq!(
+            tx.allocate(BLOCK),
+            Some(5 * BLOCK as u64),
+            "the block it mapped in, not block 0"
+        );
+        assert_eq!(
+            other.allocate(BLOCK),
+            Some(0),
+            "another sender, nothing mapped in: the lowest"
+        );
+        // Runs likewise: the lower of two runs was written; given back, it is taken again.
+        let top = tx.allocate(2 * BLOCK).unwrap();
+        let lower = tx.allocate(2 * BLOCK).unwrap();
+        assert_eq!(top, lower + 2 * BLOCK as u64);
+        tx.write(lower, &[block.clone(), block.clone()].concat());
+        tx.unreserve(top, 2 * BLOCK);
+        tx.unreserve(lower, 2 * BLOCK);
+        assert_eq!(tx.allocate(2 * BLOCK), Some(lower), "the run it mapped in, not the top");
+        assert_eq!(tx.allocate(2 * BLOCK), Some(top), "then the highest free");
     }
 
     #[test]
