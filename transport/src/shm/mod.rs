@@ -9,7 +9,9 @@
 //! (and only while fewer threads of the host spin than there are cores: see [`spin`]), then
 //! sets its *parked* flag and sleeps on its eventfd (through tokio), so a busy connection gets
 //! spinning latency and an idle one costs no CPU. The other side signals the eventfd only when
-//! the flag is set (a store/fence/load on each side, so no wake-up is lost).
+//! the flag is set (a store/fence/load on each side, so no wake-up is lost), and only once a
+//! sleep: the first signal marks the flag signalled, and the sleeper sets it again before it
+//! next looks at its ring.
 //!
 //! Domain: the descriptor holds the boot id and the network, IPC and user namespaces, so peers
 //! on different hosts or in different containers never choose shared memory. (The abstract
@@ -545,8 +547,8 @@ impl Shared {
             Side::Reader => (self.inbox.consumer_parked(), &self.inbox_data),
             Side::Writer => (self.outbox.producer_parked(), &self.outbox_space),
         };
-        // Cleared however the wait ends, cancellation included: a flag left set would make
-        // the peer signal the eventfd for every frame.
+        // Cleared however the wait ends, cancellation included: a flag left set would cost the
+        // peer a signal, and this side a wake-up for nothing, at its next wait.
         let _parked = ParkedFlag(parked);
         loop {
             // Also after a signal (SIGNALLED): a frame published since then must signal again.
