@@ -210,12 +210,12 @@ impl Segment {
         let top = if mapped_only { self.mapped_top()? } else { self.blocks };
         let mut seen: Vec<Option<u64>> = vec![None; self.blocks.div_ceil(64)];
         let mut start = top.checked_sub(need)?;
+        let word_unmapped = |b: usize| {
+            self.populated
+                .get(b / 64)
+                .is_none_or(|w| w.load(Ordering::Relaxed) == 0)
+        };
         loop {
-            let word_unmapped = |b: usize| {
-                self.populated
-                    .get(b / 64)
-                    .is_none_or(|w| w.load(Ordering::Relaxed) == 0)
-            };
             let mut used = |b: usize| {
                 (mapped_only && !self.is_mapped(b))
                     || *seen[b / 64].get_or_insert_with(|| self.bits(b / 64).load(Ordering::Acquire)) & (1 << (b % 64))
@@ -453,9 +453,7 @@ mod tests {
         for a in [at[0], at[1], at[3]] {
             tx.write(a, &block);
         }
-        let mapped: Vec<usize> = (0..tx.blocks)
-            .filter(|b| tx.populated[b / 64].load(Ordering::Relaxed) & 1 << (b % 64) != 0)
-            .collect();
+        let mapped: Vec<usize> = (0..tx.blocks).filter(|&b| tx.is_mapped(b)).collect();
         assert_eq!(mapped, [0, 1, 3], "marked mapped in: the blocks written");
         // Only those: the rest of the segment stays out of this sender's page tables (every
         // sender of a receiver maps its segment on its own). The faults the mapping-in takes
