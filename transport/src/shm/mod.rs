@@ -43,12 +43,12 @@ use tokio::task::JoinHandle;
 
 use crate::closing::{OpGuard, Stopped};
 use crate::error::{Result, TransportError};
-use crate::frame::{decode_header, encode_header, total_len, HEADER_LEN};
+use crate::frame::{total_len, HEADER_LEN};
 use crate::{Closer, Connection, FrameReader, FrameWriter, Listener, Transport};
-use ring::{Consumer, Producer, Ring};
+use ring::{padded, word, Consumer, Producer, Ring};
 
 const NAME: &str = "shm";
-const HANDSHAKE_MAGIC: &[u8; 8] = b"SLCSHM01";
+const HANDSHAKE_MAGIC: &[u8; 8] = b"SLCSHM02";
 
 /// Options of the shared-memory transport.
 #[derive(Debug, Clone)]
@@ -786,8 +786,7 @@ impl ReadOp<'_> {
             let avail = self.consumer.available(1).map_err(|_| self.shared.corrupt())?;
             if avail == 0 {
                 if self.consumer.has_unreleased() {
-                    self.consumer.release();
-                    self.shared.notify_writer();
+                    self.hand_back();
                 }
                 let consumer = &mut *self.consumer;
                 self.shared
@@ -798,23 +797,49 @@ impl ReadOp<'_> {
             let end = dst.len().min(done + step);
             done += self.consumer.pop(&mut dst[done..end]);
             if self.consumer.unreleased() >= step as u64 {
-                self.consumer.release();
-                self.shared.notify_writer();
+                self.hand_back();
             }
         }
         Ok(())
     }
 
-    fn finish_frame(&mut self) {
+    /// Hands the space of the bytes read back to the writer, waking it if it parked for room.
+    fn hand_back(&mut self) {
         self.consumer.release();
         self.shared.notify_writer();
     }
 
+    /// Reads the frame's padding and hands its space back.
+    async fn finish_frame(&mut self, len: usize) -> Result<()> {
+        let pad = (padded(len as u64) - len as u64) as usize;
+        if pad > 0 {
+            self.fill(&mut [0u8; 8][..pad]).await?;
+        }
+        self.hand_back();
+        Ok(())
+    }
+
+    /// Waits until the next frame has begun to come, looking at its frame word (the consumer is
+    /// at a frame boundary between reads: frames are consumed whole).
+    async fn frame_start(&mut self) -> Result<()> {
+        if self.consumer.frame_available(1).map_err(|_| self.shared.corrupt())? > 0 {
+            return Ok(());
+        }
+        if self.consumer.has_unreleased() {
+            self.hand_back();
+        }
+        let consumer = &mut *self.consumer;
+        self.shared
+            .wait(Side::Reader, || consumer.frame_available(1).map(|n| n > 0))
+            .await
+    }
+
     /// The next frame's length, refused (before anything is allocated for it) above `limit`.
     async fn header(&mut self, limit: usize) -> Result<usize> {
+        self.frame_start().await?;
         let mut header = [0u8; HEADER_LEN];
         self.fill(&mut header).await?;
-        let len = decode_header(header);
+        let len = word::frame_len(u64::from_le_bytes(header)).ok_or_else(|| self.shared.corrupt())?;
         if len > limit as u64 {
             return Err(TransportError::FrameTooLarge {
                 peer: self.shared.peer.clone(),
@@ -825,19 +850,72 @@ impl ReadOp<'_> {
         Ok(len as usize)
     }
 
+    /// Reads the next frame at once if it is here whole and would not stream (`take` copies its
+    /// `len` bytes out of the consumer); `None` leaves it to the general path. A frame left
+    /// half-read by an earlier read (one abandoned closes the connection) is impossible here:
+    /// frames are consumed whole, so the head is at a frame's start.
+    fn whole_frame_now(&mut self, limit: usize, take: impl FnOnce(&mut Consumer, usize)) -> Option<Result<usize>> {
+        let (shared, consumer) = (self.shared, &mut *self.consumer);
+        match consumer.frame_available(HEADER_LEN) {
+            Ok(n) if n >= HEADER_LEN => {}
+            Ok(_) => return None,
+            Err(_) => return Some(Err(shared.corrupt())),
+        }
+        let mut header = [0u8; HEADER_LEN];
+        consumer.peek(&mut header);
+        let Some(len) = word::frame_len(u64::from_le_bytes(header)) else {
+            return Some(Err(shared.corrupt()));
+        };
+        if len > limit as u64 {
+            return Some(Err(TransportError::FrameTooLarge {
+                peer: shared.peer.clone(),
+                len,
+                limit,
+            }));
+        }
+        // A frame that streams, or has not arrived whole, is read by the general path.
+        let step = stream_step(consumer.ring().capacity());
+        let total = HEADER_LEN as u64 + padded(len);
+        if total > step as u64 {
+            return None;
+        }
+        let total = total as usize;
+        match consumer.available(total) {
+            Ok(n) if n >= total => {}
+            Ok(_) => return None,
+            Err(_) => return Some(Err(shared.corrupt())),
+        }
+        // The whole frame, padding included, was checked to be here.
+        consumer.discard(HEADER_LEN);
+        take(consumer, len as usize);
+        consumer.discard(total - HEADER_LEN - len as usize);
+        self.hand_back();
+        Some(Ok(len as usize))
+    }
+
     async fn frame_into(&mut self, dst: &mut [u8]) -> Result<usize> {
+        self.frame_start().await?;
+        if let Some(read) = self.whole_frame_now(dst.len(), |c, len| {
+            c.pop(&mut dst[..len]);
+        }) {
+            return read;
+        }
         let len = self.header(dst.len()).await?;
         self.fill(&mut dst[..len]).await?;
-        self.finish_frame();
+        self.finish_frame(len).await?;
         Ok(len)
     }
 
     async fn frame_vec(&mut self, out: &mut Vec<u8>, limit: usize) -> Result<usize> {
+        self.frame_start().await?;
+        if let Some(read) = self.whole_frame_now(limit, |c, len| c.pop_to_vec(out, len)) {
+            return read;
+        }
         let len = self.header(limit).await?;
         out.clear();
         out.resize(len, 0);
         self.fill(out).await?;
-        self.finish_frame();
+        self.finish_frame(len).await?;
         Ok(len)
     }
 }
@@ -872,49 +950,17 @@ impl FrameReader for ShmReader {
 
     fn has_input(&mut self) -> bool {
         // A corrupt ring says yes: the next read reports it.
-        self.consumer.available(1).map_or(true, |n| n > 0)
+        self.consumer.frame_available(1).map_or(true, |n| n > 0)
     }
 
     fn try_read_into_vec_now(&mut self, out: &mut Vec<u8>, limit: usize) -> Option<Result<usize>> {
         if let Err(e) = self.shared.stopped.check() {
             return Some(Err(e));
         }
-        let shared = &*self.shared;
-        let consumer = &mut self.consumer;
-        match consumer.available(HEADER_LEN) {
-            Ok(n) if n >= HEADER_LEN => {}
-            Ok(_) => return None,
-            Err(_) => return Some(Err(shared.fail(shared.corrupt()))),
-        }
-        // A frame left half-read by an earlier read (one abandoned closes the connection) is
-        // impossible here: frames are consumed whole, so the head is at a frame's start.
-        let mut header = [0u8; HEADER_LEN];
-        consumer.peek(&mut header);
-        let len = decode_header(header);
-        if len > limit as u64 {
-            return Some(Err(shared.fail(TransportError::FrameTooLarge {
-                peer: shared.peer.clone(),
-                len,
-                limit,
-            })));
-        }
-        // A frame that streams, or has not arrived whole, is read by the asynchronous path.
-        let step = stream_step(consumer.ring().capacity());
-        if len > (step - HEADER_LEN.min(step)) as u64 {
-            return None;
-        }
-        let total = HEADER_LEN + len as usize;
-        match consumer.available(total) {
-            Ok(n) if n >= total => {}
-            Ok(_) => return None,
-            Err(_) => return Some(Err(shared.fail(shared.corrupt()))),
-        }
-        // The whole frame was checked to be here.
-        consumer.discard(HEADER_LEN);
-        consumer.pop_to_vec(out, len as usize);
-        consumer.release();
-        shared.notify_writer();
-        Some(Ok(len as usize))
+        let ShmReader { shared, consumer } = self;
+        let mut op = ReadOp { shared, consumer };
+        let read = op.whole_frame_now(limit, |c, len| c.pop_to_vec(out, len))?;
+        Some(read.map_err(|e| shared.fail(e)))
     }
 
     async fn readable(&mut self) -> Result<()> {
@@ -923,7 +969,7 @@ impl FrameReader for ShmReader {
         let consumer = &mut self.consumer;
         let result = self
             .shared
-            .wait(Side::Reader, || consumer.available(1).map(|n| n > 0))
+            .wait(Side::Reader, || consumer.frame_available(1).map(|n| n > 0))
             .await;
         result.map_err(|e| self.shared.fail(e))
     }
@@ -949,19 +995,66 @@ pub struct ShmWriter {
 }
 
 /// Copies one frame into the ring; `publish` makes it (and every frame copied before it)
-/// visible to the reader and wakes a parked reader. Unpublished frames wait for the next
-/// publication; a full ring publishes what it holds before waiting for room.
+/// visible to the reader and wakes a parked reader. A frame that fits whole is written with its
+/// frame word last (a reader waiting for it sees it at once, published or not); a larger one
+/// streams, its word first. Unpublished frames wait for the next publication; a full ring
+/// publishes what it holds before waiting for room.
 async fn write_frame(shared: &Shared, producer: &mut Producer, parts: &[&[u8]], publish: bool) -> Result<()> {
     if shared.peer_stopped(Side::Writer) {
         return Err(shared.peer_lost(Side::Writer));
     }
-    let header = encode_header(total_len(parts));
+    let len = total_len(parts);
+    if len > word::LEN_MASK {
+        return Err(TransportError::FrameTooLarge {
+            peer: shared.peer.clone(),
+            len,
+            limit: word::LEN_MASK as usize,
+        });
+    }
     let step = stream_step(producer.ring().capacity());
-    for part in std::iter::once(&header[..]).chain(parts.iter().copied()) {
+    let whole = HEADER_LEN as u64 + padded(len);
+    if whole <= step as u64 && producer.free(whole as usize).map_err(|_| shared.corrupt())? >= whole as usize {
+        // A frame held back (deferred) stays unseen until its publication, as it always was.
+        producer.push_frame(len, parts, publish);
+    } else {
+        stream_frame(shared, producer, len, parts, step).await?;
+    }
+    if publish {
+        producer.publish();
+        shared.notify_reader();
+    }
+    Ok(())
+}
+
+/// Copies a frame that does not fit now (or would stream) into the ring, its word first,
+/// publishing every `step` bytes and whenever the ring is full.
+async fn stream_frame(shared: &Shared, producer: &mut Producer, len: u64, parts: &[&[u8]], step: usize) -> Result<()> {
+    // The word, stored whole (the reader may be watching it), once there is room for it.
+    while producer.free(HEADER_LEN).map_err(|_| shared.corrupt())? < HEADER_LEN {
+        producer.publish();
+        shared.notify_reader();
+        let producer = &mut *producer;
+        shared
+            .wait(Side::Writer, || producer.free(HEADER_LEN).map(|n| n >= HEADER_LEN))
+            .await?;
+    }
+    producer.push_word(len | word::FRAME);
+    // The frame's end (padding, the next boundary's word zeroed) must be ready before any
+    // publication covers its last byte: counted in bytes, as trailing parts may be empty.
+    let mut left = len;
+    if left == 0 {
+        producer.end_frame();
+    }
+    for part in parts {
         let mut off = 0;
         while off < part.len() {
             producer.free(part.len() - off).map_err(|_| shared.corrupt())?;
-            off += producer.push(&part[off..part.len().min(off + step)]);
+            let n = producer.push(&part[off..part.len().min(off + step)]);
+            off += n;
+            left -= n as u64;
+            if left == 0 {
+                producer.end_frame();
+            }
             if producer.unpublished() >= step as u64 {
                 // A large frame streams: the reader starts on it while the rest is copied in.
                 producer.publish();
@@ -976,10 +1069,7 @@ async fn write_frame(shared: &Shared, producer: &mut Producer, parts: &[&[u8]], 
             }
         }
     }
-    if publish {
-        producer.publish();
-        shared.notify_reader();
-    }
+    debug_assert_eq!(left, 0, "the parts add up to the frame's length");
     Ok(())
 }
 
@@ -1025,12 +1115,13 @@ impl FrameWriter for ShmWriter {
             return Some(Err(e));
         }
         let len = total_len(parts);
-        let total = HEADER_LEN + len as usize;
         let step = stream_step(self.producer.ring().capacity());
         // A frame that would stream, or wait for room, takes the asynchronous path.
-        if total > step {
+        let total = HEADER_LEN as u64 + padded(len);
+        if total > step as u64 {
             return None;
         }
+        let total = total as usize;
         match self.producer.free(total) {
             Ok(free) if free >= total => {}
             Ok(_) => return None,
@@ -1039,11 +1130,7 @@ impl FrameWriter for ShmWriter {
         if self.shared.peer_stopped(Side::Writer) {
             return Some(Err(self.shared.fail(self.shared.peer_lost(Side::Writer))));
         }
-        let header = encode_header(len);
-        for part in std::iter::once(&header[..]).chain(parts.iter().copied()) {
-            let pushed = self.producer.push(part);
-            debug_assert_eq!(pushed, part.len(), "room was checked above");
-        }
+        self.producer.push_frame(len, parts, publish);
         if publish || self.producer.unpublished() >= step as u64 {
             self.publish();
         }
@@ -1134,6 +1221,63 @@ mod tests {
         for task in <[_; 4]>::from(tasks) {
             task.unwrap();
         }
+    }
+
+    /// Frames of every length from 0 to 3,000 bytes through a 4 KiB ring (so the larger ones
+    /// stream, and some wait for room), each sent as its bytes followed by empty parts, written
+    /// at once or held back for a batch, and full of words that look like complete frames: each
+    /// arrives whole and in order. (A frame's end must be ready before its last byte is
+    /// published, however its parts fall; a batch's frames stay unseen until it ends.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn frames_of_every_shape_arrive_whole() {
+        let transport = ShmTransport::new(ShmOptions {
+            ring_capacity: ring::MIN_CAPACITY,
+            ..ShmOptions::default()
+        });
+        let mut listener = transport.listen("").await.unwrap();
+        let addr = listener.address();
+        let (a, b) = tokio::join!(transport.connect(&addr), listener.accept());
+        let (_, mut w) = a.unwrap().split();
+        let (mut r, _) = b.unwrap().split();
+        const FRAMES: usize = 3_000;
+        let frame = |i: usize| {
+            let len = (i * 389) % 3001;
+            let len = if i.is_multiple_of(8) { len & !7 } else { len };
+            let fake = (24 | word::FRAME | word::COMPLETE).to_le_bytes();
+            let mut f: Vec<u8> = (0..len).map(|k| fake[k % 8]).collect();
+            let n = f.len().min(4);
+            f[..n].copy_from_slice(&(i as u32).to_le_bytes()[..n]);
+            f
+        };
+        let send = tokio::spawn(async move {
+            for i in 0..FRAMES {
+                let f = frame(i);
+                let parts: [&[u8]; 3] = [&f, &[], &[]];
+                if i % 3 == 0 {
+                    w.write_deferred(&parts).await.unwrap();
+                } else {
+                    w.write(&parts).await.unwrap();
+                }
+                if i % 7 == 0 {
+                    w.flush().await.unwrap();
+                }
+            }
+            w.flush().await.unwrap();
+            w
+        });
+        let receive = tokio::spawn(async move {
+            let mut buf = vec![0u8; 4096];
+            for i in 0..FRAMES {
+                let n = r.read(&mut buf).await.unwrap();
+                assert!(buf[..n] == frame(i)[..], "frame {i}: {n} bytes");
+            }
+            r
+        });
+        let (sent, received) = tokio::time::timeout(Duration::from_secs(60), async { tokio::join!(send, receive) })
+            .await
+            .expect("a frame never arrived");
+        sent.unwrap();
+        received.unwrap();
     }
 
     /// A sleeping reader is signalled once however many frames come before it wakes, and again

@@ -15,6 +15,23 @@
 //! stay in cache, and the rest of the segment is never touched, so resident shared memory stays
 //! flat instead of growing to the whole ring over time.
 //!
+//! **Frame words.** The transport above frames its messages; every frame starts on an 8-byte
+//! boundary with an 8-byte *frame word* (length and flags, see [`word`]), and the producer keeps
+//! the word at the *next* frame boundary zero until it writes that frame. A frame written whole
+//! in one go ([`Producer::push_frame`]) has its word stored last, with release ordering and the
+//! `COMPLETE` flag: a consumer waiting at a frame boundary ([`Consumer::frame_available`]) reads
+//! only that word, so the line that tells it a frame has come is the line that holds the frame,
+//! and it never pulls the producer's `tail` line (one cache-line transfer a message, instead of
+//! two: the producer's publication of `tail` stays for frames that stream, for the bytes count
+//! and for waking a parked consumer). A zero word means nothing yet; a rewind at a frame boundary
+//! is read from `skip_from`. Because every boundary's word was zeroed before the
+//! frame ending there was published, an old lap's bytes are never read as a frame word. A
+//! consumer at a frame boundary also looks at `skip_from` (on a cache line of its own, written
+//! only by a rewind), after the word: once the producer rewinds it may fill the next lap over the
+//! position the consumer waits at, and the rewind, seen, says to move on instead. The producer
+//! never fills the last [`RESERVE`] bytes of the ring, so there is always room for the padding
+//! and the zeroed word after a frame.
+//!
 //! The peer process can scribble on the header at any time. Nothing read back from shared memory
 //! is trusted for memory safety: the capacity is validated once against the file size and kept
 //! locally, indices are masked, copy lengths are clamped, and a head/tail pair that claims more
@@ -23,7 +40,7 @@
 
 use std::io;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crossbeam_utils::CachePadded;
@@ -32,7 +49,7 @@ use super::sys::{file_len, memfd, Mapping};
 
 /// Bytes reserved for the header; the data starts page-aligned after it.
 pub(crate) const HEADER_BYTES: usize = 4096;
-const MAGIC: u64 = u64::from_le_bytes(*b"SLCRING2");
+const MAGIC: u64 = u64::from_le_bytes(*b"SLCRING3");
 pub(crate) const MIN_CAPACITY: usize = 4096;
 pub(crate) const MAX_CAPACITY: usize = 1 << 30;
 /// Write position (bytes into the data area) past which an empty ring is rewound to its start.
@@ -41,25 +58,48 @@ pub(crate) const REWIND_AT: usize = 16 << 10;
 /// each look reads the consumer's cache line.
 const REWIND_RECHECK: u64 = 1 << 10;
 
+/// Bytes of the ring the producer never fills: room for a frame's padding (to 8 bytes) and the
+/// zeroed frame word after it.
+pub(crate) const RESERVE: usize = 16;
+
+/// The frame word: the first 8 bytes of every frame (little-endian in the ring).
+pub(crate) mod word {
+    /// Set in every frame word, so that one is never zero.
+    pub(crate) const FRAME: u64 = 1 << 62;
+    /// The frame's bytes were all written before its word (the word was stored last).
+    pub(crate) const COMPLETE: u64 = 1 << 63;
+    /// The frame's length (bytes after the word, before padding).
+    pub(crate) const LEN_MASK: u64 = (1 << 48) - 1;
+
+    /// The length in a frame word, or `None` for a word no producer writes at a frame's start.
+    #[inline]
+    pub(crate) fn frame_len(word: u64) -> Option<u64> {
+        (word & !(FRAME | COMPLETE | LEN_MASK) == 0 && word & FRAME != 0).then_some(word & LEN_MASK)
+    }
+}
+
+/// `len` rounded up to the 8-byte boundary at which the next frame starts.
+#[inline]
+pub(crate) const fn padded(len: u64) -> u64 {
+    len.wrapping_add(7) & !7
+}
+
 /// Whether a ring of `capacity` bytes is ever rewound: one too small to have pages worth
 /// sparing is not.
 const fn rewinds(capacity: usize) -> bool {
     capacity >= 4 * REWIND_AT
 }
 
-/// The producer's counter and, on the same cache line (the consumer reads both together), the
-/// position at which it last rewound.
-#[repr(C)]
-struct TailLine {
-    tail: AtomicU64,
-    skip_from: AtomicU64,
-}
-
 #[repr(C)]
 struct RingHeader {
     magic: AtomicU64,
     capacity: AtomicU64,
-    tail: CachePadded<TailLine>,
+    /// The producer's counter.
+    tail: CachePadded<AtomicU64>,
+    /// The position at which the producer last rewound (`u64::MAX`: never). A line of its own:
+    /// a consumer waiting at a frame boundary reads it at every look, and it changes only at a
+    /// rewind.
+    skip_from: CachePadded<AtomicU64>,
     head: CachePadded<AtomicU64>,
     consumer_parked: CachePadded<AtomicU32>,
     producer_parked: CachePadded<AtomicU32>,
@@ -98,7 +138,7 @@ impl Ring {
         let h = ring.header();
         h.capacity.store(capacity as u64, Ordering::Relaxed);
         // No rewind yet: a position the consumer never holds (it holds 0 at the start).
-        h.tail.skip_from.store(u64::MAX, Ordering::Relaxed);
+        h.skip_from.store(u64::MAX, Ordering::Relaxed);
         h.magic.store(MAGIC, Ordering::Release);
         Ok((ring, fd))
     }
@@ -138,6 +178,23 @@ impl Ring {
     fn data(&self) -> *mut u8 {
         // SAFETY: HEADER_BYTES < mapping length, so the result stays inside the mapping.
         unsafe { self.map.as_ptr().add(HEADER_BYTES) }
+    }
+
+    /// The 8-byte word of the data area at byte count `pos` (rounded down to 8 bytes).
+    #[inline]
+    fn word(&self, pos: u64) -> &AtomicU64 {
+        let idx = (pos as usize) & (self.capacity - 1) & !7;
+        // SAFETY: the data area starts page-aligned and holds `capacity` bytes, a power of two
+        // of at least MIN_CAPACITY, so an 8-aligned index below it leaves the 8 bytes of the word
+        // inside the mapping and aligned for an AtomicU64. Any bit pattern is a valid u64. The
+        // area is shared with another process, which writes it with atomics (frame words) and
+        // plain byte copies: one case overlaps a read of a word, a consumer waiting where the
+        // producer rewound while the producer copies the next lap over that position. The value
+        // read is then discarded (the consumer follows `skip_from`, read after it), and the
+        // hardware this runs on (x86-64's ordered stores; AArch64's barriers and acquire loads)
+        // makes `skip_from` visible before those bytes; nothing in Rust's model covers memory
+        // another process writes.
+        unsafe { &*(self.data().add(idx) as *const AtomicU64) }
     }
 
     pub(crate) fn capacity(&self) -> usize {
@@ -254,7 +311,7 @@ impl Producer {
     }
 
     fn free_cached(&self) -> usize {
-        self.ring.capacity - (self.tail.wrapping_sub(self.head_cache) as usize)
+        (self.ring.capacity - RESERVE).saturating_sub(self.tail.wrapping_sub(self.head_cache) as usize)
     }
 
     /// Re-reads the consumer's head into the cache.
@@ -305,16 +362,23 @@ impl Producer {
         if !rewinds(self.ring.capacity) || self.tail & mask < REWIND_AT as u64 {
             return;
         }
-        if self.head_cache != self.tail {
+        // Only on an 8-byte boundary: a frame rewound in its middle keeps its bytes' alignment,
+        // so it still ends where its length says its padding ends.
+        if self.head_cache != self.tail || !self.tail.is_multiple_of(8) {
             if looked {
                 self.rewind_check = self.tail.wrapping_add(REWIND_RECHECK);
             }
             return;
         }
-        // Empty: every byte written was published and read. The consumer learns of the jump
-        // with the next publication of `tail` (a release store, ordered after this one).
+        // Empty: every byte written was published and read. The consumer learns of the jump from
+        // `skip_from`: with the next publication of `tail`, or, waiting at a frame boundary here,
+        // at its next look. The word at the new position, where the next frame's word goes, is
+        // zeroed first. The fence keeps the bytes written next (over this position too, in the
+        // next lap) from being seen before `skip_from` by a consumer that looks here.
         let to = (self.tail | mask).wrapping_add(1);
-        self.ring.header().tail.skip_from.store(self.tail, Ordering::Relaxed);
+        self.ring.word(to).store(0, Ordering::Relaxed);
+        self.ring.header().skip_from.store(self.tail, Ordering::Release);
+        fence(Ordering::SeqCst);
         self.published = self.published.wrapping_add(to.wrapping_sub(self.tail));
         self.skipped_from = self.tail;
         self.skipped_to = to;
@@ -332,6 +396,55 @@ impl Producer {
         n
     }
 
+    /// Writes a whole frame of `len` bytes (the sum of `parts`' lengths, checked) at the write
+    /// position, which must be a frame boundary, with its word stored last. Marked `complete`, a
+    /// consumer waiting at this boundary sees the frame without a publication (for a frame about
+    /// to be published anyway); unmarked, only once it is published (a frame held back for a
+    /// batch). The caller checks first that [`free`](Self::free) has `8 + padded(len)` bytes.
+    pub(crate) fn push_frame(&mut self, len: u64, parts: &[&[u8]], complete: bool) {
+        let total = 8 + padded(len);
+        assert!(
+            self.free_cached() as u64 >= total && len <= word::LEN_MASK && self.tail.is_multiple_of(8),
+            "a frame pushed without room, too long or off a frame boundary"
+        );
+        let start = self.tail;
+        let mut at = start.wrapping_add(8);
+        for part in parts {
+            self.ring.copy_in(at, part);
+            at = at.wrapping_add(part.len() as u64);
+        }
+        assert_eq!(
+            at.wrapping_sub(start),
+            8 + len,
+            "the parts do not add up to the frame's length"
+        );
+        self.tail = start.wrapping_add(total);
+        // The next boundary's word, zeroed (within the reserve) before this frame is announced.
+        self.ring.word(self.tail).store(0, Ordering::Relaxed);
+        let flag = if complete { word::COMPLETE } else { 0 };
+        self.ring.word(start).store(len | word::FRAME | flag, Ordering::Release);
+    }
+
+    /// Starts a frame that streams: its word, without `COMPLETE` (the frame's bytes follow with
+    /// [`push`](Self::push) and are read as they are published). The write position must be a
+    /// frame boundary and [`free`](Self::free) must have 8 bytes (both checked).
+    pub(crate) fn push_word(&mut self, w: u64) {
+        assert!(
+            self.free_cached() >= 8 && self.tail.is_multiple_of(8),
+            "a frame word pushed without room or off a frame boundary"
+        );
+        self.ring.word(self.tail).store(w, Ordering::Relaxed);
+        self.tail = self.tail.wrapping_add(8);
+    }
+
+    /// Ends a frame written with [`push`](Self::push) (word first, so without `COMPLETE`): pads
+    /// it to the next frame boundary and zeroes the word there. Must come before any publication
+    /// that covers the frame's last byte. The padding and the word fit in the reserve.
+    pub(crate) fn end_frame(&mut self) {
+        self.tail = padded(self.tail);
+        self.ring.word(self.tail).store(0, Ordering::Relaxed);
+    }
+
     /// Bytes pushed since the last publication.
     pub(crate) fn unpublished(&self) -> u64 {
         self.tail.wrapping_sub(self.published)
@@ -339,7 +452,7 @@ impl Producer {
 
     /// Makes every pushed byte visible to the consumer.
     pub(crate) fn publish(&mut self) {
-        self.ring.header().tail.tail.store(self.tail, Ordering::Release);
+        self.ring.header().tail.store(self.tail, Ordering::Release);
         self.published = self.tail;
     }
 }
@@ -373,18 +486,58 @@ impl Consumer {
         self.tail_cache.wrapping_sub(self.head) as usize
     }
 
+    /// [`available`](Self::available) for a consumer at a frame boundary (the caller knows it
+    /// is): with nothing cached it reads the frame word there first. A complete frame is then
+    /// readable whole without reading the producer's `tail`; a zero word means nothing has come
+    /// (no read of `tail` either); a rewind is followed. A frame that streams (its word without
+    /// `COMPLETE`) is read as bytes published through `tail`.
+    #[inline]
+    pub(crate) fn frame_available(&mut self, want: usize) -> Result<usize, Corrupt> {
+        let mask = self.ring.capacity as u64 - 1;
+        while self.available_cached() == 0 && self.head.is_multiple_of(8) {
+            let w = self.ring.word(self.head).load(Ordering::Acquire);
+            // After the word (see the module's notes): a rewind from here makes the word moot.
+            if self.head & mask != 0 && self.ring.header().skip_from.load(Ordering::Acquire) == self.head {
+                let to = (self.head | mask).wrapping_add(1);
+                self.released = self.released.wrapping_add(to.wrapping_sub(self.head));
+                self.head = to;
+                self.tail_cache = to;
+                continue;
+            }
+            if w == 0 {
+                return Ok(0);
+            }
+            if w & word::COMPLETE != 0 {
+                let len = word::frame_len(w).ok_or(Corrupt)?;
+                let total = 8 + padded(len);
+                if total > (self.ring.capacity - RESERVE) as u64 {
+                    return Err(Corrupt);
+                }
+                self.tail_cache = self.head.wrapping_add(total);
+            }
+            break;
+        }
+        self.available(want)
+    }
+
     /// Bytes readable, re-reading the producer's tail when the cached view shows fewer than
     /// `want`. Follows the producer's rewind on reaching the position it rewound from.
     #[inline]
     pub(crate) fn available(&mut self, want: usize) -> Result<usize, Corrupt> {
         if self.available_cached() < want {
-            let line = &self.ring.header().tail;
-            let tail = line.tail.load(Ordering::Acquire);
+            let header = self.ring.header();
+            let tail = header.tail.load(Ordering::Acquire);
+            // Complete frames are read before their publication (`frame_available`), so the
+            // published tail may be behind what is cached (after a rewind, by more than a ring):
+            // then it tells nothing new. (Compared as signed: the counters wrap.)
+            if self.tail_cache.wrapping_sub(tail) as i64 >= 0 {
+                return Ok(self.available_cached());
+            }
             let mask = self.ring.capacity as u64 - 1;
             // `skip_from` was stored before the `tail` just acquired was published, so it must be
             // loaded after `tail` (as here), never before. After a rewind the producer may have
             // filled the whole ring from its start, so the bytes in flight count from there.
-            if tail != self.head && self.head & mask != 0 && line.skip_from.load(Ordering::Relaxed) == self.head {
+            if tail != self.head && self.head & mask != 0 && header.skip_from.load(Ordering::Relaxed) == self.head {
                 let to = (self.head | mask).wrapping_add(1);
                 if tail.wrapping_sub(to) > self.ring.capacity as u64 {
                     return Err(Corrupt);
@@ -493,7 +646,7 @@ mod tests {
         let peer = Ring::open(&fd).unwrap();
         let mut c = Consumer::new(peer);
         // The "peer" claims far more bytes than the ring holds.
-        ring.header().tail.tail.store(u64::MAX / 2, Ordering::Release);
+        ring.header().tail.store(u64::MAX / 2, Ordering::Release);
         assert!(c.available(1).is_err());
     }
 
@@ -603,7 +756,9 @@ mod tests {
         got.extend_from_slice(&buf);
         // Kept drained, the ring rewinds at the next look (REWIND_RECHECK bytes after the last);
         // the message written after the rewind is left for a reader that has not looked yet.
+        let mut from = 0;
         for _ in 0..10 {
+            from = p.tail;
             push(&mut p, 1000, &mut sent);
             if p.tail > capacity as u64 {
                 break;
@@ -615,16 +770,17 @@ mod tests {
         }
         assert_eq!(p.tail, capacity as u64 + 1000, "rewound within REWIND_RECHECK bytes");
         // The producer fills the rest of the ring from its start before the reader looks.
-        push(&mut p, capacity - 1000, &mut sent);
+        assert_eq!(p.ring.header().skip_from.load(Ordering::Relaxed), from);
+        push(&mut p, capacity - RESERVE - 1000, &mut sent);
         assert_eq!(p.free(1).unwrap(), 0, "full");
         let mut buf = vec![0; c.available(capacity).unwrap()];
-        assert_eq!(buf.len(), capacity, "the skipped bytes are not offered");
+        assert_eq!(buf.len(), capacity - RESERVE, "the skipped bytes are not offered");
         c.pop(&mut buf);
         c.release();
         got.extend_from_slice(&buf);
         assert_eq!(got, sent);
         // The producer reads the consumer's head as the rewound position.
-        assert_eq!(p.free(capacity).unwrap(), capacity);
+        assert_eq!(p.free(capacity).unwrap(), capacity - RESERVE);
     }
 
     #[test]
@@ -633,7 +789,7 @@ mod tests {
         let (mut p, mut c, _fd) = pair(capacity);
         // Both sides start three laps before the u64 counters wrap.
         let start = 0u64.wrapping_sub(3 * capacity as u64);
-        p.ring.header().tail.tail.store(start, Ordering::Relaxed);
+        p.ring.header().tail.store(start, Ordering::Relaxed);
         p.ring.header().head.store(start, Ordering::Relaxed);
         (p.tail, p.head_cache, p.published, p.rewind_check) = (start, start, start, start + REWIND_AT as u64);
         (c.head, c.tail_cache, c.released) = (start, start, start);
@@ -708,9 +864,273 @@ mod tests {
         let mut c = Consumer::new(peer);
         ping(&mut p, &mut c, std::iter::once(vec![7; 100]));
         // The "peer" says it rewound at our position but published only 10 bytes more.
-        ring.header().tail.skip_from.store(100, Ordering::Relaxed);
-        ring.header().tail.tail.store(110, Ordering::Release);
+        ring.header().skip_from.store(100, Ordering::Relaxed);
+        ring.header().tail.store(110, Ordering::Release);
         assert!(c.available(1).is_err());
+    }
+
+    /// Writes one whole frame, as the transport does when it fits.
+    fn send_frame(p: &mut Producer, payload: &[u8]) {
+        let total = 8 + padded(payload.len() as u64) as usize;
+        assert!(p.free(total).unwrap() >= total, "no room for a frame of {total} bytes");
+        p.push_frame(payload.len() as u64, &[payload], true);
+    }
+
+    /// Reads the next frame at the consumer's frame boundary, if one has come (whole: a frame
+    /// begun but not all there fails the test).
+    fn receive_frame(c: &mut Consumer) -> Option<Vec<u8>> {
+        receive_frame_or(c, || panic!("a frame announced but not all there"))
+    }
+
+    /// [`receive_frame`], calling `short` (which may wait) while the frame begun is not all there.
+    fn receive_frame_or(c: &mut Consumer, short: impl Fn()) -> Option<Vec<u8>> {
+        if c.frame_available(8).unwrap() < 8 {
+            return None;
+        }
+        let mut header = [0; 8];
+        c.peek(&mut header);
+        let len = word::frame_len(u64::from_le_bytes(header)).expect("a frame word") as usize;
+        let total = 8 + padded(len as u64) as usize;
+        while c.available(total).unwrap() < total {
+            short();
+        }
+        c.discard(8);
+        let mut out = vec![0; len];
+        c.pop(&mut out);
+        c.discard(total - 8 - len);
+        c.release();
+        Some(out)
+    }
+
+    /// A payload whose every 8-byte word looks like the word of a complete frame.
+    fn decoy(len: usize) -> Vec<u8> {
+        let fake = (24 | word::FRAME | word::COMPLETE).to_le_bytes();
+        (0..len).map(|i| fake[i % 8]).collect()
+    }
+
+    #[test]
+    fn a_waiting_consumer_sees_a_whole_frame_from_its_word_alone() {
+        let (mut p, mut c, _fd) = pair(MIN_CAPACITY);
+        assert_eq!(c.frame_available(1).unwrap(), 0, "a new ring holds nothing");
+        // Written whole and not published: the word says it is all there.
+        send_frame(&mut p, b"hello, frame");
+        assert_eq!(p.unpublished(), 8 + 16);
+        assert_eq!(c.ring.header().tail.load(Ordering::Relaxed), 0, "nothing published");
+        assert_eq!(c.frame_available(1).unwrap(), 8 + 16);
+        assert_eq!(receive_frame(&mut c).unwrap(), b"hello, frame");
+        assert_eq!(c.frame_available(1).unwrap(), 0, "the next boundary's word was zeroed");
+        // A frame that streams (word first, no COMPLETE) is seen only once published.
+        p.free(8 + 8).unwrap();
+        p.push_word(5 | word::FRAME);
+        p.push(b"abcde");
+        p.end_frame();
+        assert_eq!(c.frame_available(1).unwrap(), 0, "not published yet");
+        p.publish();
+        assert_eq!(receive_frame(&mut c).unwrap(), b"abcde");
+        assert_eq!(receive_frame(&mut c), None);
+    }
+
+    /// Writes one frame that streams: its word, then its bytes in pieces, each published.
+    fn stream_frame(p: &mut Producer, payload: &[u8]) {
+        let total = 8 + padded(payload.len() as u64) as usize;
+        assert!(p.free(total).unwrap() >= total, "no room for a frame of {total} bytes");
+        p.push_word(payload.len() as u64 | word::FRAME);
+        for piece in payload.chunks(100) {
+            p.push(piece);
+            p.publish();
+        }
+        p.end_frame();
+        p.publish();
+    }
+
+    #[test]
+    fn an_old_laps_bytes_are_never_read_as_a_frame_word() {
+        let (mut p, mut c, _fd) = pair(MIN_CAPACITY);
+        // Frames of every length up to 300 bytes, each full of decoy words, for many laps: each
+        // new boundary falls, sooner or later, on an old payload's decoy. Whole frames and
+        // streaming ones alternate (each zeroes the next boundary's word its own way).
+        for round in 0..3000usize {
+            let payload = decoy(round * 37 % 301);
+            if round % 2 == 0 {
+                send_frame(&mut p, &payload);
+            } else {
+                stream_frame(&mut p, &payload);
+            }
+            assert_eq!(receive_frame(&mut c).as_deref(), Some(&payload[..]), "frame {round}");
+            assert_eq!(
+                c.frame_available(1).unwrap(),
+                0,
+                "a decoy read as a frame after frame {round}"
+            );
+        }
+        assert!(p.tail > 50 * MIN_CAPACITY as u64, "the ring lapped");
+    }
+
+    /// A pair whose first lap's start is full of decoy frames, all read, and whose producer has
+    /// just rewound (at its first look past REWIND_AT, writing nothing) to the second lap.
+    fn rewound_pair(capacity: usize) -> (Producer, Consumer, OwnedFd) {
+        let (mut p, mut c, fd) = pair(capacity);
+        while p.tail < REWIND_AT as u64 {
+            send_frame(&mut p, &decoy(1000));
+            p.publish();
+            assert!(receive_frame(&mut c).is_some());
+        }
+        let from = p.tail;
+        p.free(1).unwrap();
+        assert_eq!(p.tail, capacity as u64, "rewound from {from}");
+        (p, c, fd)
+    }
+
+    #[test]
+    fn a_consumer_following_a_rewind_finds_nothing_until_the_next_frame() {
+        let capacity = 1 << 17;
+        let (mut p, mut c, _fd) = rewound_pair(capacity);
+        // The consumer follows the rewind to the first lap's start, where its old words lie:
+        // the word where the next frame goes was zeroed.
+        assert_eq!(c.frame_available(1).unwrap(), 0);
+        assert_eq!(c.head, capacity as u64, "followed the rewind");
+        send_frame(&mut p, b"after the rewind");
+        assert_eq!(receive_frame(&mut c).as_deref(), Some(&b"after the rewind"[..]));
+    }
+
+    #[test]
+    fn a_published_tail_left_behind_by_a_rewind_is_not_news() {
+        let (mut p, mut c, _fd) = rewound_pair(1 << 17);
+        // Whole frames read as they come, before any publication: more bytes since the rewind
+        // than the rewind's position into its lap, so the published tail (left where the rewind
+        // was) falls more than a ring behind what the consumer has read.
+        for i in 0..30u8 {
+            send_frame(&mut p, &[i; 1000]);
+            assert_eq!(receive_frame(&mut c), Some(vec![i; 1000]));
+        }
+        // A frame that streams is read through the published tail: not corrupt.
+        p.free(16).unwrap();
+        p.push_word(5 | word::FRAME);
+        assert_eq!(c.frame_available(1).unwrap(), 0, "its bytes are not published yet");
+        p.push(b"tail!");
+        p.end_frame();
+        p.publish();
+        assert_eq!(receive_frame(&mut c).as_deref(), Some(&b"tail!"[..]));
+    }
+
+    #[test]
+    fn two_threads_exchange_frames_through_rewinds() {
+        let capacity = 1 << 16;
+        let (ring, fd) = Ring::create(capacity).unwrap();
+        let peer = Ring::open(&fd).unwrap();
+        const FRAMES: u32 = 200_000;
+        // A watchdog: a lost frame or a stale word must fail the test, not hang it.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let alive = move |what: &str| assert!(std::time::Instant::now() < deadline, "stuck {what}");
+        // Frame `i`: a decoy of a length from 0 to 4 KiB, its first bytes the frame's number.
+        let frame = |i: u32| {
+            let mut f = decoy((i as usize * 613) % 4097);
+            let n = f.len().min(4);
+            f[..n].copy_from_slice(&i.to_le_bytes()[..n]);
+            f
+        };
+        let producer = std::thread::spawn(move || {
+            let mut p = Producer::new(ring);
+            let mut rewinds = 0;
+            for i in 0..FRAMES {
+                let f = frame(i);
+                let total = 8 + padded(f.len() as u64) as usize;
+                loop {
+                    let before = p.tail;
+                    let free = p.free(total).unwrap();
+                    if p.tail & (capacity as u64 - 1) < before & (capacity as u64 - 1) {
+                        rewinds += 1;
+                    }
+                    if free >= total {
+                        break;
+                    }
+                    p.publish();
+                    alive("writing");
+                    std::thread::yield_now();
+                }
+                // Whole and published at once, whole and held back for a batch, or streamed.
+                match i % 5 {
+                    0 | 1 => {
+                        p.push_frame(f.len() as u64, &[&f], true);
+                        p.publish();
+                    }
+                    2 | 3 => p.push_frame(f.len() as u64, &[&f], false),
+                    _ => {
+                        p.push_word(f.len() as u64 | word::FRAME);
+                        for piece in f.chunks(700) {
+                            p.push(piece);
+                            p.publish();
+                        }
+                        p.end_frame();
+                        p.publish();
+                    }
+                }
+            }
+            p.publish();
+            rewinds
+        });
+        let mut c = Consumer::new(peer);
+        for i in 0..FRAMES {
+            let wait = || {
+                alive("reading a frame that streams");
+                std::thread::yield_now();
+            };
+            let got = loop {
+                if let Some(f) = receive_frame_or(&mut c, wait) {
+                    break f;
+                }
+                alive("reading");
+                std::thread::yield_now();
+            };
+            assert!(
+                got == frame(i),
+                "frame {i}: {} bytes, {:?}",
+                got.len(),
+                &got[..got.len().min(8)]
+            );
+        }
+        assert_eq!(receive_frame(&mut c), None);
+        let rewinds = producer.join().unwrap();
+        assert!(rewinds > 0, "the ring never rewound");
+    }
+
+    #[test]
+    fn a_consumer_waiting_where_the_producer_rewound_moves_on() {
+        let capacity = 1 << 17;
+        let (mut p, mut c, _fd) = pair(capacity);
+        // Frames read as they come until the producer rewinds (past REWIND_AT, found empty).
+        let mask = capacity as u64 - 1;
+        let mut from;
+        loop {
+            from = p.tail;
+            send_frame(&mut p, &decoy(1000));
+            p.publish();
+            if p.tail & mask < from & mask {
+                break;
+            }
+            assert!(receive_frame(&mut c).is_some());
+        }
+        assert!(
+            p.tail < from + capacity as u64 && p.tail & (capacity as u64 - 1) < 1100,
+            "rewound"
+        );
+        // Before the consumer looks again, the producer's frames fill the next lap over the
+        // position the consumer waits at, with decoys.
+        let mut sent = vec![decoy(1000)];
+        while p.free(1100).unwrap() >= 1100 {
+            let payload = decoy(sent.len() * 13 % 1000 + 1);
+            send_frame(&mut p, &payload);
+            p.publish();
+            sent.push(payload);
+        }
+        assert!(
+            p.tail > from + capacity as u64 - 1100,
+            "the lap covers the consumer's position"
+        );
+        for (i, want) in sent.iter().enumerate() {
+            assert_eq!(receive_frame(&mut c).as_ref(), Some(want), "frame {i} after the rewind");
+        }
+        assert_eq!(receive_frame(&mut c), None);
     }
 
     #[test]
@@ -753,7 +1173,7 @@ mod tests {
                     // Now and then wait for the reader to drain the ring, as a sender that
                     // waits for replies does.
                     let before = p.tail;
-                    while p.free(capacity).unwrap() < capacity {
+                    while p.free(capacity).unwrap() < capacity - RESERVE {
                         alive("waiting for the reader to drain the ring");
                         std::thread::yield_now();
                     }
