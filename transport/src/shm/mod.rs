@@ -1249,6 +1249,14 @@ mod tests {
             f[..n].copy_from_slice(&(i as u32).to_le_bytes()[..n]);
             f
         };
+        // A frame held back is not seen until the batch ends.
+        w.write_deferred(&[b"held back"]).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!r.has_input(), "a held-back frame was seen before its batch ended");
+        w.flush().await.unwrap();
+        let mut first = [0u8; 16];
+        let n = r.read(&mut first).await.unwrap();
+        assert_eq!(&first[..n], b"held back");
         let send = tokio::spawn(async move {
             for i in 0..FRAMES {
                 let f = frame(i);
