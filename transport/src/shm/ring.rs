@@ -8,9 +8,9 @@
 //! the other side's cache line on every frame.
 //!
 //! A ring found empty by its producer once the write position is past [`REWIND_AT`] bytes into
-//! the data area is *rewound*: the producer records where it stopped (`skip_from`, on the same
-//! cache line as `tail`) and carries on from the start of the data area, and the consumer, on
-//! reaching that position, jumps there too. The bytes skipped carry nothing. So a ring whose
+//! the data area is *rewound* (on an 8-byte boundary): the producer records where it stopped
+//! (`skip_from`, on a header line of its own, written only by rewinds) and carries on from the
+//! start of the data area, and the consumer, on reaching that position, jumps there too. The bytes skipped carry nothing. So a ring whose
 //! traffic is small messages (most pipes, most of the time) keeps reusing its first pages: they
 //! stay in cache, and the rest of the segment is never touched, so resident shared memory stays
 //! flat instead of growing to the whole ring over time.
@@ -21,16 +21,15 @@
 //! in one go ([`Producer::push_frame`]) has its word stored last, with release ordering and the
 //! `COMPLETE` flag: a consumer waiting at a frame boundary ([`Consumer::frame_available`]) reads
 //! only that word, so the line that tells it a frame has come is the line that holds the frame,
-//! and it never pulls the producer's `tail` line (one cache-line transfer a message, instead of
-//! two: the producer's publication of `tail` stays for frames that stream, for the bytes count
-//! and for waking a parked consumer). A zero word means nothing yet; a rewind at a frame boundary
-//! is read from `skip_from`. Because every boundary's word was zeroed before the
-//! frame ending there was published, an old lap's bytes are never read as a frame word. A
-//! consumer at a frame boundary also looks at `skip_from` (on a cache line of its own, written
-//! only by a rewind), after the word: once the producer rewinds it may fill the next lap over the
-//! position the consumer waits at, and the rewind, seen, says to move on instead. The producer
-//! never fills the last [`RESERVE`] bytes of the ring, so there is always room for the padding
-//! and the zeroed word after a frame.
+//! and it never pulls the producer's `tail` line (one cache-line transfer a message instead of
+//! two). Frames that stream, and whole frames held back for a batch, have no `COMPLETE` and are
+//! read as the published `tail` covers them; `tail` also still wakes a parked consumer. A zero
+//! word means nothing yet. Because every boundary's word was zeroed before the frame ending there
+//! was announced (or before a rewind to it), an old lap's bytes are never read as a frame word.
+//! A consumer at a boundary also reads `skip_from`, after the word: once the producer rewinds it
+//! may fill the next lap over the position the consumer waits at, and the rewind, seen, says to
+//! move on instead. The producer never fills the last [`RESERVE`] bytes of the ring, so there is
+//! always room for the padding and the zeroed word after a frame.
 //!
 //! The peer process can scribble on the header at any time. Nothing read back from shared memory
 //! is trusted for memory safety: the capacity is validated once against the file size and kept
