@@ -835,8 +835,8 @@ impl ReadOp<'_> {
     }
 
     /// The next frame's length, refused (before anything is allocated for it) above `limit`.
+    /// The caller has waited for the frame to begin ([`frame_start`](Self::frame_start)).
     async fn header(&mut self, limit: usize) -> Result<usize> {
-        self.frame_start().await?;
         let mut header = [0u8; HEADER_LEN];
         self.fill(&mut header).await?;
         let len = word::frame_len(u64::from_le_bytes(header)).ok_or_else(|| self.shared.corrupt())?;

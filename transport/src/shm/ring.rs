@@ -870,17 +870,22 @@ mod tests {
         assert!(c.available(1).is_err());
     }
 
-    /// Writes one whole frame, as the transport does when it fits.
-    fn send_frame(p: &mut Producer, payload: &[u8]) {
+    /// Checks that the producer has room for a frame of `payload` (looking, as the transport
+    /// does, whether to rewind).
+    fn assert_room(p: &mut Producer, payload: &[u8]) {
         let total = 8 + padded(payload.len() as u64) as usize;
         assert!(p.free(total).unwrap() >= total, "no room for a frame of {total} bytes");
+    }
+
+    /// Writes one whole frame, as the transport does when it fits.
+    fn send_frame(p: &mut Producer, payload: &[u8]) {
+        assert_room(p, payload);
         p.push_frame(payload.len() as u64, &[payload], true);
     }
 
     /// Writes one whole frame held back for a batch: without `COMPLETE`, so unseen until published.
     fn send_frame_held(p: &mut Producer, payload: &[u8]) {
-        let total = 8 + padded(payload.len() as u64) as usize;
-        assert!(p.free(total).unwrap() >= total, "no room for a frame of {total} bytes");
+        assert_room(p, payload);
         p.push_frame(payload.len() as u64, &[payload], false);
     }
 
@@ -945,10 +950,14 @@ mod tests {
 
     /// Writes one frame that streams: its word, then its bytes in pieces, each published.
     fn stream_frame(p: &mut Producer, payload: &[u8]) {
-        let total = 8 + padded(payload.len() as u64) as usize;
-        assert!(p.free(total).unwrap() >= total, "no room for a frame of {total} bytes");
+        assert_room(p, payload);
+        push_streaming(p, payload, 100);
+    }
+
+    /// The writing of a frame that streams, in pieces of `piece` bytes (room checked before).
+    fn push_streaming(p: &mut Producer, payload: &[u8], piece: usize) {
         p.push_word(payload.len() as u64 | word::FRAME);
-        for piece in payload.chunks(100) {
+        for piece in payload.chunks(piece) {
             p.push(piece);
             p.publish();
         }
@@ -1068,15 +1077,7 @@ mod tests {
                         p.publish();
                     }
                     2 | 3 => p.push_frame(f.len() as u64, &[&f], false),
-                    _ => {
-                        p.push_word(f.len() as u64 | word::FRAME);
-                        for piece in f.chunks(700) {
-                            p.push(piece);
-                            p.publish();
-                        }
-                        p.end_frame();
-                        p.publish();
-                    }
+                    _ => push_streaming(&mut p, &f, 700),
                 }
             }
             p.publish();
