@@ -16,7 +16,7 @@ use crate::hub::AgentInner;
 use crate::membership::{self, Announce, MembershipEvent};
 use crate::name::Dest;
 use crate::parts::peers::{Members, OpenLane, Peer, EXPRESS_LANE, NORMAL_LANE};
-use crate::parts::server::{read_message, try_read_message};
+use crate::parts::server::{allocate_within_limit, read_message};
 use crate::reader::{Replies, ReplyReader};
 use crate::store::{Listing, Store, StoreUrl};
 use crate::wire::{self, Body, Envelope, Request, Response, WireValue};
@@ -488,12 +488,24 @@ impl Replies for PeerReplies {
         self.deliver(&inner, message)
     }
 
-    fn try_read_one(&self, pipe: &Pipe) -> Option<Result<(), String>> {
-        let Some(inner) = self.inner.upgrade() else {
-            return Some(Err("the agent is down".into()));
+    async fn read_ready(&self, pipe: &Pipe) -> Result<bool, String> {
+        // The agent is held only once a message is here: a reader waiting on a quiet pipe keeps
+        // nothing alive. Gone, the message is left to `read_one`, which says so.
+        let mut agent = None;
+        let read = pipe
+            .read_message_ready(|d| {
+                let inner = agent.insert(self.inner.upgrade()?);
+                Some(allocate_within_limit(pipe, &inner.server, d))
+            })
+            .await;
+        let Some(message) = read.map_err(|e| e.to_string())? else {
+            return Ok(false);
         };
-        let message = try_read_message(pipe, &inner.server)?;
-        Some(self.deliver(&inner, message))
+        // Taken, so `allocate` ran and holds the agent.
+        let Some(inner) = agent else {
+            return Err("the agent is down".into());
+        };
+        self.deliver(&inner, Ok(message)).map(|()| true)
     }
 
     fn failed(&self, detail: String) {

@@ -42,9 +42,11 @@ pub(crate) trait Replies: Send + Sync + 'static {
     /// Reads one whole message from `pipe` and delivers it (a reply completes its call). An
     /// error means the pipe is unusable; the reader then ends it with [`failed`](Self::failed).
     fn read_one<'a>(&'a self, pipe: &'a Pipe) -> impl Future<Output = Result<(), String>> + Send + 'a;
-    /// [`read_one`](Self::read_one) at once, with no future, if the message is here whole and
-    /// small; `None` (nothing read) otherwise.
-    fn try_read_one(&self, pipe: &Pipe) -> Option<Result<(), String>>;
+    /// Waits until the next message begins to arrive, then reads and delivers it at once if it
+    /// is here whole and small (`true`); `false` (nothing read) when it needs
+    /// [`read_one`](Self::read_one). **Cancel-safe:** the wait consumes nothing, and nothing is
+    /// awaited once a message is taken. An error means the pipe is unusable, as for `read_one`.
+    fn read_ready<'a>(&'a self, pipe: &'a Pipe) -> impl Future<Output = Result<bool, String>> + Send + 'a;
     /// The pipe failed: fail what depended on it (declare the peer lost).
     fn failed(&self, detail: String);
     /// Whether replies are expected (calls are pending to the peer).
@@ -203,14 +205,12 @@ impl<R: Replies> ReplyReader<R> {
                 let ready = tokio::select! {
                     biased;
                     _ = self.give_way.notified() => None,
-                    r = self.pipe.readable() => Some(r),
+                    r = self.replies.read_ready(&self.pipe) => Some(r),
                 };
                 match ready {
                     None => break,
-                    Some(Err(e)) => return self.end(e.to_string()),
-                    Some(Ok(())) => {
-                        // Committed: a message is read whole, never abandoned halfway.
-                        if let Err(detail) = self.read_ready().await {
+                    Some(read) => {
+                        if let Err(detail) = self.finish_read(read).await {
                             return self.end(detail);
                         }
                     }
@@ -244,25 +244,22 @@ impl<R: Replies> ReplyReader<R> {
                 biased;
                 _ = std::future::poll_fn(&mut *poll_done) => return true,
                 _ = &mut expiry => return true,
-                r = self.pipe.readable() => r,
+                r = self.replies.read_ready(&self.pipe) => r,
             };
-            if let Err(e) = ready {
-                self.end(e.to_string());
-                return false;
-            }
-            if let Err(detail) = self.read_ready().await {
+            if let Err(detail) = self.finish_read(ready).await {
                 self.end(detail);
                 return false;
             }
         }
     }
 
-    /// Reads and delivers the message the pipe has begun to receive: at once when it is here
-    /// whole and small, else through the general (boxed: rare, and its future is large) path.
-    async fn read_ready(&self) -> Result<(), String> {
-        match self.replies.try_read_one(&self.pipe) {
-            Some(result) => result,
-            None => Box::pin(self.replies.read_one(&self.pipe)).await,
+    /// Finishes what [`Replies::read_ready`] began: a message it left (one not here whole, or
+    /// not small) is read through the general path (boxed: rare, and its future is large).
+    /// Committed: a message is read whole, never abandoned halfway.
+    async fn finish_read(&self, ready: Result<bool, String>) -> Result<(), String> {
+        match ready? {
+            true => Ok(()),
+            false => Box::pin(self.replies.read_one(&self.pipe)).await,
         }
     }
 }

@@ -491,17 +491,18 @@ pub(crate) async fn finish_read(
 }
 
 /// The next request from `pipe`, its contents, and the bytes it holds of the caller's
-/// `budget`. A request here whole and small is taken at once, with no future (the common case,
-/// once the pipe is readable); any other is read by the general path.
+/// `budget`. A request whole and small is taken as soon as it is here, under the same hold of
+/// the pipe's read side as the wait for it (the common case); any other is read by the general
+/// path.
 async fn next_request(
     pipe: &Pipe,
     inner: &AgentInner,
     budget: &Budget,
 ) -> Result<(Descriptor, Allocation, u64), PipeError> {
-    let now = || {
-        // The bytes this attempt holds of the budget, given back if it fails after taking them.
-        let acquired = std::cell::Cell::new(0);
-        let read = pipe.try_read_message(|d| {
+    // The bytes the read holds of the budget, given back if it fails after taking them.
+    let mut acquired = 0;
+    let read = pipe
+        .read_message_ready(|d| {
             let size = message_bytes(d);
             if let Err(e) = within_limit(pipe, &inner.server, size) {
                 return Some(Err(e));
@@ -510,23 +511,17 @@ async fn next_request(
             if !budget.try_acquire(size) {
                 return None;
             }
-            acquired.set(size);
+            acquired = size;
             Some(allocate(pipe, &inner.server, d))
-        })?;
-        Some(match read {
-            Ok((d, a)) => Ok((d, a, acquired.get())),
-            Err(e) => {
-                budget.release(acquired.get());
-                Err(e)
-            }
         })
-    };
-    if let Some(m) = now() {
-        return m;
-    }
-    pipe.readable().await?;
-    if let Some(m) = now() {
-        return m;
+        .await;
+    match read {
+        Ok(Some((d, a))) => return Ok((d, a, acquired)),
+        Ok(None) => {}
+        Err(e) => {
+            budget.release(acquired);
+            return Err(e);
+        }
     }
     // Boxed: rare, and its future is large; the loop's own stays small.
     Box::pin(async {

@@ -741,21 +741,17 @@ impl Pipe {
         &self,
         allocate: impl FnOnce(&Descriptor) -> Result<Allocation>,
     ) -> Result<(Descriptor, Allocation)> {
-        // A small message is taken at once once it is here (see `try_read_message`).
+        // A small message is taken at once once it is here (see `try_read_message`), under
+        // the same hold of the read side as the wait for it.
         let mut allocate = Some(allocate);
+        let mut side = self.inner.reader.lock().await;
+        self.inner.check()?;
         if self.inner.immediate {
-            let mut now = || self.try_read_message(|d| allocate.take().map(|f| f(d)));
-            if let Some(m) = now() {
-                return m;
-            }
-            self.readable().await?;
-            if let Some(m) = now() {
-                return m;
+            if let Some(m) = self.wait_and_take(&mut side, |d| allocate.take().map(|f| f(d))).await? {
+                return Ok(m);
             }
         }
         let allocate = allocate.expect("used only by a read that returned");
-        let mut side = self.inner.reader.lock().await;
-        self.inner.check()?;
         let d = self.next_descriptor(&mut side).await?;
         let allocation = allocate(&d).map_err(|e| self.inner.fail(e))?;
         let allocation = self.read_pending(&mut side, allocation).await?;
@@ -801,10 +797,59 @@ impl Pipe {
         if let Err(e) = inner.check() {
             return Some(Err(e));
         }
+        self.take_now(&mut side, allocate)
+    }
+
+    /// Waits until the next message has begun to arrive, then takes it at once if it is here
+    /// whole and small, as [`try_read_message`](Self::try_read_message) does: the wait and the
+    /// take under one hold of the read side. `None` (nothing returned) when the message needs
+    /// the general path ([`read_message`](Self::read_message), or
+    /// [`read_descriptor`](Self::read_descriptor) then [`read`](Self::read)), its descriptor
+    /// perhaps decoded already, or when `allocate` declined it (said `None`). Errors as
+    /// `try_read_message`'s, and the pipe's error once nothing more can arrive.
+    ///
+    /// **Cancel-safe**, like [`readable`](Self::readable): the wait consumes nothing, and a
+    /// message is taken with no await after the wait.
+    pub async fn read_message_ready(
+        &self,
+        allocate: impl FnOnce(&Descriptor) -> Option<Result<Allocation>>,
+    ) -> Result<Option<(Descriptor, Allocation)>> {
+        let mut side = self.inner.reader.lock().await;
+        self.inner.check()?;
+        self.wait_and_take(&mut side, allocate).await
+    }
+
+    /// [`read_message_ready`](Self::read_message_ready) with the read side held.
+    async fn wait_and_take(
+        &self,
+        side: &mut ReadSide,
+        allocate: impl FnOnce(&Descriptor) -> Option<Result<Allocation>>,
+    ) -> Result<Option<(Descriptor, Allocation)>> {
+        // Called at most once: a message `allocate` declined waits as the pending one.
+        let mut allocate = Some(allocate);
+        let mut now = |side: &mut ReadSide| self.take_now(side, |d| allocate.take().and_then(|f| f(d)));
+        if let Some(m) = now(side) {
+            return m.map(Some);
+        }
         if side.pending.is_some() {
+            return Ok(None);
+        }
+        if let Err(e) = side.rx.control.readable().await {
+            return Err(self.inner.fail(e.into()));
+        }
+        now(side).transpose()
+    }
+
+    /// [`try_read_message`](Self::try_read_message) with the read side held.
+    fn take_now(
+        &self,
+        side: &mut ReadSide,
+        allocate: impl FnOnce(&Descriptor) -> Option<Result<Allocation>>,
+    ) -> Option<Result<(Descriptor, Allocation)>> {
+        let inner = &self.inner;
+        if !inner.immediate || side.pending.is_some() {
             return None;
         }
-        let side = &mut *side;
         let limit = self.frame_limit(side);
         if let Err(e) = side.rx.control.try_read_into_vec_now(&mut side.frame, limit)? {
             return Some(Err(inner.fail(e.into())));

@@ -551,6 +551,73 @@ async fn immediate_reads_take_packed_messages_or_leave_them() {
     .await
 }
 
+/// `read_message_ready` waits for the next message and takes it at once when it is here whole
+/// and packed (never on TCP); otherwise, or when the allocator declines it, it returns nothing
+/// and the usual read returns the message intact. Given up while waiting, it takes nothing and
+/// leaves the read side free; once the peer is gone it fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_reads_wait_then_take_or_leave_and_are_cancel_safe() {
+    watchdog("ready reads", async {
+        for (transport, immediate) in [(TransportKind::Shm, true), (TransportKind::Tcp, false)] {
+            let (a, b) = pair_with(options(&[transport], &[ChannelKind::Basic])).await;
+            let alloc = |d: &sluice_channel::Descriptor| Some(Ok(Allocation::for_descriptor(d)));
+            // Given up while nothing has come: nothing is lost, and the read side is free.
+            let waited = tokio::time::timeout(Duration::from_millis(50), b.read_message_ready(alloc)).await;
+            assert!(waited.is_err(), "{transport:?}: nothing was sent yet");
+            // A packed message, sent while the reader waits; a tensor too large to pack; one
+            // the allocator declines.
+            let shapes: [&[usize]; 3] = [&[64], &[1 << 20], &[]];
+            for (i, sizes) in shapes.into_iter().enumerate() {
+                let i = i as u64;
+                let writer = {
+                    let (a, m) = (a.clone(), message(i, sizes));
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        a.write(&m).await
+                    })
+                };
+                let decline = i == 2;
+                let ready = b
+                    .read_message_ready(|d| (!decline).then(|| Ok(Allocation::for_descriptor(d))))
+                    .await
+                    .expect("ready");
+                let got = match ready {
+                    Some((d, got)) => {
+                        assert!(immediate && i == 0, "{transport:?}: message {i} taken at once");
+                        assert_eq!(d.metadata, format!("message {i}").as_bytes());
+                        got
+                    }
+                    None => {
+                        assert!(!immediate || i > 0, "{transport:?}: message {i} left");
+                        assert!(b.has_input(), "a message left is still input");
+                        receive(&b).await
+                    }
+                };
+                check(i, sizes, &got);
+                writer.await.unwrap().expect("write");
+            }
+            assert!(!b.has_input(), "nothing left over");
+            // A message already here is taken without waiting.
+            a.write(&message(3, &[])).await.expect("write");
+            b.readable().await.expect("readable");
+            match b.read_message_ready(alloc).await.expect("ready") {
+                Some((_, got)) => check(3, &[], &got),
+                None => check(3, &[], &receive(&b).await),
+            }
+            // The peer gone, a waiting read fails rather than waits.
+            let waiting = tokio::spawn({
+                let b = b.clone();
+                async move { b.read_message_ready(alloc).await.map(|m| m.is_some()) }
+            });
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            a.close();
+            drop(a);
+            assert!(waiting.await.unwrap().is_err(), "{transport:?}: the peer closed");
+        }
+    })
+    .await
+}
+
 /// Many tasks writing to one pipe at once (their writes queue and coalesce): every message
 /// arrives once, intact, each task's in its order, with nothing left held when they stop.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

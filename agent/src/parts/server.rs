@@ -173,19 +173,14 @@ pub(crate) fn message_bytes(d: &Descriptor) -> u64 {
 /// Reads one whole message from `pipe`, refusing one larger than `max_message_bytes` before
 /// allocating anything for it.
 pub(crate) async fn read_message(pipe: &Pipe, server: &Server) -> Result<(Descriptor, Allocation), PipeError> {
-    pipe.read_message(|d| {
-        within_limit(pipe, server, message_bytes(d))?;
-        allocate(pipe, server, d)
-    })
-    .await
+    pipe.read_message(|d| allocate_within_limit(pipe, server, d)).await
 }
 
-/// [`read_message`] if the message is here whole and small: taken at once, with no future;
-/// `None` when it must be read by `read_message`.
-pub(crate) fn try_read_message(pipe: &Pipe, server: &Server) -> Option<Result<(Descriptor, Allocation), PipeError>> {
-    pipe.try_read_message(|d| {
-        Some(within_limit(pipe, server, message_bytes(d)).and_then(|()| allocate(pipe, server, d)))
-    })
+/// The memory for a message `d` announces, refused (a protocol error) above
+/// `max_message_bytes` before anything is allocated.
+pub(crate) fn allocate_within_limit(pipe: &Pipe, server: &Server, d: &Descriptor) -> Result<Allocation, PipeError> {
+    within_limit(pipe, server, message_bytes(d))?;
+    allocate(pipe, server, d)
 }
 
 /// Refuses a message of `size` bytes above `max_message_bytes` (a protocol error).
