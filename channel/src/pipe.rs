@@ -723,10 +723,20 @@ impl Pipe {
         Ok(())
     }
 
+    /// The read side, taken with no future when it is free (the common case: tokio's `lock`
+    /// builds and polls one even then, tens of ns a read). `try_lock` fails while another
+    /// read waits for the side (tokio's lock is fair), so this never overtakes one.
+    async fn read_side(&self) -> tokio::sync::MutexGuard<'_, ReadSide> {
+        match self.inner.reader.try_lock() {
+            Ok(side) => side,
+            Err(_) => self.inner.reader.lock().await,
+        }
+    }
+
     /// Waits for the next message and returns its descriptor. Call [`read`](Self::read) before
     /// asking for another.
     pub async fn read_descriptor(&self) -> Result<Descriptor> {
-        let mut side = self.inner.reader.lock().await;
+        let mut side = self.read_side().await;
         self.inner.check()?;
         self.next_descriptor(&mut side).await
     }
@@ -744,9 +754,13 @@ impl Pipe {
         // A small message is taken at once once it is here (see `try_read_message`), under
         // the same hold of the read side as the wait for it.
         let mut allocate = Some(allocate);
-        let mut side = self.inner.reader.lock().await;
+        let mut side = self.read_side().await;
         self.inner.check()?;
         if self.inner.immediate {
+            // Already here: taken before any wait's future is built.
+            if let Some(m) = self.take_now(&mut side, |d| allocate.take().map(|f| f(d))) {
+                return m;
+            }
             if let Some(m) = self.wait_and_take(&mut side, |d| allocate.take().map(|f| f(d))).await? {
                 return Ok(m);
             }
@@ -814,7 +828,7 @@ impl Pipe {
         &self,
         allocate: impl FnOnce(&Descriptor) -> Option<Result<Allocation>>,
     ) -> Result<Option<(Descriptor, Allocation)>> {
-        let mut side = self.inner.reader.lock().await;
+        let mut side = self.read_side().await;
         self.inner.check()?;
         self.wait_and_take(&mut side, allocate).await
     }
@@ -986,7 +1000,7 @@ impl Pipe {
     /// (the agent's read-role hand-off). Fails with the pipe's error once nothing more can
     /// arrive.
     pub async fn readable(&self) -> Result<()> {
-        let mut side = self.inner.reader.lock().await;
+        let mut side = self.read_side().await;
         self.inner.check()?;
         if side.pending.is_some() {
             return Ok(());
@@ -1000,7 +1014,7 @@ impl Pipe {
     /// Receives the message whose descriptor was just read into `allocation` (one buffer per
     /// payload and tensor, each exactly as long as announced) and hands it back filled.
     pub async fn read(&self, allocation: Allocation) -> Result<Allocation, ReadError> {
-        let mut side = self.inner.reader.lock().await;
+        let mut side = self.read_side().await;
         if let Err(error) = self.inner.check() {
             return Err(ReadError { error, allocation });
         }
