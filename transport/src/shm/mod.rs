@@ -655,6 +655,11 @@ impl Shared {
                 }
                 if spins.is_multiple_of(512) {
                     std::thread::yield_now();
+                    // A yield that took long ran another thread here: see `spin::step_aside`.
+                    let after = start.map_or(Duration::ZERO, |s| s.elapsed());
+                    if after.saturating_sub(spent) > spin::DISPLACED {
+                        spin::step_aside();
+                    }
                 }
             }
             std::hint::spin_loop();
