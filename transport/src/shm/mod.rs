@@ -635,8 +635,11 @@ impl Shared {
     ) -> Result<std::result::Result<Duration, Duration>> {
         let mut start: Option<Instant> = None;
         let mut spins = 0u32;
+        // Whether a yield of this wait ran another spinner here (see `spin::wait_ended`).
+        let mut shared = false;
         loop {
             if check(self)? {
+                spin::wait_ended(shared);
                 let waited = start.map_or(SHORT_WAIT, |s| s.elapsed());
                 stats::wait(true, waited, Duration::ZERO);
                 return Ok(Ok(waited));
@@ -651,15 +654,13 @@ impl Shared {
                     }
                 };
                 if spent >= limit {
+                    spin::wait_ended(shared);
                     return Ok(Err(spent));
                 }
                 if spins.is_multiple_of(512) {
                     std::thread::yield_now();
-                    // A yield that took long ran another thread here: see `spin::step_aside`.
                     let after = start.map_or(Duration::ZERO, |s| s.elapsed());
-                    if after.saturating_sub(spent) > spin::DISPLACED {
-                        spin::step_aside();
-                    }
+                    shared |= spin::SPINNER_TURN.contains(&after.saturating_sub(spent));
                 }
             }
             std::hint::spin_loop();

@@ -49,18 +49,60 @@ fn pid() -> u32 {
     *PID.get_or_init(std::process::id)
 }
 
-/// A `sched_yield` in a spin that takes longer than this ran another thread on the spinner's
-/// core (one that returns at once takes about a microsecond here).
-pub(crate) const DISPLACED: Duration = Duration::from_micros(5);
+/// How long a `sched_yield` in a spin takes when another spinner shares the core: that one's
+/// turn until its own yield, 10–40 µs here (a yield that returns at once takes about a
+/// microsecond). A thread that computes rather than spins keeps the core it was yielded for
+/// its whole time slice (0.75 ms and up): a spinner sharing a core with work does not move
+/// (it would only move next to other work; the distributed step lost 4–6% when it did).
+pub(crate) const SPINNER_TURN: std::ops::Range<Duration> = Duration::from_micros(5)..Duration::from_micros(300);
 
-/// Moves the calling thread, found sharing its core with a ready thread while it spins, to the
+/// How many spinning waits in a row of one thread must each have yielded its core to another
+/// spinner before the thread moves (see [`step_aside`]): two spinners on one core do so at
+/// every wait, while a short-lived thread woken on a spinner's core does so once.
+const SHARED_WAITS: u32 = 8;
+
+/// A spinning wait of this thread ended; `shared`: one of its yields ran another spinner on
+/// this core (it took [`SPINNER_TURN`]). After [`SHARED_WAITS`] such waits in a row the thread
+/// may step aside: the two spinners of one core count alike and reach the mark a turn apart,
+/// so only one of them must move (both moving would share the next core). Each mover tosses a
+/// coin (the clock's last bit) and then yields once more: only if that yield still gives the
+/// core away for a spinner's turn is the other one still here, and it moves.
+#[inline]
+pub(crate) fn wait_ended(shared: bool) {
+    thread_local! {
+        static RUN: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+    }
+    if !shared {
+        RUN.set(0);
+        return;
+    }
+    let run = RUN.get() + 1;
+    if run < SHARED_WAITS {
+        RUN.set(run);
+        return;
+    }
+    RUN.set(0);
+    let now = Instant::now();
+    let heads = BASE.get_or_init(Instant::now).elapsed().subsec_nanos() & 1 == 1;
+    if heads {
+        std::thread::yield_now();
+        if SPINNER_TURN.contains(&now.elapsed()) {
+            step_aside();
+        }
+    }
+}
+
+/// The clock's origin for [`wait_ended`]'s coin.
+static BASE: OnceLock<Instant> = OnceLock::new();
+
+/// Moves the calling thread, found sharing its core with another spinner, to the
 /// next core it may run on, then gives it back the cores it had (it stays where it moved). Two
 /// spinners the scheduler left on one core stay there: each is always runnable and neither
 /// ever sleeps, so neither is placed again, while another core may sit idle; they then take
 /// turns at each yield, a whole turn per message (33 µs round trips on this machine kind
 /// instead of 0.9). At most once per millisecond per thread; nothing where the thread may run
 /// on one core only, or where the calls fail.
-pub(crate) fn step_aside() {
+fn step_aside() {
     use nix::sched::{sched_getaffinity, sched_getcpu, sched_setaffinity, CpuSet};
     use nix::unistd::Pid;
     thread_local! {
