@@ -11,8 +11,10 @@
 //! for, pongs and goodbyes), and gives way between messages to a thread that asks for the role.
 //! A thread that leaves does not wake it unless a task awaits a reply: the thread is likely to
 //! come back for its next reply at once, and a wake-up per call costs more than the call. That relies on
-//! [`Pipe::readable`] being cancel-safe: waiting for the next message can be abandoned without
-//! harming the pipe (part of the transport contract, tested by the conformance suite).
+//! the wait for the next message ([`Replies::read_ready`], over `Pipe::read_message_ready`)
+//! being cancel-safe: it can be abandoned without harming the pipe (the transport's
+//! `readable` is, part of its contract, tested by the conformance suite; nothing is awaited
+//! once a message is taken).
 //!
 //! The role's state is a small table behind one lock (held for a few instructions, never
 //! across a wait); the reading itself happens outside it. `Replies` is the narrow interface

@@ -170,8 +170,9 @@ struct ReadSide {
     acks: AnyWriter,
     seq: u64,
     pending: Option<WireDescriptor>,
-    /// A descriptor decoded by [`Pipe::try_read_message`] whose message it could not take at
-    /// once: the next `read_descriptor` or `read_message` returns it.
+    /// A descriptor decoded by [`Pipe::try_read_message`] or
+    /// [`Pipe::read_message_ready`] whose message it could not take at once (or whose
+    /// allocation was declined): the next `read_descriptor` or `read_message` returns it.
     early: Option<Descriptor>,
     /// The last descriptor frame (its capacity reused by the next); a packed message's
     /// payloads and inline tensors are copied out of it, from `packed_at` on.

@@ -408,7 +408,8 @@ struct Shared {
 const ADAPT_MAX: Duration = Duration::from_micros(2_500);
 
 /// What a wait that ended within its first 64 looks counts as (see [`Shared::spin_on`]): about
-/// what such waits take here; any length far below the configured spin acts the same.
+/// what such waits take here; any length below the configured spin (50 µs by default) acts the
+/// same (a spin configured below 0.5 µs is stretched to 1 µs by the adaptive rule).
 const SHORT_WAIT: Duration = Duration::from_nanos(500);
 
 /// The spin before parking for a side configured to spin `spin` whose waits typically last

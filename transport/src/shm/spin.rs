@@ -65,8 +65,9 @@ const SHARED_WAITS: u32 = 8;
 /// this core (it took [`SPINNER_TURN`]). After [`SHARED_WAITS`] such waits in a row the thread
 /// may step aside: the two spinners of one core count alike and reach the mark a turn apart,
 /// so only one of them must move (both moving would share the next core). Each mover tosses a
-/// coin (the clock's last bit) and then yields once more: only if that yield still gives the
-/// core away for a spinner's turn is the other one still here, and it moves.
+/// coin (a per-thread xorshift, not the clock: a clock that counts in even steps would always
+/// say tails) and then yields once more: only if that yield still gives the core away for a
+/// spinner's turn is the other one still here, and it moves.
 #[inline]
 pub(crate) fn wait_ended(shared: bool) {
     thread_local! {
@@ -82,9 +83,8 @@ pub(crate) fn wait_ended(shared: bool) {
         return;
     }
     RUN.set(0);
-    let now = Instant::now();
-    let heads = BASE.get_or_init(Instant::now).elapsed().subsec_nanos() & 1 == 1;
-    if heads {
+    if coin() {
+        let now = Instant::now();
         std::thread::yield_now();
         if SPINNER_TURN.contains(&now.elapsed()) {
             step_aside();
@@ -92,7 +92,29 @@ pub(crate) fn wait_ended(shared: bool) {
     }
 }
 
-/// The clock's origin for [`wait_ended`]'s coin.
+/// A fair coin of this thread's own: xorshift64, seeded from the address of the thread's
+/// state (distinct per live thread) and the clock.
+fn coin() -> bool {
+    thread_local! {
+        static STATE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    }
+    STATE.with(|s| {
+        let mut x = s.get();
+        if x == 0 {
+            let nanos = Instant::now()
+                .duration_since(*BASE.get_or_init(Instant::now))
+                .as_nanos() as u64;
+            x = (s as *const _ as u64) ^ nanos.rotate_left(32) | 1;
+        }
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        s.set(x);
+        x >> 63 == 1
+    })
+}
+
+/// The clock's origin for [`coin`]'s seed.
 static BASE: OnceLock<Instant> = OnceLock::new();
 
 /// Moves the calling thread, found sharing its core with another spinner, to the
@@ -101,8 +123,13 @@ static BASE: OnceLock<Instant> = OnceLock::new();
 /// ever sleeps, so neither is placed again, while another core may sit idle; they then take
 /// turns at each yield, a whole turn per message (33 µs round trips on this machine kind
 /// instead of 0.9). At most once per millisecond per thread; nothing where the thread may run
-/// on one core only, or where the calls fail.
-fn step_aside() {
+/// on one core only, or where the calls fail. Returns the core it moved to.
+///
+/// The mask given back is the one in effect before the move (the cpuset and the online cores
+/// applied), and only if the thread's mask is still the one-core mask of the move: a mask
+/// someone else set meanwhile is left alone. A failed give-back is retried once, then logged
+/// (the thread would stay on the one core).
+fn step_aside() -> Option<usize> {
     use nix::sched::{sched_getaffinity, sched_getcpu, sched_setaffinity, CpuSet};
     use nix::unistd::Pid;
     thread_local! {
@@ -113,25 +140,30 @@ fn step_aside() {
         .get()
         .is_some_and(|t| now.duration_since(t) < Duration::from_millis(1))
     {
-        return;
+        return None;
     }
     LAST.set(Some(now));
     let me = Pid::from_raw(0);
     let (Ok(allowed), Ok(here)) = (sched_getaffinity(me), sched_getcpu()) else {
-        return;
+        return None;
     };
     let n = CpuSet::count();
-    let Some(there) = (1..n)
+    let there = (1..n)
         .map(|k| (here + k) % n)
-        .find(|&c| allowed.is_set(c).unwrap_or(false))
-    else {
-        return;
-    };
+        .find(|&c| allowed.is_set(c).unwrap_or(false))?;
     let mut only = CpuSet::new();
-    if only.set(there).is_ok() && sched_setaffinity(me, &only).is_ok() {
-        stats::displaced();
-        let _ = sched_setaffinity(me, &allowed);
+    only.set(there).ok()?;
+    sched_setaffinity(me, &only).ok()?;
+    stats::displaced();
+    let give_back = || match sched_getaffinity(me) {
+        Ok(mask) if mask == only => sched_setaffinity(me, &allowed),
+        // Changed meanwhile by someone else: theirs stands.
+        _ => Ok(()),
+    };
+    if let Err(e) = give_back().or_else(|_| give_back()) {
+        tracing::warn!(cpu = there, error = %e, "a spinning thread moved off a shared core could not get its cores back");
     }
+    Some(there)
 }
 
 /// A slot to spin in, if one of this host's is free.
@@ -218,6 +250,9 @@ mod tests {
         use nix::sched::{sched_getaffinity, sched_getcpu, sched_setaffinity, CpuSet};
         use nix::unistd::Pid;
         let me = Pid::from_raw(0);
+        // Both faces of every thread's coin come up.
+        let tosses: Vec<bool> = (0..64).map(|_| coin()).collect();
+        assert!(tosses.contains(&true) && tosses.contains(&false), "{tosses:?}");
         let allowed = sched_getaffinity(me).expect("affinity");
         let cores: Vec<usize> = (0..CpuSet::count())
             .filter(|&c| allowed.is_set(c).unwrap_or(false))
@@ -226,20 +261,22 @@ mod tests {
             if cores.len() < 2 {
                 eprintln!("skipped the move: this thread may run on one core only");
             } else {
-                let here = sched_getcpu().expect("cpu");
-                step_aside();
-                let there = sched_getcpu().expect("cpu");
-                assert_ne!(here, there, "moved off core {here}");
+                let start = Instant::now();
+                let there = step_aside().expect("a second core to move to");
+                assert!(cores.contains(&there), "moved to core {there}, one it may run on");
                 assert_eq!(sched_getaffinity(me).expect("affinity"), allowed, "cores kept");
-                step_aside();
-                assert_eq!(sched_getcpu().expect("cpu"), there, "at most one move a millisecond");
+                let again = step_aside();
+                // (Unless this thread lost its core for the whole millisecond meanwhile.)
+                if start.elapsed() < Duration::from_millis(1) {
+                    assert_eq!(again, None, "at most one move a millisecond");
+                }
             }
             // Allowed one core: nothing to move to, and that core is kept.
             std::thread::sleep(Duration::from_millis(2));
             let mut one = CpuSet::new();
             one.set(cores[0]).expect("set");
             sched_setaffinity(me, &one).expect("pin");
-            step_aside();
+            assert_eq!(step_aside(), None, "nowhere to move");
             assert_eq!(sched_getcpu().expect("cpu"), cores[0]);
             assert_eq!(sched_getaffinity(me).expect("affinity"), one);
         })
