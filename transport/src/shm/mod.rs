@@ -628,7 +628,9 @@ impl Shared {
     /// The clock is first read after 64 looks, so a wait that ends sooner (most waits of a busy
     /// pipe: a few hundred ns) never reads it, on the path from the data's arrival to its
     /// reader least of all (~22 ns a read here); such a wait counts as [`SHORT_WAIT`]. Times
-    /// are counted from that first read, a few µs after the wait began.
+    /// are counted from that first read, a few µs after the wait began. A yield that gave the
+    /// core to another spinner for its turn marks the wait as shared, for `spin::wait_ended`
+    /// (which moves a thread that keeps sharing its core with a spinner).
     fn spin_on(
         &self,
         check: &mut impl FnMut(&Self) -> Result<bool>,
