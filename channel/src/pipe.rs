@@ -758,7 +758,9 @@ impl Pipe {
         let mut side = self.read_side().await;
         self.inner.check()?;
         if self.inner.immediate {
-            // Already here: taken before any wait's future is built.
+            // Already here: taken before any wait's future is built. (`wait_and_take` looks
+            // once more before it waits; a version without that second look measured 50–60 ns
+            // slower per round trip, likely code layout, so it stays.)
             if let Some(m) = self.take_now(&mut side, |d| allocate.take().map(|f| f(d))) {
                 return m;
             }

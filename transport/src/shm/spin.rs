@@ -154,7 +154,7 @@ fn step_aside() -> Option<usize> {
     let mut only = CpuSet::new();
     only.set(there).ok()?;
     sched_setaffinity(me, &only).ok()?;
-    stats::displaced();
+    stats::moved();
     let give_back = || match sched_getaffinity(me) {
         Ok(mask) if mask == only => sched_setaffinity(me, &allowed),
         // Changed meanwhile by someone else: theirs stands.

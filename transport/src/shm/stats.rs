@@ -2,7 +2,7 @@
 //! ([`enable`]; off by default, when counting costs one relaxed load per wait): waits that
 //! found their ring not ready, those that ended while spinning, those that parked (and for how
 //! long), the time spent spinning, the wake-ups signalled to a parked peer, and the spinners
-//! moved off a core they shared with a ready thread. The benchmark
+//! moved off a core they shared with another spinner. The benchmark
 //! reads them around each shared-memory row, to tell a slow run that waited on wake-ups from
 //! one that moved bytes slowly.
 
@@ -16,7 +16,7 @@ static PARKED: AtomicU64 = AtomicU64::new(0);
 static SPIN_NS: AtomicU64 = AtomicU64::new(0);
 static PARK_NS: AtomicU64 = AtomicU64::new(0);
 static WAKES: AtomicU64 = AtomicU64::new(0);
-static DISPLACED: AtomicU64 = AtomicU64::new(0);
+static MOVED: AtomicU64 = AtomicU64::new(0);
 
 /// Counts of this process's shared-memory waits since it started counting.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -32,8 +32,8 @@ pub struct WaitStats {
     pub park_us: u64,
     /// Wake-ups signalled to a parked peer.
     pub wakes: u64,
-    /// Spinning threads moved off a core they shared with a ready thread.
-    pub displaced: u64,
+    /// Spinning threads moved off a core they shared with another spinner.
+    pub moved: u64,
 }
 
 impl WaitStats {
@@ -46,7 +46,7 @@ impl WaitStats {
             spin_us: self.spin_us.saturating_sub(earlier.spin_us),
             park_us: self.park_us.saturating_sub(earlier.park_us),
             wakes: self.wakes.saturating_sub(earlier.wakes),
-            displaced: self.displaced.saturating_sub(earlier.displaced),
+            moved: self.moved.saturating_sub(earlier.moved),
         }
     }
 
@@ -59,7 +59,7 @@ impl WaitStats {
             spin_us: self.spin_us + other.spin_us,
             park_us: self.park_us + other.park_us,
             wakes: self.wakes + other.wakes,
-            displaced: self.displaced + other.displaced,
+            moved: self.moved + other.moved,
         }
     }
 }
@@ -79,7 +79,7 @@ pub fn snapshot() -> WaitStats {
         spin_us: get(&SPIN_NS) / 1000,
         park_us: get(&PARK_NS) / 1000,
         wakes: get(&WAKES),
-        displaced: get(&DISPLACED),
+        moved: get(&MOVED),
     }
 }
 
@@ -111,9 +111,9 @@ pub(crate) fn woke() {
     }
 }
 
-/// A spinning thread moved off a core it shared with a ready thread.
-pub(crate) fn displaced() {
+/// A spinning thread moved off a core it shared with another spinner.
+pub(crate) fn moved() {
     if on() {
-        add(&DISPLACED, 1);
+        add(&MOVED, 1);
     }
 }
