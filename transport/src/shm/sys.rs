@@ -163,12 +163,6 @@ pub(crate) fn eventfd_signal(fd: BorrowedFd<'_>) {
     let _ = nix::unistd::write(fd, &1u64.to_ne_bytes());
 }
 
-/// Resets an eventfd's counter. Returns `WouldBlock` when it was already zero.
-pub(crate) fn eventfd_drain(fd: BorrowedFd<'_>) -> io::Result<()> {
-    let mut buf = [0u8; 8];
-    nix::unistd::read(fd.as_raw_fd(), &mut buf).map(|_| ()).map_err(errno)
-}
-
 /// Sends `data` with `fds` attached (SCM_RIGHTS) on a Unix stream socket.
 pub(crate) fn send_with_fds(sock: BorrowedFd<'_>, data: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<usize> {
     let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
