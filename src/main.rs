@@ -191,6 +191,14 @@ fn main() -> anyhow::Result<()> {
                 s.workers, s.reply_path_p50_us, s.reply_path_p99_us, s.resume_p50_us, s.resume_p99_us
             );
             eprintln!(
+                "soak: {:>3} workers, shared memory mapped in (rings and segments, summed over workers): after warm-up {:.0} MiB, midpoint {:.0} MiB, end {:.0} MiB (end/midpoint {:.2}x)",
+                s.workers,
+                s.shm_after_warmup_mib,
+                s.shm_mid_mib,
+                s.shm_end_mib,
+                s.shm_end_mib / s.shm_mid_mib.max(1e-9)
+            );
+            eprintln!(
                 "soak: {:>3} workers opened their pipes to each other ({} first calls) in {:.2} s before the load",
                 s.workers,
                 s.workers * s.workers.saturating_sub(1),

@@ -139,9 +139,11 @@ fn size_for(r: u64) -> usize {
     }
 }
 
-/// Private (heap) resident memory in KiB: `RssAnon`. Shared-memory rings (`RssShmem`) are left
-/// out: their pages are touched lazily as messages wrap around the rings, and each is counted
-/// in both processes that map it; they are bounded by the ring sizes, not by the load.
+/// Resident memory in KiB: private (`RssAnon`, the heap) and shared (`RssShmem`: the rings and
+/// the tensor segments, as far as this process has them mapped in). Shared pages are counted in
+/// every process that maps them, so the sum over workers overstates the memory; its growth is
+/// still the growth of what the workers map in (each receiver's segment region grows with the
+/// largest burst of bytes in flight to it so far, and every sender maps in what it writes).
 fn rss_kib() -> (u64, u64) {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let field = |name: &str| {
@@ -461,7 +463,10 @@ pub struct Summary {
     /// The largest end / midpoint ratio of any worker's private memory: whether memory still
     /// grows in the run's second half (flat: 1.0), whatever the warm-up took.
     pub worst_late_growth: f64,
-    /// Sum over workers of resident shared memory (rings) at the end.
+    /// Sum over workers of resident shared memory (rings and segments as mapped by each, see
+    /// `rss_kib`) after warm-up, at the midpoint and at the end.
+    pub shm_after_warmup_mib: f64,
+    pub shm_mid_mib: f64,
     pub shm_end_mib: f64,
     /// The same invocation's two-process baseline: `rpc_async` no-ops with 64 in flight from
     /// rank 0 to rank 1 (before the load), and this soak's rate against it.
@@ -568,14 +573,13 @@ pub fn run(
             }
         })
         .collect();
-    let warm = |r: &WorkerReport| {
-        r.rss_kib
-            .get(10.min(r.rss_kib.len().saturating_sub(1)))
-            .copied()
-            .unwrap_or(0)
-    };
-    let end = |r: &WorkerReport| r.rss_kib.last().copied().unwrap_or(0);
-    let mid = |r: &WorkerReport| r.rss_kib.get(r.rss_kib.len() / 2).copied().unwrap_or(0);
+    let warm_of = |v: &[u64]| v.get(10.min(v.len().saturating_sub(1))).copied().unwrap_or(0);
+    let mid_of = |v: &[u64]| v.get(v.len() / 2).copied().unwrap_or(0);
+    let end_of = |v: &[u64]| v.last().copied().unwrap_or(0);
+    let warm = |r: &WorkerReport| warm_of(&r.rss_kib);
+    let end = |r: &WorkerReport| end_of(&r.rss_kib);
+    let mid = |r: &WorkerReport| mid_of(&r.rss_kib);
+    let shm_mib = |at: &dyn Fn(&[u64]) -> u64| all.iter().map(|r| at(&r.shm_kib)).sum::<u64>() as f64 / 1024.0;
     // The largest end / `from` ratio of any worker.
     let worst = |from: &dyn Fn(&WorkerReport) -> u64| {
         all.iter()
@@ -603,7 +607,9 @@ pub fn run(
         lost: all.iter().map(|r| r.outstanding_at_end).sum(),
         rss_after_warmup_mib: all.iter().map(warm).sum::<u64>() as f64 / 1024.0,
         rss_end_mib: all.iter().map(end).sum::<u64>() as f64 / 1024.0,
-        shm_end_mib: all.iter().map(|r| r.shm_kib.last().copied().unwrap_or(0)).sum::<u64>() as f64 / 1024.0,
+        shm_after_warmup_mib: shm_mib(&warm_of),
+        shm_mid_mib: shm_mib(&mid_of),
+        shm_end_mib: shm_mib(&end_of),
         worst_growth: worst(&warm),
         worst_late_growth: worst(&mid),
         by_size,

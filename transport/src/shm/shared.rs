@@ -79,4 +79,23 @@ impl SharedFile {
     pub fn populate_write(&self, offset: usize, len: usize) -> io::Result<()> {
         self.map.populate_write(offset, len)
     }
+
+    /// Gives the pages of `offset..offset + len` back to the kernel (a file this process
+    /// created only): they read as zeros afterwards, leave every mapping's page tables, and are
+    /// allocated afresh when next written. The caller makes sure nobody uses the range meanwhile.
+    pub fn release_pages(&self, offset: usize, len: usize) -> io::Result<()> {
+        let fd = self
+            .fd
+            .as_ref()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::Unsupported, "only the file's creator releases its pages"))?;
+        sys::punch_hole(fd, offset.min(self.len), len.min(self.len - offset.min(self.len)))
+    }
+
+    /// Bytes of the file backed by memory now (a file this process created; 0 for a peer's).
+    pub fn resident_bytes(&self) -> u64 {
+        self.fd
+            .as_ref()
+            .and_then(|fd| sys::file_allocated(fd).ok())
+            .unwrap_or(0)
+    }
 }

@@ -29,6 +29,30 @@ pub(crate) fn file_len(fd: &OwnedFd) -> io::Result<u64> {
     u64::try_from(st.st_size).map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "negative file size"))
 }
 
+/// Frees the pages of `offset..offset + len` of a memory file (a hole punched, the size kept):
+/// they read as zeros afterwards, and every process that maps the file loses them from its
+/// page tables; a later write allocates a fresh page.
+pub(crate) fn punch_hole(fd: &OwnedFd, offset: usize, len: usize) -> io::Result<()> {
+    use nix::fcntl::FallocateFlags as F;
+    let (offset, len) = (
+        i64::try_from(offset).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?,
+        i64::try_from(len).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?,
+    );
+    nix::fcntl::fallocate(
+        fd.as_raw_fd(),
+        F::FALLOC_FL_PUNCH_HOLE | F::FALLOC_FL_KEEP_SIZE,
+        offset,
+        len,
+    )
+    .map_err(errno)
+}
+
+/// Bytes of a file backed by memory now (`st_blocks`, in 512-byte units).
+pub(crate) fn file_allocated(fd: &OwnedFd) -> io::Result<u64> {
+    let st = nix::sys::stat::fstat(fd.as_raw_fd()).map_err(errno)?;
+    Ok(u64::try_from(st.st_blocks).unwrap_or(0) * 512)
+}
+
 /// A shared, read-write mapping of a whole memory file. Unmapped on drop.
 pub(crate) struct Mapping {
     ptr: NonNull<u8>,
