@@ -19,9 +19,11 @@
 //! under a long load with rare peaks kept growing (the 64-worker soak: 1.1 GB of shared memory
 //! on the host after 10 s, 2.1 GB after 100 s). The receiver therefore gives back, every few
 //! seconds, the pages of free blocks that no tensor delivered to it used lately (see
-//! [`TRIM_EPOCH`] and [`Segment::trim`]): it claims them in the bitmap as a sender would (so no sender
-//! writes them meanwhile, and a peer naming them is refused), punches them out of the file,
-//! and frees them again. A sender that reuses one later takes page faults into fresh pages.
+//! [`TRIM_EPOCH`] and [`Segment::trim`]), from a thread of its own, so an idle receiver gives
+//! its last burst back too and no tensor's drop pays for it: it claims them in the bitmap as a
+//! sender would (so no sender writes them meanwhile, and a peer naming them is refused),
+//! punches them out of the file, and frees them again. A sender that reuses one later takes
+//! page faults into fresh pages.
 //!
 //! Trust: a peer that can open the segment can already read and write this process's memory
 //! (the same permission as cross-memory attach), so the segment adds no exposure. A confused
@@ -30,8 +32,8 @@
 #![allow(unsafe_code)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use bytes::Bytes;
 use sluice_transport::shm::SharedFile;
@@ -67,14 +69,12 @@ struct Received {
     /// Held by tensors this process received (so a peer naming them twice is caught), or
     /// claimed by a trim giving their pages back.
     held: Vec<u64>,
-    /// Delivered in this trim epoch (`[0]`) and the one before (`[1]`).
+    /// Delivered or released in this trim epoch (`[0]`) and the one before (`[1]`).
     seen: [Vec<u64>; 2],
     /// Delivered since their pages were last given back: pages that may be resident.
     resident: Vec<u64>,
-    /// When this epoch began; `None` until the first release.
-    epoch_start: Option<Instant>,
-    /// Releases since the clock was last read.
-    releases: u32,
+    /// Set when the kernel refused a punch (a sandbox, an old kernel): trims stop.
+    refused: bool,
 }
 
 /// How long a trim epoch lasts: a free block's pages go back to the kernel once no delivered
@@ -82,9 +82,7 @@ struct Received {
 /// blocks used now and then go back and come again (a punch, a fresh zero-filled page, and a
 /// page fault per page in every sender that writes it): with 1 s epochs, 5% of the 64-worker
 /// soak's CPU.
-const TRIM_EPOCH: Duration = Duration::from_secs(4);
-/// The clock is read once every this many releases.
-const TRIM_LOOK_EVERY: u32 = 64;
+pub const TRIM_EPOCH: Duration = Duration::from_secs(4);
 
 impl Received {
     fn new(words: usize) -> Received {
@@ -92,7 +90,7 @@ impl Received {
             held: vec![0; words],
             seen: [vec![0; words], vec![0; words]],
             resident: vec![0; words],
-            ..Received::default()
+            refused: false,
         }
     }
 }
@@ -117,8 +115,37 @@ fn layout(bytes: usize) -> Option<(usize, usize)> {
 }
 
 impl Segment {
-    /// A new segment of about `bytes` bytes for this process to receive into.
+    /// A new segment of about `bytes` bytes for this process to receive into, trimmed every
+    /// [`TRIM_EPOCH`] by a thread of its own (which ends once the segment is dropped).
     pub fn create(bytes: usize) -> Result<Arc<Segment>, String> {
+        Self::create_trimmed_every(bytes, Some(TRIM_EPOCH))
+    }
+
+    /// [`create`](Self::create) with another trim epoch, or none (no trimming thread: the
+    /// owner calls [`trim`](Self::trim) itself).
+    pub fn create_trimmed_every(bytes: usize, epoch: Option<Duration>) -> Result<Arc<Segment>, String> {
+        let seg = Self::create_untrimmed(bytes)?;
+        if let Some(epoch) = epoch {
+            let weak = Arc::downgrade(&seg);
+            let spawned = std::thread::Builder::new()
+                .name("sluice-segment-trim".into())
+                .spawn(move || loop {
+                    std::thread::sleep(epoch);
+                    match weak.upgrade() {
+                        Some(seg) => {
+                            seg.trim();
+                        }
+                        None => return,
+                    }
+                });
+            if let Err(e) = spawned {
+                tracing::warn!("segment pages will not be given back: no thread to trim it: {e}");
+            }
+        }
+        Ok(seg)
+    }
+
+    fn create_untrimmed(bytes: usize) -> Result<Arc<Segment>, String> {
         let (blocks, data) = layout(bytes).ok_or_else(|| format!("a segment of {bytes} bytes holds no block"))?;
         let file = SharedFile::create("sluice-segment", bytes).map_err(|e| format!("creating the segment: {e}"))?;
         let seg = Segment {
@@ -399,7 +426,7 @@ impl Segment {
         }
         let (first, n) = (offset / BLOCK, len.div_ceil(BLOCK).max(1));
         {
-            let mut guard = self.received.lock().unwrap();
+            let mut guard = self.received.lock().unwrap_or_else(PoisonError::into_inner);
             let r = &mut *guard;
             if r.held.is_empty() {
                 return Err("this side sends into the segment; it receives nothing from it".into());
@@ -425,37 +452,30 @@ impl Segment {
     }
 
     fn release(&self, first: usize, n: usize) {
-        let due = {
-            let mut r = self.received.lock().unwrap();
-            for (w, mask) in Self::masks(first, n) {
-                r.held[w] &= !mask;
-            }
-            r.releases += 1;
-            r.releases >= TRIM_LOOK_EVERY && {
-                r.releases = 0;
-                let now = Instant::now();
-                let due = r.epoch_start.is_some_and(|s| now.duration_since(s) >= TRIM_EPOCH);
-                if due || r.epoch_start.is_none() {
-                    r.epoch_start = Some(now);
-                }
-                due
-            }
-        };
-        self.clear(first, n);
-        if due {
-            self.trim();
+        let mut r = self.received.lock().unwrap_or_else(PoisonError::into_inner);
+        for (w, mask) in Self::masks(first, n) {
+            r.held[w] &= !mask;
+            // Used until now: a tensor held for longer than two epochs keeps its pages for
+            // two more.
+            r.seen[0][w] |= mask;
         }
+        // Freed under the lock: `take` sees the block either held or not allocated, never
+        // allocated and free to take (a peer naming it now is refused).
+        self.clear(first, n);
     }
 
     /// Receiver: ends a trim epoch. Free blocks whose pages may be resident and that no tensor
-    /// delivered here used in this epoch or the one before are claimed (as a sender claims
-    /// them: no sender writes them meanwhile, and `take` refuses them), their pages punched out
-    /// of the file, and then freed. Returns the blocks given back. A failed punch (a kernel
-    /// without it) just leaves the pages.
+    /// delivered here used (or released) in this epoch or the one before are claimed (as a
+    /// sender claims them: no sender writes them meanwhile, and `take` refuses them), their
+    /// pages punched out of the file, and then freed. Returns the blocks given back. A punch
+    /// the kernel refuses is logged once, and trims stop.
     pub fn trim(&self) -> usize {
         let claimed: Vec<(usize, u64)> = {
-            let mut guard = self.received.lock().unwrap();
+            let mut guard = self.received.lock().unwrap_or_else(PoisonError::into_inner);
             let r = &mut *guard;
+            if r.refused {
+                return 0;
+            }
             let mut claimed = Vec::new();
             for w in 0..r.held.len() {
                 let idle = r.resident[w] & !r.seen[0][w] & !r.seen[1][w] & !r.held[w];
@@ -482,13 +502,27 @@ impl Segment {
             claimed
         };
         // Punched outside the lock (it unmaps the pages from every sender's page tables too),
-        // one call per run of adjacent blocks.
-        let mut run: Option<(usize, usize)> = None;
-        let punch = |(b0, b1): (usize, usize)| {
-            if let Err(e) = self.file.release_pages(self.data + b0 * BLOCK, (b1 - b0) * BLOCK) {
-                tracing::debug!("segment pages not given back: {e}");
+        // one call per run of adjacent blocks; the blocks of runs punched are no longer
+        // resident.
+        let mut given_back = vec![0u64; claimed.last().map_or(0, |&(w, _)| w + 1)];
+        let mut refused = false;
+        let mut punch = |(b0, b1): (usize, usize)| {
+            if refused {
+                return;
+            }
+            match self.file.release_pages(self.data + b0 * BLOCK, (b1 - b0) * BLOCK) {
+                Ok(()) => {
+                    for (w, mask) in Self::masks(b0, b1 - b0) {
+                        given_back[w] |= mask;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!("segment pages cannot be given back (no more trims): {e}");
+                    refused = true;
+                }
             }
         };
+        let mut run: Option<(usize, usize)> = None;
         for &(w, mask) in &claimed {
             let mut bits = mask;
             while bits != 0 {
@@ -507,17 +541,15 @@ impl Segment {
         if let Some(r) = run {
             punch(r);
         }
-        {
-            let mut r = self.received.lock().unwrap();
-            for &(w, mask) in &claimed {
-                r.held[w] &= !mask;
-                r.resident[w] &= !mask;
-            }
-        }
+        let mut r = self.received.lock().unwrap_or_else(PoisonError::into_inner);
+        r.refused |= refused;
         for &(w, mask) in &claimed {
+            r.held[w] &= !mask;
+            r.resident[w] &= !given_back[w];
+            // Freed under the lock, as in `release`.
             self.bits(w).fetch_and(!mask, Ordering::AcqRel);
         }
-        claimed.iter().map(|&(_, m)| m.count_ones() as usize).sum()
+        given_back.iter().map(|m| m.count_ones() as usize).sum()
     }
 
     /// Receiver: bytes of the segment backed by memory now.
@@ -561,7 +593,8 @@ mod tests {
     use super::*;
 
     fn pair(bytes: usize) -> (Arc<Segment>, Arc<Segment>) {
-        let inbox = Segment::create(bytes).unwrap();
+        // Trimmed only where a test calls `trim`.
+        let inbox = Segment::create_trimmed_every(bytes, None).unwrap();
         let outbox = Segment::open(std::process::id(), inbox.offer()).unwrap();
         (outbox, inbox)
     }
@@ -716,7 +749,8 @@ mod tests {
                 std::thread::spawn(move || {
                     for i in 0..3_000usize {
                         let len = (1 + (i + t) % 3) * BLOCK - i % 100;
-                        let fill = (i * 7 + t) as u8;
+                        // Never zero: a block punched under a tensor reads as zeros.
+                        let fill = ((i * 7 + t) % 255 + 1) as u8;
                         let Some(at) = tx.allocate(len) else { continue };
                         tx.write(at, &vec![fill; len]);
                         let got = rx.take(at, len as u64).unwrap();
@@ -738,6 +772,44 @@ mod tests {
         let given_back = trimmer.join().unwrap();
         assert!(given_back > 0, "the trims gave pages back while the senders ran");
         assert_eq!(rx.blocks_in_use(), 0);
+    }
+
+    /// A receiver left idle after a burst still gives its pages back (its own thread trims it;
+    /// nothing is released or delivered meanwhile), while a tensor it holds keeps its own, and
+    /// the thread ends once the segment is dropped.
+    #[test]
+    fn an_idle_receiver_gives_its_last_burst_back() {
+        let rx = Segment::create_trimmed_every(64 * BLOCK, Some(Duration::from_millis(50))).unwrap();
+        let tx = Segment::open(std::process::id(), rx.offer()).unwrap();
+        let header = rx.resident_bytes();
+        let deliver = |len: usize, fill: u8| {
+            let at = tx.allocate(len).unwrap();
+            tx.write(at, &vec![fill; len]);
+            rx.take(at, len as u64).unwrap()
+        };
+        let kept = deliver(BLOCK, 3);
+        drop((0..10).map(|i| deliver(BLOCK, i + 10)).collect::<Vec<_>>());
+        assert_eq!(rx.resident_bytes(), header + 11 * BLOCK as u64);
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while rx.resident_bytes() > header + BLOCK as u64 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the idle burst was never given back: {} bytes resident",
+                rx.resident_bytes()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(kept.iter().all(|&b| b == 3), "the held tensor kept its pages");
+        let weak = Arc::downgrade(&rx);
+        drop((kept, tx, rx));
+        // The thread holds the segment only while it trims.
+        while weak.strong_count() > 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the trimming thread keeps the segment alive"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     #[test]

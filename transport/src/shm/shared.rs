@@ -84,6 +84,11 @@ impl SharedFile {
     /// created only): they read as zeros afterwards, leave every mapping's page tables, and are
     /// allocated afresh when next written. The caller makes sure nobody uses the range meanwhile.
     pub fn release_pages(&self, offset: usize, len: usize) -> io::Result<()> {
+        debug_assert!(
+            offset.checked_add(len).is_some_and(|end| end <= self.len),
+            "pages {offset}+{len} outside a file of {} bytes",
+            self.len
+        );
         let fd = self
             .fd
             .as_ref()
