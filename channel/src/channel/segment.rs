@@ -677,6 +677,13 @@ mod tests {
         assert_eq!(tx.allocate(2 * BLOCK), Some(top), "then the highest free");
     }
 
+    /// Sends `len` bytes of `fill` from `tx` and takes them at `rx`.
+    fn deliver(tx: &Segment, rx: &Arc<Segment>, len: usize, fill: u8) -> Bytes {
+        let at = tx.allocate(len).unwrap();
+        tx.write(at, &vec![fill; len]);
+        rx.take(at, len as u64).unwrap()
+    }
+
     /// A receiver gives back the pages of blocks no delivered tensor used in the current or the
     /// previous epoch; blocks used since, and blocks a tensor still holds, keep theirs; a block
     /// given back is written and delivered again like any other.
@@ -685,11 +692,7 @@ mod tests {
         let (tx, rx) = pair(64 * BLOCK);
         // The header's page(s).
         let header = rx.resident_bytes();
-        let deliver = |len: usize, fill: u8| {
-            let at = tx.allocate(len).unwrap();
-            tx.write(at, &vec![fill; len]);
-            rx.take(at, len as u64).unwrap()
-        };
+        let deliver = |len: usize, fill: u8| deliver(&tx, &rx, len, fill);
         let kept = deliver(BLOCK, 9);
         // Eight singles (blocks 1 to 8) and a run of four (from the top), held at once.
         let mut held: Vec<Bytes> = (0..8).map(|i| deliver(BLOCK, i)).collect();
@@ -782,11 +785,7 @@ mod tests {
         let rx = Segment::create_trimmed_every(64 * BLOCK, Some(Duration::from_millis(50))).unwrap();
         let tx = Segment::open(std::process::id(), rx.offer()).unwrap();
         let header = rx.resident_bytes();
-        let deliver = |len: usize, fill: u8| {
-            let at = tx.allocate(len).unwrap();
-            tx.write(at, &vec![fill; len]);
-            rx.take(at, len as u64).unwrap()
-        };
+        let deliver = |len: usize, fill: u8| deliver(&tx, &rx, len, fill);
         let kept = deliver(BLOCK, 3);
         drop((0..10).map(|i| deliver(BLOCK, i + 10)).collect::<Vec<_>>());
         assert_eq!(rx.resident_bytes(), header + 11 * BLOCK as u64);
