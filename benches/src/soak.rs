@@ -142,8 +142,9 @@ fn size_for(r: u64) -> usize {
 /// Resident memory in KiB: private (`RssAnon`, the heap) and shared (`RssShmem`: the rings and
 /// the tensor segments, as far as this process has them mapped in). Shared pages are counted in
 /// every process that maps them, so the sum over workers overstates the memory; its growth is
-/// still the growth of what the workers map in (each receiver's segment region grows with the
-/// largest burst of bytes in flight to it so far, and every sender maps in what it writes).
+/// still the growth of what the workers map in (each receiver's segment holds its recent bursts
+/// of bytes in flight, giving idle blocks back after some seconds, and every sender maps in
+/// what it writes).
 fn rss_kib() -> (u64, u64) {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let field = |name: &str| {
