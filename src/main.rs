@@ -191,8 +191,12 @@ fn main() -> anyhow::Result<()> {
                 s.workers, s.reply_path_p50_us, s.reply_path_p99_us, s.resume_p50_us, s.resume_p99_us
             );
             eprintln!(
-                "soak: {:>3} workers, shared memory mapped in (rings and segments, summed over workers): after warm-up {:.0} MiB, midpoint {:.0} MiB, end {:.0} MiB (end/midpoint {:.2}x)",
+                "soak: {:>3} workers, shared memory: the host's (Shmem) after warm-up {:.0} MiB, midpoint {:.0} MiB, end {:.0} MiB (end/midpoint {:.2}x); mapped in by the workers (RssShmem, summed) {:.0} / {:.0} / {:.0} MiB ({:.2}x)",
                 s.workers,
+                s.host_shm_after_warmup_mib,
+                s.host_shm_mid_mib,
+                s.host_shm_end_mib,
+                s.host_shm_end_mib / s.host_shm_mid_mib.max(1e-9),
                 s.shm_after_warmup_mib,
                 s.shm_mid_mib,
                 s.shm_end_mib,

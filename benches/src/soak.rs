@@ -145,6 +145,19 @@ fn size_for(r: u64) -> usize {
 /// still the growth of what the workers map in (each receiver's segment holds its recent bursts
 /// of bytes in flight, giving idle blocks back after some seconds, and every sender maps in
 /// what it writes).
+/// The host's shared memory in KiB (`Shmem:` in `/proc/meminfo`: memory files and tmpfs, each
+/// page once); 0 where it cannot be read.
+fn host_shmem_kib() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("Shmem:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
 fn rss_kib() -> (u64, u64) {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let field = |name: &str| {
@@ -469,6 +482,11 @@ pub struct Summary {
     pub shm_after_warmup_mib: f64,
     pub shm_mid_mib: f64,
     pub shm_end_mib: f64,
+    /// The host's shared memory (`Shmem:`, each page once) after warm-up, at the midpoint and
+    /// at the end of the load: what the segments and rings hold.
+    pub host_shm_after_warmup_mib: f64,
+    pub host_shm_mid_mib: f64,
+    pub host_shm_end_mib: f64,
     /// The same invocation's two-process baseline: `rpc_async` no-ops with 64 in flight from
     /// rank 0 to rank 1 (before the load), and this soak's rate against it.
     pub baseline_calls_per_second: f64,
@@ -532,8 +550,25 @@ pub fn run(
     agent.barrier("connected")?;
     let connect_seconds = connecting.elapsed().as_secs_f64();
     let started = Instant::now();
+    // The host's shared memory, sampled every second during the load: each page of the memory
+    // files counted once, whichever processes map it (the workers' own `RssShmem` counts it in
+    // each).
+    let sampling = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let sampler = {
+        let sampling = sampling.clone();
+        std::thread::spawn(move || {
+            let mut kib = Vec::new();
+            while sampling.load(std::sync::atomic::Ordering::Relaxed) {
+                kib.push(host_shmem_kib());
+                std::thread::sleep(Duration::from_secs(1));
+            }
+            kib
+        })
+    };
     let mine = load(&agent, options);
     let elapsed = started.elapsed().as_secs_f64();
+    sampling.store(false, std::sync::atomic::Ordering::Relaxed);
+    let host_shm_kib = sampler.join().unwrap_or_default();
     let deadline = Instant::now() + Duration::from_secs(120);
     while reports.lock().unwrap().len() < options.workers as usize - 1 {
         anyhow::ensure!(Instant::now() < deadline, "not every soak worker reported");
@@ -611,6 +646,9 @@ pub fn run(
         shm_after_warmup_mib: shm_mib(&warm_of),
         shm_mid_mib: shm_mib(&mid_of),
         shm_end_mib: shm_mib(&end_of),
+        host_shm_after_warmup_mib: warm_of(&host_shm_kib) as f64 / 1024.0,
+        host_shm_mid_mib: mid_of(&host_shm_kib) as f64 / 1024.0,
+        host_shm_end_mib: end_of(&host_shm_kib) as f64 / 1024.0,
         worst_growth: worst(&warm),
         worst_late_growth: worst(&mid),
         by_size,
