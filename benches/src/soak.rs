@@ -145,29 +145,23 @@ fn size_for(r: u64) -> usize {
 /// still the growth of what the workers map in (each receiver's segment holds its recent bursts
 /// of bytes in flight, giving idle blocks back after some seconds, and every sender maps in
 /// what it writes).
+fn rss_kib() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    (kib_field(&status, "RssAnon:"), kib_field(&status, "RssShmem:"))
+}
+
 /// The host's shared memory in KiB (`Shmem:` in `/proc/meminfo`: memory files and tmpfs, each
 /// page once); 0 where it cannot be read.
 fn host_shmem_kib() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find(|l| l.starts_with("Shmem:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or(0)
+    kib_field(&std::fs::read_to_string("/proc/meminfo").unwrap_or_default(), "Shmem:")
 }
 
-fn rss_kib() -> (u64, u64) {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    (field("RssAnon:"), field("RssShmem:"))
+/// The number after `name` in a `/proc` file of `name value kB` lines; 0 when absent.
+fn kib_field(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or(0)
 }
 
 fn registry(reports: Arc<Mutex<Vec<WorkerReport>>>) -> Registry {

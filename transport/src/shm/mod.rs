@@ -1251,20 +1251,27 @@ mod tests {
         }
     }
 
+    /// Two connected ends of one transport made with `options`.
+    async fn connected(options: ShmOptions) -> (ShmConnection, ShmConnection) {
+        let transport = ShmTransport::new(options);
+        let mut listener = transport.listen("").await.unwrap();
+        let addr = listener.address();
+        let (a, b) = tokio::join!(transport.connect(&addr), listener.accept());
+        (a.unwrap(), b.unwrap())
+    }
+
     /// Two sides that park at every wait (no spin) play ping-pong: every frame wakes a sleeper,
     /// through an eventfd that nobody ever drains (its counter only grows), and each wake-up
     /// must still come as a new edge: one lost leaves both sides asleep (the watchdog). Many
     /// rounds, so the sleeper's readiness is cleared and set again each time.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn sleepers_woken_through_undrained_eventfds_lose_no_wake_up() {
-        let transport = ShmTransport::new(ShmOptions {
+        let (a, b) = connected(ShmOptions {
             spin: Duration::ZERO,
             ..ShmOptions::default()
-        });
-        let mut listener = transport.listen("").await.unwrap();
-        let addr = listener.address();
-        let (a, b) = tokio::join!(transport.connect(&addr), listener.accept());
-        let ((mut ar, mut aw), (mut br, mut bw)) = (a.unwrap().split(), b.unwrap().split());
+        })
+        .await;
+        let ((mut ar, mut aw), (mut br, mut bw)) = (a.split(), b.split());
         const ROUNDS: u32 = 3_000;
         let echo = tokio::spawn(async move {
             let mut buf = [0u8; 16];
@@ -1301,15 +1308,13 @@ mod tests {
     /// published, however its parts fall; a batch's frames stay unseen until it ends.)
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn frames_of_every_shape_arrive_whole() {
-        let transport = ShmTransport::new(ShmOptions {
+        let (a, b) = connected(ShmOptions {
             ring_capacity: ring::MIN_CAPACITY,
             ..ShmOptions::default()
-        });
-        let mut listener = transport.listen("").await.unwrap();
-        let addr = listener.address();
-        let (a, b) = tokio::join!(transport.connect(&addr), listener.accept());
-        let (_, mut w) = a.unwrap().split();
-        let (mut r, _) = b.unwrap().split();
+        })
+        .await;
+        let (_, mut w) = a.split();
+        let (mut r, _) = b.split();
         const FRAMES: usize = 3_000;
         let frame = |i: usize| {
             let len = (i * 389) % 3001;
@@ -1366,11 +1371,8 @@ mod tests {
     #[tokio::test]
     async fn a_sleeping_reader_is_signalled_once_a_sleep() {
         use std::os::fd::AsRawFd;
-        let t = ShmTransport::new(ShmOptions::default());
-        let mut listener = t.listen("").await.unwrap();
-        let addr = listener.address();
-        let (a, b) = tokio::join!(t.connect(&addr), listener.accept());
-        let ((_, mut writer), (reader, _)) = (a.unwrap().split(), b.unwrap().split());
+        let (a, b) = connected(ShmOptions::default()).await;
+        let ((_, mut writer), (reader, _)) = (a.split(), b.split());
         let parked = reader.shared.inbox.consumer_parked();
         let signals = || {
             let mut count = [0u8; 8];
