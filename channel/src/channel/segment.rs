@@ -61,6 +61,9 @@ pub struct Segment {
     received: Mutex<Received>,
     /// Sending side: the blocks this process has already mapped in (bit per block).
     populated: Box<[AtomicU64]>,
+    /// Tests: punches fail as a kernel that refuses them would have them fail.
+    #[cfg(test)]
+    refuse_punches: std::sync::atomic::AtomicBool,
 }
 
 /// The receiving side's view of its blocks, bit per block.
@@ -154,6 +157,8 @@ impl Segment {
             data,
             received: Mutex::new(Received::new(blocks.div_ceil(64))),
             populated: Box::default(),
+            #[cfg(test)]
+            refuse_punches: Default::default(),
         };
         seg.word(0).store(MAGIC, Ordering::Relaxed);
         seg.word(1).store(blocks as u64, Ordering::Release);
@@ -172,6 +177,8 @@ impl Segment {
             data,
             received: Mutex::new(Received::default()),
             populated: (0..blocks.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+            #[cfg(test)]
+            refuse_punches: Default::default(),
         };
         if seg.word(0).load(Ordering::Relaxed) != MAGIC || seg.word(1).load(Ordering::Acquire) != blocks as u64 {
             return Err(format!("process {pid}'s file is not a segment of {blocks} blocks"));
@@ -510,7 +517,7 @@ impl Segment {
             if refused {
                 return;
             }
-            match self.file.release_pages(self.data + b0 * BLOCK, (b1 - b0) * BLOCK) {
+            match self.release_pages(b0, b1) {
                 Ok(()) => {
                     for (w, mask) in Self::masks(b0, b1 - b0) {
                         given_back[w] |= mask;
@@ -550,6 +557,15 @@ impl Segment {
             self.bits(w).fetch_and(!mask, Ordering::AcqRel);
         }
         given_back.iter().map(|m| m.count_ones() as usize).sum()
+    }
+
+    /// Gives the pages of blocks `b0..b1` back to the kernel.
+    fn release_pages(&self, b0: usize, b1: usize) -> std::io::Result<()> {
+        #[cfg(test)]
+        if self.refuse_punches.load(Ordering::Relaxed) {
+            return Err(std::io::Error::from_raw_os_error(libc::EPERM));
+        }
+        self.file.release_pages(self.data + b0 * BLOCK, (b1 - b0) * BLOCK)
     }
 
     /// Receiver: bytes of the segment backed by memory now.
@@ -722,6 +738,36 @@ mod tests {
             assert!(got.iter().all(|&b| b == fill));
         }
         assert_eq!(tx.trim(), 0, "a sender's view of a segment trims nothing");
+    }
+
+    /// A kernel that refuses to punch (a sandbox, an old kernel): the blocks a trim claimed are
+    /// freed again, nothing is given back, later trims do nothing, and the segment carries on.
+    #[test]
+    fn a_refused_punch_frees_what_it_claimed_and_stops_trims() {
+        let (tx, rx) = pair(16 * BLOCK);
+        let header = rx.resident_bytes();
+        let deliver = |len: usize, fill: u8| deliver(&tx, &rx, len, fill);
+        let held = deliver(BLOCK, 7);
+        drop((0..4).map(|i| deliver(BLOCK, i)).collect::<Vec<_>>());
+        let written = rx.resident_bytes();
+        assert_eq!(written, header + 5 * BLOCK as u64, "five blocks written");
+        assert_eq!((rx.trim(), rx.trim()), (0, 0), "used in this epoch and the one before");
+        rx.refuse_punches.store(true, Ordering::Relaxed);
+        assert_eq!(rx.trim(), 0, "refused: nothing given back");
+        assert_eq!(tx.blocks_in_use(), 1, "the blocks claimed for the punch are free again");
+        assert_eq!(rx.resident_bytes(), written, "no page went back");
+        // The kernel would now allow it, but trims have stopped.
+        rx.refuse_punches.store(false, Ordering::Relaxed);
+        for _ in 0..3 {
+            assert_eq!(rx.trim(), 0, "trims stopped after the refusal");
+        }
+        assert_eq!(rx.resident_bytes(), written);
+        // Delivery goes on as before, into the blocks that were claimed and freed.
+        for fill in 10..20 {
+            let got = deliver(4 * BLOCK, fill);
+            assert!(got.iter().all(|&b| b == fill));
+        }
+        assert!(held.iter().all(|&b| b == 7), "a held tensor is untouched");
     }
 
     /// Senders in two threads keep writing, and a receiver keeps checking, tensors of one to
