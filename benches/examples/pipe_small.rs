@@ -12,8 +12,9 @@
 //! `shm bw` row), each after a run of the raw cross-core stream of the same size, printing both
 //! rates and where the transport's waiting went.
 //!
-//! `... --example pipe_small -- cost` measures instead the CPU cost of one write and one read
-//! with nothing to wait for: a pipe to itself in this process, 64 messages written, then read.
+//! `... --example pipe_small -- cost [SECONDS] [tensor|empty]` measures instead the CPU cost of
+//! one write and one read with nothing to wait for: a pipe to itself in this process, 64
+//! messages written, then read (for SECONDS each, default 1; one kind only if named).
 use std::io::BufRead;
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -33,7 +34,8 @@ async fn main() -> anyhow::Result<()> {
         return sluice_benches::peer::serve("127.0.0.1:0", |a| println!("{a}")).await;
     }
     if args.get(1).map(String::as_str) == Some("cost") {
-        return cost().await;
+        let seconds: f64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1.0);
+        return cost(seconds, args.get(3).map(String::as_str)).await;
     }
     let transport_only = args.get(1).map(String::as_str) == Some("transport");
     let stream_only = args.get(1).map(String::as_str) == Some("stream");
@@ -143,7 +145,7 @@ async fn stream(peer: &str, seconds: f64, size: usize, mut child: std::process::
 
 /// Nanoseconds per write and per read of a 64 B tensor message and of an empty one, with the
 /// ring holding a batch (nothing waits), on a basic/shm pipe within this process.
-async fn cost() -> anyhow::Result<()> {
+async fn cost(seconds: f64, only: Option<&str>) -> anyhow::Result<()> {
     use sluice_channel::{Allocation, Tensor, TransportKind};
     let options = ContextOptions {
         transports: vec![TransportKind::Shm],
@@ -166,11 +168,14 @@ async fn cost() -> anyhow::Result<()> {
         ..Message::default()
     };
     for (name, message) in [("64 B tensor", &tensor), ("empty", &empty)] {
+        if only.is_some_and(|o| !name.contains(o)) {
+            continue;
+        }
         const BATCH: usize = 64;
         let (mut write_ns, mut read_ns, mut n) = (0u128, 0u128, 0usize);
         let mut alloc: Option<Allocation> = None;
         let start = std::time::Instant::now();
-        while start.elapsed() < Duration::from_secs(1) {
+        while start.elapsed() < Duration::from_secs_f64(seconds) {
             let t = std::time::Instant::now();
             for _ in 0..BATCH {
                 a.write(message).await?;

@@ -169,7 +169,12 @@ struct ReadSide {
     rx: Rx,
     acks: AnyWriter,
     seq: u64,
-    pending: Option<WireDescriptor>,
+    /// `descriptor` is the next message's, decoded and checked, waiting for its read.
+    pending: bool,
+    /// The pending message's descriptor; between messages, the last one read, decoded into
+    /// again in place (its lists keep their capacity: no list is allocated per message, and
+    /// the descriptor is never moved on the way).
+    descriptor: WireDescriptor,
     /// A descriptor decoded by [`Pipe::try_read_message`] or
     /// [`Pipe::read_message_ready`] whose message it could not take at once (or whose
     /// allocation was declined): the next `read_descriptor` or `read_message` returns it.
@@ -178,17 +183,18 @@ struct ReadSide {
     /// payloads and inline tensors are copied out of it, from `packed_at` on.
     frame: Vec<u8>,
     packed_at: usize,
-    /// The last message's descriptor once read, decoded into again (its lists keep their
-    /// capacity: no list is allocated per message).
-    spare: WireDescriptor,
 }
 
 impl ReadSide {
-    /// Keeps a read message's descriptor to decode the next one into, unless a large message
-    /// grew its lists (their memory is let go, as `frame`'s is past `FRAME_KEEP`).
-    fn keep_spare(&mut self, descriptor: WireDescriptor) {
-        if descriptor.payloads.capacity() <= SPARE_KEEP && descriptor.tensors.capacity() <= SPARE_KEEP {
-            self.spare = descriptor;
+    /// The pending message is read: its descriptor stays to decode the next one into, unless
+    /// a large message grew its lists (their memory is let go, as `frame`'s is past
+    /// `FRAME_KEEP`).
+    fn read_done(&mut self) {
+        self.pending = false;
+        self.seq += 1;
+        let d = &self.descriptor;
+        if d.payloads.capacity() > SPARE_KEEP || d.tensors.capacity() > SPARE_KEEP {
+            self.descriptor = WireDescriptor::default();
         }
     }
 }
@@ -369,8 +375,8 @@ impl Pipe {
                     },
                     acks: links.reply.1,
                     seq: 0,
-                    pending: None,
-                    spare: WireDescriptor::default(),
+                    pending: false,
+                    descriptor: WireDescriptor::default(),
                     early: None,
                     frame: Vec::new(),
                     packed_at: 0,
@@ -475,7 +481,7 @@ impl Pipe {
         // channel (reported by `write`), takes the general path.
         // `new` (not `with_capacity`, an out-of-line call whose result is moved: a copy of
         // the whole inline array, hundreds of bytes, on every message) builds them in place.
-        let mut sources: SmallVec<[Source; 4]> = SmallVec::new();
+        let mut sources: SmallVec<[&'static Source; 4]> = SmallVec::new();
         let mut targets: SmallVec<[Option<Device>; 4]> = SmallVec::new();
         let mut packed_len = message.payloads.iter().map(|p| p.len()).sum::<usize>();
         for t in &message.tensors {
@@ -503,7 +509,7 @@ impl Pipe {
         let mut encoded = std::mem::take(&mut side.encoded);
         {
             let mut tensors = SmallVec::new();
-            tensors_out(&mut tensors, message, sources.iter(), &targets);
+            tensors_out(&mut tensors, message, sources.iter().copied(), &targets);
             wire::encode_descriptor(
                 &DescriptorOut {
                     seq: side.seq,
@@ -520,7 +526,7 @@ impl Pipe {
             parts.push(&encoded);
             parts.extend(message.payloads.iter().map(|p| &p[..]));
             for (t, data) in message.tensors.iter().zip(&sources) {
-                if let (Source::Inline, SendBuffer::Cpu(b)) = (data, &t.buffer) {
+                if let (Source::Inline, SendBuffer::Cpu(b)) = (*data, &t.buffer) {
                     parts.push(b);
                 }
             }
@@ -574,12 +580,14 @@ impl Pipe {
             Err(_) => "held".to_owned(),
         };
         let reader = match inner.reader.try_lock() {
-            Ok(mut side) => format!(
-                "free (descriptor pending: {} (decoded early: {}), input waiting: {})",
-                side.pending.is_some(),
-                side.early.is_some(),
-                side.rx.control.has_input()
-            ),
+            Ok(mut side) => {
+                let input = side.rx.control.has_input();
+                format!(
+                    "free (descriptor pending: {} (decoded early: {}), input waiting: {input})",
+                    side.pending,
+                    side.early.is_some(),
+                )
+            }
             Err(_) => "held".to_owned(),
         };
         format!(
@@ -601,7 +609,7 @@ impl Pipe {
     /// someone else is reading.
     pub fn has_input(&self) -> bool {
         match self.inner.reader.try_lock() {
-            Ok(mut side) => side.pending.is_some() || side.rx.control.has_input(),
+            Ok(mut side) => side.pending || side.rx.control.has_input(),
             Err(_) => false,
         }
     }
@@ -779,7 +787,7 @@ impl Pipe {
         if let Some(d) = side.early.take() {
             return Ok(d);
         }
-        if side.pending.is_some() {
+        if side.pending {
             return Err(PipeError::Misuse(
                 "a descriptor is already waiting for its read()".into(),
             ));
@@ -848,7 +856,7 @@ impl Pipe {
         if let Some(m) = now(side) {
             return m.map(Some);
         }
-        if side.pending.is_some() {
+        if side.pending {
             return Ok(None);
         }
         if let Err(e) = side.rx.control.readable().await {
@@ -864,7 +872,7 @@ impl Pipe {
         allocate: impl FnOnce(&Descriptor) -> Option<Result<Allocation>>,
     ) -> Option<Result<(Descriptor, Allocation)>> {
         let inner = &self.inner;
-        if !inner.immediate || side.pending.is_some() {
+        if !inner.immediate || side.pending {
             return None;
         }
         let limit = self.frame_limit(side);
@@ -875,10 +883,8 @@ impl Pipe {
             Ok(d) => d,
             Err(e) => return Some(Err(e)),
         };
-        let in_hand = side
-            .pending
-            .as_ref()
-            .is_some_and(|w| w.packed && w.tensors.iter().all(|t| matches!(t.data, Source::Inline)));
+        let w = &side.descriptor;
+        let in_hand = w.packed && w.tensors.iter().all(|t| matches!(t.data, Source::Inline));
         let allocation = if in_hand { allocate(&d) } else { None };
         let mut allocation = match allocation {
             None => {
@@ -888,22 +894,19 @@ impl Pipe {
             Some(Err(e)) => return Some(Err(inner.fail(e))),
             Some(Ok(a)) => a,
         };
-        let descriptor = side.pending.take().expect("accepted above");
-        if let Err(why) = check_allocation(&descriptor, &allocation, side.rx.landing.is_some()) {
+        if let Err(why) = check_allocation(&side.descriptor, &allocation, side.rx.landing.is_some()) {
             // As with `read`: the caller's mistake, and the message waits for a `read` with a
             // fitting allocation.
-            side.pending = Some(descriptor);
             return Some(Err(PipeError::Misuse(why)));
         }
         let poison = |e: PipeError| inner.fail(e);
         let link = inner.link(&poison);
         let tail = &side.frame[side.packed_at..];
-        if let Err(e) = self.unpack(tail, &descriptor, &mut allocation, &link) {
+        if let Err(e) = self.unpack(tail, &side.descriptor, &mut allocation, &link) {
             return Some(Err(inner.fail(e)));
         }
         side.rx.finished();
-        side.seq += 1;
-        side.keep_spare(descriptor);
+        side.read_done();
         Some(Ok((d, allocation)))
     }
 
@@ -950,8 +953,8 @@ impl Pipe {
     /// Decodes and checks the descriptor frame just read into `side.frame`; it becomes the
     /// pending descriptor, and its public form is returned.
     fn accept_descriptor(&self, side: &mut ReadSide) -> Result<Descriptor> {
-        let mut descriptor = std::mem::take(&mut side.spare);
-        let packed_at = match wire::decode_descriptor_into(&side.frame, &self.inner.info.peer, &mut descriptor) {
+        let descriptor = &mut side.descriptor;
+        let packed_at = match wire::decode_descriptor_into(&side.frame, &self.inner.info.peer, descriptor) {
             Ok(at) => at,
             Err(e) => return Err(self.inner.fail(e)),
         };
@@ -993,7 +996,7 @@ impl Pipe {
                 })
                 .collect(),
         };
-        side.pending = Some(descriptor);
+        side.pending = true;
         Ok(public)
     }
 
@@ -1005,7 +1008,7 @@ impl Pipe {
     pub async fn readable(&self) -> Result<()> {
         let mut side = self.read_side().await;
         self.inner.check()?;
-        if side.pending.is_some() {
+        if side.pending {
             return Ok(());
         }
         match side.rx.control.readable().await {
@@ -1028,29 +1031,32 @@ impl Pipe {
     async fn read_pending(&self, side: &mut ReadSide, allocation: Allocation) -> Result<Allocation, ReadError> {
         // A descriptor decoded early is this one: it is being read now.
         side.early = None;
-        let Some(descriptor) = side.pending.take() else {
+        if !side.pending {
             return Err(ReadError {
                 error: PipeError::Misuse("read() without a descriptor: call read_descriptor() first".into()),
                 allocation,
             });
-        };
-        if let Err(why) = check_allocation(&descriptor, &allocation, side.rx.landing.is_some()) {
-            side.pending = Some(descriptor);
+        }
+        if let Err(why) = check_allocation(&side.descriptor, &allocation, side.rx.landing.is_some()) {
             return Err(ReadError {
                 error: PipeError::Misuse(why),
                 allocation,
             });
         }
         let mut allocation = allocation;
-        // The descriptor is taken: a read abandoned from here on would leave the peer waiting
-        // for an acknowledgement that cannot come, so abandoning it closes the pipe.
+        // The descriptor is taken (out of the side, for the read's borrows, and back after):
+        // a read abandoned from here on would leave the peer waiting for an acknowledgement
+        // that cannot come, so abandoning it closes the pipe.
+        side.pending = false;
+        let descriptor = std::mem::take(&mut side.descriptor);
         let abandoned = CloseOnDrop(Some(&self.inner));
         let read = self.read_locked(side, &descriptor, &mut allocation).await;
         abandoned.disarm();
+        side.descriptor = descriptor;
         match read {
             Ok(()) => {
-                side.seq += 1;
-                side.keep_spare(descriptor);
+                side.pending = true;
+                side.read_done();
                 Ok(allocation)
             }
             Err(e) => Err(ReadError {

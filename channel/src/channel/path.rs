@@ -205,10 +205,14 @@ pub(crate) fn prepare(
 
 /// Sender, for the immediate write path: the source [`prepare`] gives a CPU tensor that needs
 /// nothing of the pipe (sent inline in the message's frame, or empty); `None` for any other.
-pub(crate) fn immediate(channel: ChannelKind, buffer: &SendBuffer) -> Option<Source> {
+/// A reference to a constant: the write path lists one per tensor, and a `Source` is large (a
+/// CUDA one carries two IPC handles).
+pub(crate) fn immediate(channel: ChannelKind, buffer: &SendBuffer) -> Option<&'static Source> {
+    const EMPTY: &Source = &Source::Empty;
+    const INLINE: &Source = &Source::Inline;
     let SendBuffer::Cpu(b) = buffer else { return None };
     if b.is_empty() {
-        return Some(Source::Empty);
+        return Some(EMPTY);
     }
     let inline = match channel {
         ChannelKind::Basic => true,
@@ -216,7 +220,7 @@ pub(crate) fn immediate(channel: ChannelKind, buffer: &SendBuffer) -> Option<Sou
         ChannelKind::MultiLane => b.len() < multilane::MIN_PIECE,
         _ => false,
     };
-    inline.then_some(Source::Inline)
+    inline.then_some(INLINE)
 }
 
 /// Sender, after the descriptor and payloads: the tensor's bytes, where they travel on the
@@ -415,10 +419,7 @@ mod tests {
             if let Some(source) = got {
                 assert!(matches!(source, Source::Inline));
                 for inbox in [false, true] {
-                    assert!(
-                        produces(channel, &source, len as u64, inbox, false),
-                        "{channel} {len} B"
-                    );
+                    assert!(produces(channel, source, len as u64, inbox, false), "{channel} {len} B");
                 }
             }
             assert!(
