@@ -171,9 +171,9 @@ struct ReadSide {
     seq: u64,
     /// `descriptor` is the next message's, decoded and checked, waiting for its read.
     pending: bool,
-    /// The pending message's descriptor; between messages, the last one read, decoded into
-    /// again in place (its lists keep their capacity: no list is allocated per message, and
-    /// the descriptor is never moved on the way).
+    /// The pending message's descriptor (its metadata already handed to the reader). Every
+    /// message's is decoded into this one in place: its lists keep their capacity (no list is
+    /// allocated per message), and a message read at once is read from here, never moved.
     descriptor: WireDescriptor,
     /// A descriptor decoded by [`Pipe::try_read_message`] or
     /// [`Pipe::read_message_ready`] whose message it could not take at once (or whose
@@ -186,11 +186,10 @@ struct ReadSide {
 }
 
 impl ReadSide {
-    /// The pending message is read: its descriptor stays to decode the next one into, unless
-    /// a large message grew its lists (their memory is let go, as `frame`'s is past
-    /// `FRAME_KEEP`).
+    /// The message taken from `descriptor` (no longer pending) is read: the next is expected,
+    /// and the descriptor decoded into, unless a large message grew its lists (their memory is
+    /// let go, as `frame`'s is past `FRAME_KEEP`).
     fn read_done(&mut self) {
-        self.pending = false;
         self.seq += 1;
         let d = &self.descriptor;
         if d.payloads.capacity() > SPARE_KEEP || d.tensors.capacity() > SPARE_KEEP {
@@ -201,7 +200,7 @@ impl ReadSide {
 
 /// A descriptor frame buffer grown past this (by a large metadata) is let go rather than kept.
 const FRAME_KEEP: usize = 1 << 20;
-/// A spare descriptor whose lists grew past this many entries is let go rather than kept.
+/// A read side's descriptor whose lists grew past this many entries is let go rather than kept.
 const SPARE_KEEP: usize = 1024;
 
 struct Inner {
@@ -899,6 +898,8 @@ impl Pipe {
             // fitting allocation.
             return Some(Err(PipeError::Misuse(why)));
         }
+        // Taken: whatever happens now, the message is read or the pipe has failed.
+        side.pending = false;
         let poison = |e: PipeError| inner.fail(e);
         let link = inner.link(&poison);
         let tail = &side.frame[side.packed_at..];
@@ -1055,7 +1056,6 @@ impl Pipe {
         side.descriptor = descriptor;
         match read {
             Ok(()) => {
-                side.pending = true;
                 side.read_done();
                 Ok(allocation)
             }
