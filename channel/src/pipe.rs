@@ -192,7 +192,7 @@ impl ReadSide {
     fn read_done(&mut self) {
         self.seq += 1;
         let d = &self.descriptor;
-        if d.payloads.capacity() > SPARE_KEEP || d.tensors.capacity() > SPARE_KEEP {
+        if d.payloads.capacity() > LIST_KEEP || d.tensors.capacity() > LIST_KEEP {
             self.descriptor = WireDescriptor::default();
         }
     }
@@ -201,7 +201,7 @@ impl ReadSide {
 /// A descriptor frame buffer grown past this (by a large metadata) is let go rather than kept.
 const FRAME_KEEP: usize = 1 << 20;
 /// A read side's descriptor whose lists grew past this many entries is let go rather than kept.
-const SPARE_KEEP: usize = 1024;
+const LIST_KEEP: usize = 1024;
 
 struct Inner {
     info: PipeInfo,
