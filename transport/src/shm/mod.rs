@@ -1251,6 +1251,17 @@ mod tests {
         }
     }
 
+    /// Reads and resets the count of signals on `reader`'s eventfd (0 when none came).
+    fn take_signals(reader: &ShmReader) -> u64 {
+        use std::os::fd::AsRawFd;
+        let mut count = [0u8; 8];
+        match nix::unistd::read(reader.shared.inbox_data.get_ref().as_raw_fd(), &mut count) {
+            Ok(8) => u64::from_ne_bytes(count),
+            Err(nix::errno::Errno::EAGAIN) => 0,
+            other => panic!("eventfd read: {other:?}"),
+        }
+    }
+
     /// Two connected ends of one transport made with `options`.
     async fn connected(options: ShmOptions) -> (ShmConnection, ShmConnection) {
         let transport = ShmTransport::new(options);
@@ -1295,10 +1306,7 @@ mod tests {
         let br = echo.await.unwrap();
         // Both sides slept and were signalled (the counters grew), and nothing read them: a
         // side that parks at every wait is signalled for nearly every frame.
-        use std::os::fd::AsRawFd;
-        let mut count = [0u8; 8];
-        nix::unistd::read(br.shared.inbox_data.get_ref().as_raw_fd(), &mut count).unwrap();
-        assert!(u64::from_ne_bytes(count) > 1, "the echo side's eventfd was drained");
+        assert!(take_signals(&br) > 1, "the echo side's eventfd was drained");
     }
 
     /// Frames of every length from 0 to 3,000 bytes through a 4 KiB ring (so the larger ones
@@ -1370,18 +1378,10 @@ mod tests {
     /// counter read and reset by the test: a real reader never reads it.)
     #[tokio::test]
     async fn a_sleeping_reader_is_signalled_once_a_sleep() {
-        use std::os::fd::AsRawFd;
         let (a, b) = connected(ShmOptions::default()).await;
         let ((_, mut writer), (reader, _)) = (a.split(), b.split());
         let parked = reader.shared.inbox.consumer_parked();
-        let signals = || {
-            let mut count = [0u8; 8];
-            match nix::unistd::read(reader.shared.inbox_data.get_ref().as_raw_fd(), &mut count) {
-                Ok(8) => u64::from_ne_bytes(count),
-                Err(nix::errno::Errno::EAGAIN) => 0,
-                other => panic!("eventfd read: {other:?}"),
-            }
-        };
+        let signals = || take_signals(&reader);
         let mut write = || writer.try_write_now(&[b"frame"], true).unwrap().unwrap();
         parked.store(PARKED, Ordering::Relaxed);
         for _ in 0..10 {

@@ -93,7 +93,8 @@ impl SharedFile {
             .fd
             .as_ref()
             .ok_or_else(|| io::Error::new(io::ErrorKind::Unsupported, "only the file's creator releases its pages"))?;
-        sys::punch_hole(fd, offset.min(self.len), len.min(self.len - offset.min(self.len)))
+        let offset = offset.min(self.len);
+        sys::punch_hole(fd, offset, len.min(self.len - offset))
     }
 
     /// Bytes of the file backed by memory now (a file this process created; 0 for a peer's).
